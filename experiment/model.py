@@ -1,0 +1,272 @@
+"""Depth-parameterized GPT: one knob (depth) sets width, heads and layer count.
+
+Pure module: no I/O, no torch.distributed, no printing. The block follows the modern recipe used by
+nanochat / modded-nanogpt: RoPE, parameter-free RMSNorm, QK-norm, ReLU^2 MLP, no biases, untied
+embeddings, causal SDPA (flash attention on GPU).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    depth: int = 4
+    aspect_ratio: int = 64
+    head_dim: int = 128
+    max_seq_len: int = 256
+    rope_base: float = 10000.0
+
+    def __post_init__(self):
+        for name in ("vocab_size", "depth", "aspect_ratio", "head_dim", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_embd % self.head_dim or self.head_dim % 2:
+            raise ValueError(
+                f"GPTConfig: model_dim = depth * aspect_ratio = {self.n_embd} must be a multiple of "
+                f"head_dim = {self.head_dim}, and head_dim must be even (RoPE rotates pairs)"
+            )
+
+    @property
+    def n_layer(self) -> int:
+        return self.depth
+
+    @property
+    def n_embd(self) -> int:
+        return self.depth * self.aspect_ratio
+
+    @property
+    def n_head(self) -> int:
+        return self.n_embd // self.head_dim
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def rms_norm(x: torch.Tensor) -> torch.Tensor:
+    # Parameter-free RMSNorm: a learned gain adds nothing the following linear layer cannot absorb.
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)  # (T, D/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, H, T, D); cos/sin: (T, D/2). Rotates the (first half, second half) pairs.
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.type_as(x)
+
+
+class KVCache:
+    """Preallocated keys/values for every layer; `pos` is the number of positions already filled."""
+
+    def __init__(self, config: GPTConfig, batch_size: int, device, dtype):
+        shape = (config.n_layer, batch_size, config.n_head, config.max_seq_len, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pos = 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = k.size(2)
+        self.k[layer, :, :, self.pos : self.pos + t] = k
+        self.v[layer, :, :, self.pos : self.pos + t] = v
+        end = self.pos + t
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: GPTConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_head, self.head_dim = config.n_head, config.head_dim
+        d = config.n_embd
+        self.c_q = nn.Linear(d, d, bias=False)
+        self.c_k = nn.Linear(d, d, bias=False)
+        self.c_v = nn.Linear(d, d, bias=False)
+        self.c_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x, cos, sin, cache: KVCache | None):
+        B, T, C = x.shape
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.c_k(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        v = self.c_v(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        # QK-norm bounds attention logits, which keeps high learning rates stable.
+        q, k = apply_rope(rms_norm(q), cos, sin), apply_rope(rms_norm(k), cos, sin)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            start = cache.pos
+            k, v = cache.update(self.layer, k, v)
+            if T == 1:  # one new token attends to everything cached so far
+                y = F.scaled_dot_product_attention(q, k, v)
+            elif start == 0:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:  # a chunk appended after a prefix: query i sees keys [0, start + i]
+                mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x):
+        # ReLU^2 (Primer, So et al. 2021): cheaper than GELU and at least as good at this scale.
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, layer: int):
+        super().__init__()
+        self.attn = Attention(config, layer)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, cache):
+        x = x + self.attn(rms_norm(x), cos, sin, cache)
+        return x + self.mlp(rms_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_base)
+        # Non-persistent: derived from the config, so checkpoints hold only learned weights.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Explicit init (called once by the trainer, never by load): same seed -> same weights."""
+        gen = torch.Generator(device="cpu")
+        if seed is not None:
+            gen.manual_seed(seed)
+
+        def normal_(p: torch.Tensor, std: float):
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+        normal_(self.wte.weight, 1.0)
+        # A near-zero head starts every prediction near uniform, so the first loss is ~ln(vocab).
+        normal_(self.lm_head.weight, 0.001)
+        for block in self.blocks:
+            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
+                normal_(lin.weight, 1.0 / math.sqrt(lin.in_features))
+            # Zero-init residual outputs (modded-nanogpt): each block starts as the identity.
+            block.attn.c_proj.weight.zero_()
+            block.mlp.c_proj.weight.zero_()
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wte.weight.numel() if exclude_embedding else n
+
+    def estimate_flops(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token: 6 per matmul weight (fwd + bwd) plus causal-free attention scores.
+
+        The embedding lookup does no matmul, so it is excluded; attention counts QK^T and AV over
+        the full context as in PaLM appendix B (12 * layers * model_dim * seq_len).
+        """
+        t = seq_len or self.config.max_seq_len
+        c = self.config
+        return 6 * self.num_params(exclude_embedding=True) + 12 * c.n_layer * c.n_embd * t
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        reduction: str = "mean",
+    ):
+        """idx: (B, T) token ids. With targets: the loss (ignore_index -1); else logits (B, T, V)."""
+        B, T = idx.shape
+        start = cache.pos if cache is not None else 0
+        if start + T > self.config.max_seq_len:
+            raise ValueError(f"sequence of {start + T} tokens exceeds max_seq_len {self.config.max_seq_len}")
+        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
+        x = rms_norm(self.wte(idx))
+        for block in self.blocks:
+            x = block(x, cos, sin, cache)
+        if cache is not None:
+            cache.pos += T
+        logits = self.lm_head(rms_norm(x)).float()  # fp32 logits: a stable softmax under bf16 autocast
+        if targets is None:
+            return logits
+        return F.cross_entropy(
+            logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction=reduction
+        )
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: list[int],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+        allowed_vocab: int | None = None,
+    ):
+        """Yields new token ids one at a time (so callers can stop early, e.g. at a stop string).
+
+        temperature 0 is greedy. With the cache each step costs one token's forward pass; when the
+        context fills, the cache is rebuilt from the last half of the context (RoPE positions are
+        absolute, so a sliding cache would not be equivalent). `use_cache=False` is the naive path
+        (full forward over the last max_seq_len tokens per step); both give the same tokens while the
+        total length fits in max_seq_len. `allowed_vocab` masks padded vocabulary ids.
+        """
+        if not idx:
+            raise ValueError("generate needs at least one prompt token")
+        device = self.wte.weight.device
+        ctx = self.config.max_seq_len
+        tokens = list(idx)
+        cache = None
+        for _ in range(max_new_tokens):
+            if not use_cache:
+                window = tokens[-ctx:]
+                logits = self(torch.tensor([window], device=device))[:, -1]
+            elif cache is None or cache.pos >= ctx:
+                keep = tokens[-ctx:] if cache is None else tokens[-(ctx // 2) :]
+                cache = KVCache(self.config, 1, device, self.wte.weight.dtype)
+                logits = self(torch.tensor([keep], device=device), cache=cache)[:, -1]
+            else:
+                logits = self(torch.tensor([[tokens[-1]]], device=device), cache=cache)[:, -1]
+            nxt = sample_next(logits, temperature, top_k, generator, allowed_vocab)
+            tokens.append(nxt)
+            yield nxt
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator | None,
+    allowed_vocab: int | None = None,
+) -> int:
+    logits = logits[0].float()  # (V,)
+    if allowed_vocab is not None:
+        logits[allowed_vocab:] = -float("inf")
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits / temperature
+    if top_k is not None:
+        k = min(top_k, logits.size(-1))
+        kth = torch.topk(logits, k).values[-1]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    probs = F.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))

@@ -1,0 +1,118 @@
+"""ZeRO-1: each rank owns a disjoint, size-balanced set of parameters and only their optimizer state.
+
+All ranks hold full (DDP-averaged) gradients; each steps only the parameters it owns, then every
+owner broadcasts its updated values in one flattened buffer. Muon (torch.optim.Muon) updates the
+hidden matrices; AdamW the embedding, the head and any non-matrix parameter, as in modded-nanogpt
+and nanochat. State is saved per rank keyed by parameter name, so any world size can load it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+EMBEDDING, UNEMBEDDING = "wte.weight", "lm_head.weight"
+
+
+def partition(sizes: dict[str, int], world_size: int) -> dict[str, int]:
+    """name -> owning rank. Largest first onto the least-loaded rank (ties: lowest rank), so the
+    result depends only on the parameter sizes and is identical on every rank."""
+    load = [0] * world_size
+    owner = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        r = min(range(world_size), key=lambda i: (load[i], i))
+        owner[name] = r
+        load[r] += sizes[name]
+    return owner
+
+
+class ShardedOptimizer:
+    def __init__(self, model: torch.nn.Module, rank: int = 0, world_size: int = 1, *,
+                 matrix_lr: float, embedding_lr: float, unembedding_lr: float,
+                 betas=(0.8, 0.95), muon_momentum: float = 0.95):
+        self.rank, self.world_size = rank, world_size
+        self.params = dict(model.named_parameters())
+        self.owner = partition({n: p.numel() for n, p in self.params.items()}, world_size)
+        mine = {n: p for n, p in self.params.items() if self.owner[n] == rank}
+        # AdamW lrs were tuned at width 768 (nanochat); scale by 1/sqrt(width) like its trainer.
+        width = self.params[EMBEDDING].shape[1]
+        adam_scale = (width / 768) ** -0.5
+        matrices = [p for n, p in mine.items() if p.ndim == 2 and n not in (EMBEDDING, UNEMBEDDING)]
+        adam_groups = [
+            {"params": [p for n, p in mine.items() if n == EMBEDDING], "lr": embedding_lr * adam_scale},
+            {"params": [p for n, p in mine.items() if n == UNEMBEDDING], "lr": unembedding_lr * adam_scale},
+            {"params": [p for n, p in mine.items() if p.ndim != 2], "lr": embedding_lr * adam_scale},
+        ]
+        adam_groups = [g for g in adam_groups if g["params"]]
+        self.optimizers: list[torch.optim.Optimizer] = []
+        if matrices:
+            self.optimizers.append(torch.optim.Muon(matrices, lr=matrix_lr, momentum=muon_momentum,
+                                                    weight_decay=0.0))
+        if adam_groups:
+            self.optimizers.append(torch.optim.AdamW(adam_groups, betas=betas, eps=1e-10, weight_decay=0.0))
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["initial_lr"] = group["lr"]
+        # Broadcast order: each owner's parameters in model order, flattened into one buffer.
+        self.owned_by = [[p for n, p in self.params.items() if self.owner[n] == r] for r in range(world_size)]
+
+    def set_lr_multiplier(self, mult: float) -> None:
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = group["initial_lr"] * mult
+
+    def matrix_lr(self) -> float:
+        for opt in self.optimizers:
+            if isinstance(opt, torch.optim.Muon):
+                return opt.param_groups[0]["lr"]
+        return 0.0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+        if self.world_size == 1:
+            return
+        for r, params in enumerate(self.owned_by):
+            if not params:
+                continue
+            flat = _flatten_dense_tensors([p.data for p in params])
+            dist.broadcast(flat, src=r)
+            if r != self.rank:
+                for p, new in zip(params, _unflatten_dense_tensors(flat, params)):
+                    p.data.copy_(new)
+
+    # ------------------------------------------------------------ state, keyed by parameter name
+
+    def shard_state(self) -> dict:
+        """This rank's optimizer state: {name: {state key: tensor}} for the parameters it owns."""
+        names = {id(p): n for n, p in self.params.items()}
+        state = {}
+        for opt in self.optimizers:
+            for p, s in opt.state.items():
+                state[names[id(p)]] = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+        return {"rank": self.rank, "world_size": self.world_size,
+                "owned": [n for n, r in self.owner.items() if r == self.rank], "state": state}
+
+    def load_shards(self, shards) -> int:
+        """Takes the state of the parameters this rank owns from any shard files (any world size).
+        Returns how many parameters got state; parameters with none start fresh."""
+        by_param = {}
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    by_param[id(p)] = opt
+        loaded = 0
+        for shard in shards:
+            for name, s in shard["state"].items():
+                if name not in self.params:
+                    raise KeyError(f"optimizer shard names unknown parameter {name!r}")
+                if self.owner[name] != self.rank:
+                    continue
+                p = self.params[name]
+                opt = by_param[id(p)]
+                opt.state[p] = {k: (v.clone().to(p.device) if torch.is_tensor(v) and v.ndim > 0
+                                    else (v.clone() if torch.is_tensor(v) else v)) for k, v in s.items()}
+                loaded += 1
+        return loaded

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The launcher to run in tmux. Every training setting is an env override named like its flag in
+# upper case (DEPTH, TRAINING_HOURS, DATA_DIR, ...: `python -m experiment.train --help` lists them
+# with their defaults); unset means train.py's default for the device (CUDA or CPU).
+#   NPROC_PER_NODE   processes per node (default: visible GPUs, or 1 without CUDA)
+#   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   multi-node torchrun (c10d rendezvous)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ -z "${VIRTUAL_ENV:-}" ] && [ -x .venv/bin/python ]; then
+    export PATH="$PWD/.venv/bin:$PATH"
+fi
+
+n_gpu=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+if [ "$n_gpu" -gt 0 ]; then default_nproc=$n_gpu; else default_nproc=1; fi
+NPROC_PER_NODE=${NPROC_PER_NODE:-$default_nproc}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_PORT=${MASTER_PORT:-29500}
+
+# Map env overrides to flags; the flag list comes from TrainConfig itself, so the two never drift.
+flags=()
+for name in $(python -c "import dataclasses, experiment.train as t; print(*[f.name for f in dataclasses.fields(t.TrainConfig)])"); do
+    var=${name^^}
+    if [ -n "${!var+set}" ]; then
+        flags+=("--$name=${!var}")
+    fi
+done
+
+if [ "$NNODES" -gt 1 ]; then
+    : "${MASTER_ADDR:?MASTER_ADDR must be set when NNODES > 1}"
+    launch=(torchrun --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC_PER_NODE"
+            --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_id="${MODEL_TAG:-run}")
+else
+    launch=(torchrun --standalone --nproc_per_node="$NPROC_PER_NODE")
+fi
+
+echo "launcher | gpus visible $n_gpu | nproc_per_node $NPROC_PER_NODE | nnodes $NNODES | node_rank $NODE_RANK"
+echo "launcher | overrides: ${flags[*]:-(none: device defaults)}"
+echo "launcher | ${launch[*]} -m experiment.train ${flags[*]}"
+# train.py prints the fully resolved configuration next and appends its lines (and any crash's
+# traceback) to training.log in the run directory.
+exec "${launch[@]}" -m experiment.train "${flags[@]}"

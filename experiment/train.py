@@ -1,0 +1,626 @@
+"""Train a depth-parameterized char GPT under a hard wall-clock budget.
+
+    torchrun --standalone --nproc_per_node=N -m experiment.train [--flags]   (or python -m ...)
+
+Raw DDP (nccl on CUDA, gloo on CPU), ZeRO-1 optimizer shards (experiment/optim.py), bf16 autocast on
+GPU, periodic eval summed over all ranks, best-val tracking, atomic checkpoints, automatic resume.
+The budget is wall-clock seconds of the training loop (evals and saves included), persisted across
+restarts; the LR schedule is a function of the budget fraction used, so warmdown ends at the deadline
+whatever the step speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import resource
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from experiment import checkpoint as ckpt
+from experiment.dataloader import (DEMO_FILE, DataError, Prepared, TokenBatches, demo_lines, prepare, val_batches,
+                                   write_demo_corpus)
+from experiment.model import GPT, GPTConfig
+from experiment.optim import ShardedOptimizer
+
+# Dense bf16 peak FLOP/s by device-name fragment, most specific first (design.md). An unknown device
+# reports no MFU rather than a wrong one.
+PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 SXM", 989e12), ("H100 80GB HBM3", 989e12),
+              ("H200", 989e12), ("A100", 312e12))
+CUDA_DEFAULTS = dict(depth=64, max_seq_len=2048, total_batch_size=524288, training_hours=31.0,
+                     save_every_minutes=60.0, eval_every_minutes=30.0, eval_tokens=1 << 20)
+CPU_DEFAULTS = dict(depth=4, max_seq_len=256, total_batch_size=4096, training_hours=0.05,
+                    save_every_minutes=1.0, eval_every_minutes=0.5, eval_tokens=1 << 16)
+CPU_DEVICE_BATCH = 8
+
+
+class ConfigError(Exception):
+    """A setting that cannot work; the message names the flag."""
+
+
+def _opt(help_text: str, default=None):
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass
+class TrainConfig:
+    depth: int | None = _opt("layers; model_dim = depth * aspect_ratio (default 64 with CUDA, 4 without)")
+    aspect_ratio: int = _opt("model_dim per layer", 64)
+    head_dim: int = _opt("attention head size", 128)
+    max_seq_len: int | None = _opt("context length (default 2048 with CUDA, 256 without)")
+    device_batch_size: int | None = _opt("sequences per micro-batch per rank (default: largest that fits "
+                                         "on CUDA, 8 on CPU)")
+    total_batch_size: int | None = _opt("tokens per optimizer step (default 524288 with CUDA, 4096 without)")
+    training_hours: float | None = _opt("wall-clock budget in hours (default 31 with CUDA, 0.05 without)")
+    budget_usd: float | None = _opt("if set: hours = budget_usd / (gpu_hourly_usd x world size)")
+    gpu_hourly_usd: float = _opt("price of one GPU-hour, for budget_usd", 4.0)
+    max_steps: int = _opt("stop after this many optimizer steps (0: budget only); for tests and benchmarks", 0)
+    data_dir: str | None = _opt("directory of *.txt (or one .txt); default $WORKSPACE/data, demo if empty")
+    workspace: str | None = _opt("root of data, prepared, checkpoints, tensorboard "
+                                 "(default /workspace/<project> if writable, else the repo)")
+    tokenizer: str = _opt("char, or a tiktoken encoding name", "char")
+    alphabet: str | None = _opt("allowed characters; data with any other one is rejected")
+    val_fraction: float = _opt("last fraction of the tokens held out for validation", 0.05)
+    model_tag: str | None = _opt("run directory name (default d<depth>)")
+    resume: str = _opt("auto: latest complete checkpoint; never; or a step number", "auto")
+    save_every_minutes: float | None = _opt("checkpoint cadence (default 60 with CUDA, 1 without)")
+    save_every_steps: int = _opt("also checkpoint every N steps (0: off)", 0)
+    keep_last: int = _opt("complete checkpoints kept, plus the best", 3)
+    eval_every_minutes: float | None = _opt("eval cadence (default 30 with CUDA, 0.5 without)")
+    eval_every_steps: int = _opt("also eval every N steps (0: off)", 0)
+    eval_tokens: int | None = _opt("size of the fixed val slice (default 1048576 with CUDA, 65536 without)")
+    early_stop_evals: int = _opt("stop after N evals without improvement (0: off)", 0)
+    sample_tokens: int = _opt("tokens sampled at each eval", 64)
+    log_every_steps: int = _opt("step-line cadence", 10)
+    matrix_lr: float = _opt("Muon learning rate (hidden matrices)", 0.02)
+    embedding_lr: float = _opt("AdamW learning rate, embedding (scaled by (768/model_dim)^0.5)", 0.2)
+    unembedding_lr: float = _opt("AdamW learning rate, lm_head (scaled likewise)", 0.004)
+    warmup_frac: float = _opt("fraction of the budget with linear LR warmup", 0.0)
+    warmdown_frac: float = _opt("final fraction of the budget with linear LR warmdown", 0.2)
+    final_lr_frac: float = _opt("LR multiplier at the end of warmdown", 0.0)
+    seed: int = _opt("init and data-order seed", 1337)
+    compile: str = _opt("torch.compile: auto (on with CUDA), on, off", "auto")
+    device: str = _opt("auto, cpu or cuda", "auto")
+
+
+def parse_args(argv=None) -> TrainConfig:
+    parser = argparse.ArgumentParser(prog="python -m experiment.train", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(TrainConfig):
+        kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+        if f.default is None and kind is not str:  # optional numbers: "auto" means the device default
+            kind = _auto_or(kind)
+        parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=f.metadata["help"])
+    return TrainConfig(**vars(parser.parse_args(argv)))
+
+
+def _auto_or(kind):
+    def convert(text: str):
+        return None if text in ("auto", "") else kind(text)
+    convert.__name__ = kind.__name__  # argparse names the type in its error message
+    return convert
+
+
+def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
+    """Fill device-dependent defaults and check that the settings can work together."""
+    defaults = CUDA_DEFAULTS if cuda else CPU_DEFAULTS
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in defaults.items() if getattr(cfg, k) is None})
+    if cfg.model_tag is None:
+        cfg.model_tag = f"d{cfg.depth}"
+    if cfg.budget_usd is not None:
+        cfg.training_hours = cfg.budget_usd / (cfg.gpu_hourly_usd * world_size)
+    if cfg.training_hours <= 0:
+        raise ConfigError(f"--training_hours must be > 0, got {cfg.training_hours}")
+    if cfg.compile not in ("auto", "on", "off"):
+        raise ConfigError(f"--compile must be auto, on or off, got {cfg.compile!r}")
+    if cfg.resume not in ("auto", "never") and not cfg.resume.isdigit():
+        raise ConfigError(f"--resume must be auto, never or a step number, got {cfg.resume!r}")
+    per_rank = cfg.max_seq_len * world_size
+    if cfg.total_batch_size % per_rank:
+        raise ConfigError(f"--total_batch_size {cfg.total_batch_size} is not a multiple of max_seq_len "
+                          f"{cfg.max_seq_len} x world size {world_size} = {per_rank}")
+    if cfg.device_batch_size is None and not cuda:
+        cfg.device_batch_size = min(CPU_DEVICE_BATCH, cfg.total_batch_size // per_rank)
+    if cfg.device_batch_size is not None and (cfg.total_batch_size // per_rank) % cfg.device_batch_size:
+        raise ConfigError(
+            f"--total_batch_size {cfg.total_batch_size} is not divisible by device_batch_size "
+            f"{cfg.device_batch_size} x max_seq_len {cfg.max_seq_len} x world size {world_size}")
+    if not 0 <= cfg.warmup_frac + cfg.warmdown_frac <= 1:
+        raise ConfigError("--warmup_frac + --warmdown_frac must lie in [0, 1]")
+    return cfg
+
+
+def lr_multiplier(progress: float, warmup_frac: float, warmdown_frac: float, final_lr_frac: float) -> float:
+    """LR multiplier at a fraction `progress` of the budget: linear warmup, constant, linear warmdown."""
+    p = min(max(progress, 0.0), 1.0)
+    if warmup_frac > 0 and p < warmup_frac:
+        return p / warmup_frac
+    if warmdown_frac > 0 and p > 1 - warmdown_frac:
+        return final_lr_frac + (1 - final_lr_frac) * (1 - p) / warmdown_frac
+    return 1.0
+
+
+def peak_flops(device_name: str) -> float | None:
+    for fragment, flops in PEAK_FLOPS:
+        if fragment in device_name:
+            return flops
+    return None
+
+
+# ---------------------------------------------------------------- distributed + logging
+
+
+@dataclass
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self):
+        if self.world_size > 1:
+            dist.barrier()
+
+
+def setup_distributed(device_flag: str) -> Dist:
+    """torchrun sets RANK/WORLD_SIZE; plain `python -m` runs as a world of one with no process group."""
+    cuda = torch.cuda.is_available() if device_flag == "auto" else device_flag == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but CUDA is not available")
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    return Dist(rank, local_rank, world_size, device)
+
+
+class RunLog:
+    """Rank 0's human lines: stdout and the run's training.log. Off rank 0 every call is a no-op."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, msg: str) -> None:
+        if self.path is None:
+            return
+        print(msg, flush=True)
+        with open(self.path, "a") as f:
+            f.write(msg + "\n")
+
+
+def log_crash(log_path: Path, rank: int) -> None:
+    """Every rank appends its traceback to training.log: a run that died overnight says why."""
+    with contextlib.suppress(OSError):
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a") as f:
+            f.write(f"[rank {rank}] crashed at {time.strftime('%Y-%m-%d %H:%M:%S')}:\n{traceback.format_exc()}")
+
+
+class NullWriter:
+    def add_scalar(self, *args, **kwargs): ...
+    def add_text(self, *args, **kwargs): ...
+    def flush(self): ...
+    def close(self): ...
+
+
+# ---------------------------------------------------------------- pieces of the loop
+
+
+def memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+
+@torch.no_grad()
+def evaluate(model: GPT, prepared: Prepared, cfg: TrainConfig, d: Dist, autocast) -> tuple[float, float]:
+    """(val loss in nats/token, bits per character) over the fixed val slice, summed over all ranks."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=d.device)  # [sum of losses, tokens]
+    for x, y in val_batches(prepared.tokens("val"), cfg.max_seq_len, cfg.device_batch_size,
+                            cfg.eval_tokens, d.rank, d.world_size):
+        x, y = x.to(d.device), y.to(d.device)
+        with autocast:
+            total[0] += model(x, y, reduction="sum").double()
+        total[1] += y.numel()
+    if d.world_size > 1:
+        dist.all_reduce(total)
+    model.train()
+    loss = (total[0] / total[1]).item()
+    split = prepared.meta["split"]
+    chars_per_token = split["val_chars"] / split["val_tokens"]
+    return loss, loss / math.log(2) / chars_per_token
+
+
+def sample_text(model: GPT, prepared: Prepared, n_tokens: int, prompt: str = "") -> str:
+    tok = prepared.tokenizer()
+    ids = [tok.bos_id] + (tok.encode(prompt) if prompt else [])
+    gen = torch.Generator().manual_seed(0)  # a private generator: sampling never shifts training RNG
+    out = list(model.generate(ids, n_tokens, temperature=0.8, top_k=None, generator=gen,
+                              allowed_vocab=tok.n_real))
+    return prompt + tok.decode(out)
+
+
+def demo_accuracy(model: GPT, prepared: Prepared, n: int = 50) -> tuple[int, int]:
+    """For the built-in arithmetic corpus: how many of n held-out sums the model completes exactly."""
+    tok = prepared.tokenizer()
+    correct = 0
+    for line in demo_lines(n, seed=99):
+        prompt, answer = line.split("=")
+        ids = [tok.bos_id] + tok.encode(prompt + "=")
+        out = []
+        for t in model.generate(ids, len(answer) + 1, temperature=0, allowed_vocab=tok.n_real):
+            out.append(t)
+        correct += tok.decode(out).split("\n")[0] == answer.strip()
+    return correct, n
+
+
+def find_device_batch(model: GPT, cfg: TrainConfig, d: Dist, autocast) -> int:
+    """Largest power-of-two micro-batch whose forward+backward fits, agreed across ranks (min)."""
+    per_rank = cfg.total_batch_size // (cfg.max_seq_len * d.world_size)
+    b = 1 << (min(per_rank, 256).bit_length() - 1)
+    while b >= 1:
+        try:
+            x = torch.zeros(b, cfg.max_seq_len, dtype=torch.long, device=d.device)
+            with autocast:
+                model(x, x).backward()
+            model.zero_grad(set_to_none=True)
+            break
+        except torch.OutOfMemoryError:
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            b //= 2
+    if b < 1:
+        raise ConfigError("not even device_batch_size 1 fits in GPU memory; lower --depth or --max_seq_len")
+    torch.cuda.empty_cache()
+    agreed = torch.tensor([b], device=d.device)
+    if d.world_size > 1:
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    b = int(agreed.item())
+    while per_rank % b:
+        b //= 2
+    return b
+
+
+@dataclass
+class RunState:
+    """What a checkpoint restores besides weights and optimizer state."""
+    step: int = 0
+    tokens_seen: int = 0
+    used_seconds: float = 0.0
+    best_val: float = math.inf
+    best_step: int = -1
+    evals_since_best: int = 0
+    data_state: dict | None = None
+
+
+def save_checkpoint(run_dir: Path, model: GPT, opt: ShardedOptimizer, data_state: dict, st: RunState,
+                    val_loss: float, cfg: TrainConfig, prepared: Prepared, budget_seconds: float,
+                    d: Dist, log: RunLog) -> None:
+    """Model once (rank 0), one optimizer shard per rank, then meta last as the completion marker."""
+    if d.master:
+        ckpt.atomic_torch_save(ckpt.model_path(run_dir, st.step), ckpt.strip_compile_prefix(model.state_dict()))
+    rng = {"cpu": torch.get_rng_state()}
+    if d.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(d.device)
+    ckpt.atomic_torch_save(ckpt.optim_path(run_dir, st.step, d.rank), {**opt.shard_state(), "rng": rng})
+    positions = [None] * d.world_size
+    if d.world_size > 1:
+        dist.all_gather_object(positions, data_state)
+    else:
+        positions = [data_state]
+    d.barrier()  # every rank's files are on disk before the meta makes the step complete
+    if not d.master:
+        return
+    improved = st.best_step == st.step
+    meta = {
+        "step": st.step, "tokens_seen": st.tokens_seen, "used_seconds": st.used_seconds,
+        "budget_seconds": budget_seconds, "val_loss": val_loss,
+        "best_val_loss": st.best_val, "best_step": st.best_step, "evals_since_best": st.evals_since_best,
+        "model_config": model.config.to_dict(), "train_config": dataclasses.asdict(cfg),
+        "world_size": d.world_size, "data_positions": positions,
+        "tokenizer": {k: prepared.meta[k] for k in ("tokenizer", "encoding", "chars", "bos_id", "vocab_size", "vocab_used")},
+        "prepared": {"dir": str(prepared.dir), "hash": prepared.meta["hash"]},
+        "saved_at": time.time(),
+    }
+    ckpt.atomic_write_json(ckpt.meta_path(run_dir, st.step), meta)
+    if improved:
+        ckpt.atomic_write_json(run_dir / "best.json", {"step": st.step, "val_loss": val_loss})
+    deleted = ckpt.prune(run_dir, cfg.keep_last)
+    log(f"saved step {st.step:06d} -> {run_dir}" + (" (best)" if improved else "")
+        + (f"; pruned {', '.join(f'{s:06d}' for s in deleted)}" if deleted else ""))
+
+
+def load_checkpoint(run_dir: Path, step: int, model: GPT, opt: ShardedOptimizer, d: Dist) -> RunState:
+    meta = ckpt.read_meta(run_dir, step)
+    model.load_state_dict(ckpt.strip_compile_prefix(ckpt.load_tensors(ckpt.model_path(run_dir, step))))
+    shards = [ckpt.load_tensors(ckpt.optim_path(run_dir, step, r)) for r in range(meta["world_size"])]
+    opt.load_shards(shards)
+    own = shards[d.rank] if d.rank < len(shards) else shards[0]
+    torch.set_rng_state(own["rng"]["cpu"])
+    if d.device.type == "cuda" and "cuda" in own["rng"]:
+        torch.cuda.set_rng_state(own["rng"]["cuda"], d.device)
+    return RunState(step=meta["step"], tokens_seen=meta["tokens_seen"], used_seconds=meta["used_seconds"],
+                    best_val=meta["best_val_loss"] if meta["best_step"] >= 0 else math.inf,
+                    best_step=meta["best_step"], evals_since_best=meta["evals_since_best"],
+                    data_state=meta["data_positions"][0])
+
+
+def pick_resume_step(run_dir: Path, resume: str) -> int | None:
+    steps = ckpt.complete_steps(run_dir)
+    if resume == "never":
+        if steps:
+            raise ConfigError(f"--resume never, but {run_dir} holds checkpoints (steps {steps}); "
+                              "choose another --model_tag or move them away")
+        return None
+    if resume == "auto":
+        return steps[-1] if steps else None
+    if int(resume) not in steps:
+        raise ConfigError(f"--resume {resume}: no complete checkpoint at that step in {run_dir} (have {steps})")
+    return int(resume)
+
+
+def broadcast_object(obj, d: Dist):
+    if d.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ---------------------------------------------------------------- main
+
+
+def train(cfg: TrainConfig, d: Dist) -> int:
+    cuda = d.device.type == "cuda"
+    cfg = resolve(cfg, cuda, d.world_size)
+    workspace = Path(cfg.workspace) if cfg.workspace else ckpt.default_workspace()
+    run_dir = workspace / "checkpoints" / cfg.model_tag
+    log = RunLog(run_dir / "training.log" if d.master else None)
+    log(f"config {json.dumps(dataclasses.asdict(cfg))}")
+    try:
+        return run(cfg, d, workspace, run_dir, log)
+    except (ConfigError, DataError):
+        raise  # reported as a one-line error by main()
+    except BaseException:
+        log_crash(run_dir / "training.log", d.rank)
+        raise
+
+
+def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) -> int:
+    cuda = d.device.type == "cuda"
+    log(f"world {d.world_size} x {torch.cuda.get_device_name(d.device) if cuda else 'cpu'} | torch {torch.__version__}")
+
+    # Rank 0 prepares the data and picks the resume step; a failure there reaches every rank.
+    setup = None
+    if d.master:
+        try:
+            data_dir = Path(cfg.data_dir) if cfg.data_dir else workspace / "data"
+            if cfg.data_dir is None and not (data_dir.is_dir() and any(data_dir.glob("*.txt"))):
+                data_dir = write_demo_corpus(workspace / "demo_data").parent
+                log(f"no *.txt in {workspace / 'data'}: training on the built-in arithmetic demo ({data_dir})")
+            prepared = prepare(data_dir, workspace, cfg.tokenizer, cfg.alphabet, cfg.val_fraction, cfg.max_seq_len)
+            resume_step = pick_resume_step(run_dir, cfg.resume)
+            setup = {"prepared": str(prepared.dir), "resume_step": resume_step}
+        except (DataError, ConfigError) as e:
+            setup = {"error": str(e)}
+    setup = broadcast_object(setup, d)
+    if "error" in setup:
+        raise ConfigError(setup["error"])
+    prepared = Prepared(Path(setup["prepared"]), json.loads((Path(setup["prepared"]) / "meta.json").read_text()))
+    resume_step = setup["resume_step"]
+
+    model_config = GPTConfig(vocab_size=prepared.meta["vocab_size"], depth=cfg.depth, aspect_ratio=cfg.aspect_ratio,
+                             head_dim=cfg.head_dim, max_seq_len=cfg.max_seq_len)
+    if resume_step is not None:
+        meta = ckpt.read_meta(run_dir, resume_step)
+        if meta["model_config"] != model_config.to_dict():
+            raise ConfigError(f"{ckpt.meta_path(run_dir, resume_step)}: model config {meta['model_config']} differs "
+                              f"from the requested {model_config.to_dict()}; use another --model_tag")
+        if meta["prepared"]["hash"] != prepared.meta["hash"]:
+            raise ConfigError(f"{ckpt.meta_path(run_dir, resume_step)}: trained on prepared data "
+                              f"{meta['prepared']['hash']}, but the data now hashes to {prepared.meta['hash']}")
+    torch.manual_seed(cfg.seed)
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast
+    model = GPT(model_config)
+    model.init_weights(seed=cfg.seed)  # identical on every rank: same seed, CPU generator
+    model.to(d.device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+    if cfg.device_batch_size is None:
+        cfg.device_batch_size = find_device_batch(model, cfg, d, autocast)
+        log(f"device_batch_size auto -> {cfg.device_batch_size}")
+    grad_accum = cfg.total_batch_size // (cfg.device_batch_size * cfg.max_seq_len * d.world_size)
+
+    opt = ShardedOptimizer(model, d.rank, d.world_size, matrix_lr=cfg.matrix_lr,
+                           embedding_lr=cfg.embedding_lr, unembedding_lr=cfg.unembedding_lr)
+    st = RunState()
+    if resume_step is not None:
+        st = load_checkpoint(run_dir, resume_step, model, opt, d)
+        log(f"resumed from {ckpt.model_path(run_dir, resume_step)}: step {st.step}, "
+            f"{st.used_seconds / 3600:.3f}h used, best {st.best_val:.4f} @ {st.best_step:06d}")
+    elif d.master:
+        ckpt.remove_incomplete(run_dir)
+    batches = TokenBatches(prepared.tokens("train"), cfg.max_seq_len, cfg.device_batch_size, d.rank,
+                           d.world_size, cfg.seed, st.data_state)
+
+    ddp = DDP(model, device_ids=[d.local_rank] if cuda else None, gradient_as_bucket_view=True) \
+        if d.world_size > 1 else model
+    use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda)
+    train_model = torch.compile(ddp) if use_compile else ddp
+    writer = NullWriter()
+    if d.master:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(log_dir=str(workspace / "tensorboard" / cfg.model_tag))
+
+    budget_seconds = cfg.training_hours * 3600
+    flops_per_token = model.estimate_flops(cfg.max_seq_len)
+    peak = peak_flops(torch.cuda.get_device_name(d.device)) if cuda else None
+    tokens_per_step = cfg.total_batch_size
+    log(f"model {model.num_params():,} params (d{cfg.depth}, width {model_config.n_embd}, "
+        f"{model_config.n_head} heads) | {flops_per_token:.3e} FLOP/token | batch {cfg.device_batch_size} x "
+        f"{cfg.max_seq_len} x {d.world_size} ranks x {grad_accum} accum = {tokens_per_step:,} tokens/step | "
+        f"budget {cfg.training_hours:.3f}h | tensorboard {workspace / 'tensorboard' / cfg.model_tag}")
+
+    # The saved data position is the one before the prefetched batch, so a resume replays it.
+    data_state = batches.state()
+    x, y = (t.to(d.device, non_blocking=True) for t in next(batches))
+    max_steps = cfg.max_steps or sys.maxsize
+    eval_seconds = save_seconds = step_seconds = 0.0
+    last_eval_time = last_save_time = time.time()
+    last_saved_step = last_eval_step = st.step if resume_step is not None else -1
+    val_loss = math.nan
+    measured_tokens, measured_time, planned = 0, 0.0, False
+    loop_start, used_at_start = time.time(), st.used_seconds
+
+    for step in range(st.step, max_steps + 1):
+        st.step = step
+        st.used_seconds = used_at_start + time.time() - loop_start
+        reserve = eval_seconds + save_seconds + step_seconds  # measured, so the final eval+save fits
+        # Rank 0 decides from its clock; all ranks follow the same flags, so none waits forever.
+        flags = torch.tensor([
+            step >= max_steps or st.used_seconds + reserve >= budget_seconds,
+            (time.time() - last_eval_time >= cfg.eval_every_minutes * 60)
+            or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0) or step == 0,
+            (time.time() - last_save_time >= cfg.save_every_minutes * 60)
+            or (cfg.save_every_steps > 0 and step % cfg.save_every_steps == 0 and step > 0),
+        ], dtype=torch.int32, device=d.device)
+        if d.world_size > 1:
+            dist.broadcast(flags, src=0)
+        last_step, eval_due, save_due = (bool(v) for v in flags.tolist())
+
+        if (eval_due or save_due or last_step) and step != last_eval_step:
+            t0 = time.time()
+            val_loss, val_bpc = evaluate(model, prepared, cfg, d, autocast)
+            last_eval_step, last_eval_time = step, time.time()
+            if step > 0 and val_loss < st.best_val:
+                st.best_val, st.best_step, st.evals_since_best = val_loss, step, 0
+            elif step > 0:
+                st.evals_since_best += 1
+            log(f"step {step:06d} | val_loss {val_loss:.4f} | val_bpc {val_bpc:.4f} | "
+                f"best {st.best_val:.4f} @ {max(st.best_step, 0):06d}")
+            writer.add_scalar("val/loss", val_loss, step)
+            writer.add_scalar("val/bpc", val_bpc, step)
+            if d.master and cfg.sample_tokens > 0:
+                log(f"sample | {sample_text(model, prepared, cfg.sample_tokens)!r}")
+                if any(Path(s["path"]).name == DEMO_FILE for s in prepared.meta["sources"]):
+                    ok, n = demo_accuracy(model, prepared)
+                    log(f"demo | {ok}/{n} held-out sums completed correctly")
+                    writer.add_scalar("val/demo_accuracy", ok / n, step)
+            writer.flush()
+            if cfg.early_stop_evals and st.evals_since_best >= cfg.early_stop_evals:
+                log(f"early stop: {st.evals_since_best} evals without improvement")
+                last_step = True  # every rank saw the same reduced val loss, so all agree
+            eval_seconds = max(eval_seconds, time.time() - t0)
+
+        if (save_due or last_step or st.best_step == step) and step != last_saved_step:
+            t0 = time.time()
+            st.used_seconds = used_at_start + time.time() - loop_start
+            save_checkpoint(run_dir, model, opt, data_state, st, val_loss, cfg, prepared, budget_seconds, d, log)
+            last_saved_step, last_save_time = step, time.time()
+            save_seconds = max(save_seconds, time.time() - t0)
+
+        if last_step:
+            break
+
+        # ---- one optimizer step: grad_accum micro-batches, gradient all-reduce on the last only
+        t0 = time.time()
+        progress = st.used_seconds / max(budget_seconds - reserve, 1e-9)
+        if cfg.max_steps:  # a max_steps run is reproducible: its schedule follows steps
+            progress = max(progress, step / cfg.max_steps)
+        mult = lr_multiplier(progress, cfg.warmup_frac, cfg.warmdown_frac, cfg.final_lr_frac)
+        opt.set_lr_multiplier(mult)
+        loss_sum = torch.zeros((), device=d.device)
+        for micro in range(grad_accum):
+            sync = micro == grad_accum - 1
+            with (contextlib.nullcontext() if sync or d.world_size == 1 else ddp.no_sync()), autocast:
+                loss = train_model(x, y) / grad_accum
+            loss.backward()
+            loss_sum += loss.detach()
+            data_state = batches.state()
+            # Prefetch: on GPU the kernels queued above still run while the CPU slices the next batch.
+            x, y = (t.to(d.device, non_blocking=True) for t in next(batches))
+        opt.step()
+        model.zero_grad(set_to_none=True)
+        st.tokens_seen += tokens_per_step
+
+        if (step + 1) % cfg.log_every_steps == 0:
+            if d.world_size > 1:  # the logged loss is the mean over ranks, not rank 0's
+                dist.all_reduce(loss_sum)
+                loss_sum /= d.world_size
+            train_loss = loss_sum.item()  # syncs the device; only on logging steps
+        dt = time.time() - t0
+        step_seconds = dt if step_seconds == 0 else 0.9 * step_seconds + 0.1 * dt
+        if step - (resume_step or 0) >= 3:  # first steps hold compile and allocator warm-up
+            measured_tokens += tokens_per_step
+            measured_time += dt
+        tok_s = tokens_per_step / dt
+        if (step + 1) % cfg.log_every_steps == 0:
+            used_h = (used_at_start + time.time() - loop_start) / 3600
+            mfu = f"{100 * flops_per_token * tok_s / (peak * d.world_size):.1f}%" if peak else "-"
+            log(f"step {step + 1:06d} | loss {train_loss:.4f} | lr {opt.matrix_lr():.2e} | dt {1000 * dt:.0f}ms | "
+                f"tok/s {tok_s:,.0f} | mfu {mfu} | mem {memory_gib(d.device):.1f}GiB | "
+                f"used {used_h:.2f}h/{cfg.training_hours:.2f}h | eta {max(cfg.training_hours - used_h, 0):.2f}h")
+            writer.add_scalar("train/loss", train_loss, step + 1)
+            writer.add_scalar("train/lr_multiplier", mult, step + 1)
+            writer.add_scalar("perf/tok_per_s", tok_s, step + 1)
+            writer.add_scalar("perf/mem_gib", memory_gib(d.device), step + 1)
+            if peak:
+                writer.add_scalar("perf/mfu", flops_per_token * tok_s / (peak * d.world_size), step + 1)
+        if not planned and measured_time > 0 and step - (resume_step or 0) >= 10:
+            planned = True
+            rate = measured_tokens / measured_time
+            left = max(budget_seconds - st.used_seconds - reserve, 0)
+            total_tokens = st.tokens_seen + rate * left
+            log(f"planner | measured {rate:,.0f} tok/s | projected {int(step + 1 + rate * left / tokens_per_step):,} "
+                f"steps, {total_tokens:,.0f} tokens in the {cfg.training_hours:.3f}h budget | "
+                f"{total_tokens / prepared.meta['split']['train_tokens']:.2f} epochs | "
+                f"{total_tokens / model.num_params():.1f} tokens/param")
+
+    writer.close()
+    best = ckpt.read_best(run_dir) if d.master else None
+    if best is not None:
+        path = ckpt.model_path(run_dir, best["step"])
+        log(f"done: step {st.step:06d}, {st.used_seconds / 3600:.3f}h of {cfg.training_hours:.3f}h used | "
+            f"best checkpoint {path} (val_loss {best['val_loss']:.4f})")
+        log(f"serve it: bash run.sh serve   (or: python -m experiment.server --checkpoint {path})")
+    return 0
+
+
+def main(argv=None) -> int:
+    cfg = parse_args(argv)
+    d = None
+    try:
+        d = setup_distributed(cfg.device)
+        return train(cfg, d)
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if d is not None and d.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

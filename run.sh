@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Newcomer entry point.
+#   bash run.sh          create .venv if missing, install requirements.txt, train (demo on CPU)
+#   bash run.sh test     the test suite (pytest); exits with pytest's status
+#   bash run.sh serve    serve the best checkpoint of the most recent run
+# Extra arguments go to the command (pytest, experiment.server, or env overrides for training).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+# Reinstall only when requirements.txt changed, so a second `bash run.sh` starts at once.
+want=$(sha256sum requirements.txt | cut -d' ' -f1)
+if [ "$(cat .venv/.requirements.sha256 2>/dev/null)" != "$want" ]; then
+    .venv/bin/python -m pip install --disable-pip-version-check -q -r requirements.txt
+    echo "$want" > .venv/.requirements.sha256
+fi
+export PATH="$PWD/.venv/bin:$PATH"
+
+cmd=${1:-train}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+    train) exec bash experiment/run.sh "$@" ;;
+    test) exec python -m pytest tests "$@" ;;
+    serve) exec python -m experiment.server "$@" ;;
+    *) echo "usage: bash run.sh [train|test|serve] [args]" >&2; exit 2 ;;
+esac
