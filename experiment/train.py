@@ -312,6 +312,11 @@ class RunState:
     best_step: int = -1
     evals_since_best: int = 0
     data_state: dict | None = None
+    # Measured durations (longest eval, longest save, recent step): the reserve kept for the final
+    # eval + save. Persisted, so a resumed run still knows what its ending costs.
+    eval_seconds: float = 0.0
+    save_seconds: float = 0.0
+    step_seconds: float = 0.0
 
 
 def save_checkpoint(run_dir: Path, model: GPT, opt: ShardedOptimizer, data_state: dict, st: RunState,
@@ -337,6 +342,7 @@ def save_checkpoint(run_dir: Path, model: GPT, opt: ShardedOptimizer, data_state
         "step": st.step, "tokens_seen": st.tokens_seen, "used_seconds": st.used_seconds,
         "budget_seconds": budget_seconds, "val_loss": val_loss,
         "best_val_loss": st.best_val, "best_step": st.best_step, "evals_since_best": st.evals_since_best,
+        "eval_seconds": st.eval_seconds, "save_seconds": st.save_seconds, "step_seconds": st.step_seconds,
         "model_config": model.config.to_dict(), "train_config": dataclasses.asdict(cfg),
         "world_size": d.world_size, "data_positions": positions,
         "tokenizer": {k: prepared.meta[k] for k in ("tokenizer", "encoding", "chars", "bos_id", "vocab_size", "vocab_used")},
@@ -363,7 +369,8 @@ def load_checkpoint(run_dir: Path, step: int, model: GPT, opt: ShardedOptimizer,
     return RunState(step=meta["step"], tokens_seen=meta["tokens_seen"], used_seconds=meta["used_seconds"],
                     best_val=meta["best_val_loss"] if meta["best_step"] >= 0 else math.inf,
                     best_step=meta["best_step"], evals_since_best=meta["evals_since_best"],
-                    data_state=meta["data_positions"][0])
+                    data_state=meta["data_positions"][0], eval_seconds=meta["eval_seconds"],
+                    save_seconds=meta["save_seconds"], step_seconds=meta["step_seconds"])
 
 
 def pick_resume_step(run_dir: Path, resume: str) -> int | None:
@@ -487,7 +494,6 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
     data_state = batches.state()
     x, y = (t.to(d.device, non_blocking=True) for t in next(batches))
     max_steps = cfg.max_steps or sys.maxsize
-    eval_seconds = save_seconds = step_seconds = 0.0
     last_eval_time = last_save_time = time.time()
     last_saved_step = last_eval_step = st.step if resume_step is not None else -1
     val_loss = math.nan
@@ -497,7 +503,7 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
     for step in range(st.step, max_steps + 1):
         st.step = step
         st.used_seconds = used_at_start + time.time() - loop_start
-        reserve = eval_seconds + save_seconds + step_seconds  # measured, so the final eval+save fits
+        reserve = st.eval_seconds + st.save_seconds + st.step_seconds  # measured: the final eval+save fits
         # Rank 0 decides from its clock; all ranks follow the same flags, so none waits forever.
         flags = torch.tensor([
             step >= max_steps or st.used_seconds + reserve >= budget_seconds,
@@ -532,14 +538,14 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
             if cfg.early_stop_evals and st.evals_since_best >= cfg.early_stop_evals:
                 log(f"early stop: {st.evals_since_best} evals without improvement")
                 last_step = True  # every rank saw the same reduced val loss, so all agree
-            eval_seconds = max(eval_seconds, time.time() - t0)
+            st.eval_seconds = max(st.eval_seconds, time.time() - t0)
 
         if (save_due or last_step or st.best_step == step) and step != last_saved_step:
             t0 = time.time()
             st.used_seconds = used_at_start + time.time() - loop_start
             save_checkpoint(run_dir, model, opt, data_state, st, val_loss, cfg, prepared, budget_seconds, d, log)
             last_saved_step, last_save_time = step, time.time()
-            save_seconds = max(save_seconds, time.time() - t0)
+            st.save_seconds = max(st.save_seconds, time.time() - t0)
 
         if last_step:
             break
@@ -571,7 +577,7 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
                 loss_sum /= d.world_size
             train_loss = loss_sum.item()  # syncs the device; only on logging steps
         dt = time.time() - t0
-        step_seconds = dt if step_seconds == 0 else 0.9 * step_seconds + 0.1 * dt
+        st.step_seconds = dt if st.step_seconds == 0 else 0.9 * st.step_seconds + 0.1 * dt
         if step - (resume_step or 0) >= 3:  # first steps hold compile and allocator warm-up
             measured_tokens += tokens_per_step
             measured_time += dt

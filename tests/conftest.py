@@ -1,0 +1,41 @@
+"""Shared helpers: a tiny corpus made by our own code and a way to launch the trainer for real."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiment.dataloader import demo_lines
+
+REPO = Path(__file__).resolve().parent.parent
+SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+# 2 layers x 64 dims: the style guide's tiny config; every test run takes seconds.
+TINY = ["--depth", "2", "--aspect_ratio", "32", "--head_dim", "32", "--max_seq_len", "32",
+        "--device_batch_size", "4", "--sample_tokens", "0", "--log_every_steps", "1",
+        "--training_hours", "1", "--eval_tokens", "512"]
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    """A directory with one small arithmetic text file (about 40k characters)."""
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / "sums.txt").write_text("".join(demo_lines(4000, seed=7)))
+    return d
+
+
+def run_train(args, nproc: int = 1, check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Runs the trainer as users do: plain `python -m` for one process, torchrun (gloo) for more."""
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "experiment.train", *map(str, args)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "experiment.train", *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc

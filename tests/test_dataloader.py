@@ -1,0 +1,165 @@
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, SHAKESPEARE
+from experiment.dataloader import (CharTokenizer, DataError, TokenBatches, demo_lines, prepare, val_batches,
+                                   write_demo_corpus)
+
+
+def _files(tmp_path, **files):
+    d = tmp_path / "data"
+    d.mkdir(exist_ok=True)
+    for name, content in files.items():
+        (d / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    return d
+
+
+def _assert_nothing_written(ws):
+    assert not (ws / "prepared").exists() or not any((ws / "prepared").iterdir())
+
+
+GOOD = "hello world\n" * 100
+
+
+@pytest.mark.parametrize("case,files,kwargs,message", [
+    ("missing dir", None, {}, r"missing: data directory does not exist"),
+    ("no txt", {"notes.md": GOOD}, {}, r"data: no \*\.txt files"),
+    ("empty file", {"a.txt": GOOD, "b.txt": ""}, {}, r"b\.txt: file is empty"),
+    ("invalid utf-8", {"a.txt": b"abc\ndef\xff\xfeghi"}, {}, r"a\.txt: invalid UTF-8 at byte offset 7 \(line 2\)"),
+    ("nul byte", {"a.txt": GOOD + "ab\x00c\n"}, {}, r"a\.txt:101:3: NUL byte"),
+    ("alphabet", {"a.txt": GOOD + "hello World\n"}, {"alphabet": "helo wrd\n"},
+     r"a\.txt:101:7: character 'W' \(U\+0057\) is not in --alphabet"),
+    ("too few tokens", {"a.txt": "tiny\n"}, {}, r"the train split has 6 tokens, fewer than one sequence needs"),
+])
+def test_bad_data_is_rejected_naming_the_place_and_writes_nothing(tmp_path, case, files, kwargs, message):
+    data = _files(tmp_path, **files) if files is not None else tmp_path / "missing"
+    ws = tmp_path / "ws"
+    with pytest.raises(DataError, match=message):
+        prepare(data, ws, max_seq_len=64, **kwargs)
+    _assert_nothing_written(ws)
+
+
+def test_cli_exits_nonzero_with_the_file_named(tmp_path):
+    data = _files(tmp_path, **{"a.txt": GOOD, "broken.txt": b"ok\n\xc3("})
+    ws = tmp_path / "ws"
+    proc = subprocess.run([sys.executable, "-m", "experiment.dataloader", "prepare", "--data_dir", str(data),
+                           "--workspace", str(ws)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "broken.txt: invalid UTF-8 at byte offset 3" in proc.stderr
+    _assert_nothing_written(ws)
+
+
+def test_prepare_vocab_split_and_cache(tmp_path):
+    data = _files(tmp_path, **{"a.txt": "abc\n" * 300, "b.txt": "xyz\n" * 200})
+    ws = tmp_path / "ws"
+    p = prepare(data, ws, val_fraction=0.1, max_seq_len=32)
+    m = p.meta
+    assert m["chars"] == "\nabcxyz" and m["vocab_size"] == 64 and m["dtype"] == "uint8"
+    ids = np.concatenate([p.tokens("train"), p.tokens("val")])
+    assert len(ids) == 2 + 1200 + 800 and m["split"]["val_tokens"] == int(len(ids) * 0.1)
+    tok = p.tokenizer()
+    assert ids[0] == tok.bos_id and ids[1201] == tok.bos_id  # BOS opens every file
+    assert tok.decode(ids[1:1201].tolist()) == "abc\n" * 300
+    assert [s["tokens"] for s in m["sources"]] == [1201, 801]
+    mtime = (p.dir / "train.bin").stat().st_mtime_ns
+    again = prepare(data, ws, val_fraction=0.1, max_seq_len=32)
+    assert again.dir == p.dir and (p.dir / "train.bin").stat().st_mtime_ns == mtime  # cache hit
+    (data / "b.txt").write_text("xyz\n" * 201)
+    assert prepare(data, ws, val_fraction=0.1, max_seq_len=32).dir != p.dir  # content change -> new hash
+
+
+def test_char_tokenizer_names_unknown_characters():
+    tok = CharTokenizer("abc")
+    assert tok.decode(tok.encode("cab")) == "cab"
+    with pytest.raises(ValueError, match="'xz'"):
+        tok.encode("axbz")
+
+
+@pytest.mark.skipif(not SHAKESPEARE.exists(), reason="../shared/data/tinyshakespeare.txt not present")
+def test_prepare_real_corpus(tmp_path):
+    p = prepare(SHAKESPEARE, tmp_path, val_fraction=0.1, max_seq_len=256)
+    assert p.meta["vocab_used"] == 66 and p.meta["vocab_size"] == 128  # 65 characters + BOS
+    text = SHAKESPEARE.read_text()
+    assert p.tokenizer().decode(p.tokens("train")[:1000].tolist()) == text[:999]
+
+
+def test_tiktoken_encoding(tmp_path):
+    pytest.importorskip("tiktoken")
+    from experiment.dataloader import TiktokenTokenizer
+    try:
+        TiktokenTokenizer("gpt2")
+    except DataError as e:  # offline machines cannot download the BPE files
+        pytest.skip(str(e))
+    data = _files(tmp_path, **{"a.txt": "the cat sat on the mat. " * 400})
+    p = prepare(data, tmp_path / "ws", tokenizer="gpt2", max_seq_len=32)
+    assert p.meta["tokenizer"] == "tiktoken" and p.meta["vocab_size"] % 64 == 0 and p.meta["dtype"] == "uint16"
+
+
+def _windows(it, n):
+    """Window ids of n micro-batches: the data is arange, so x[:, 0] is a window's first token."""
+    return [set(next(it)[0][:, 0].tolist()) for _ in range(n)]
+
+
+@pytest.mark.parametrize("world,batch", [(1, 4), (2, 3), (3, 2), (4, 1)])
+def test_rank_shards_are_disjoint_and_cover_the_epoch(world, batch):
+    tokens = np.arange(33 * 16 + 1, dtype=np.uint32)  # 33 windows of 16
+    seq = 16
+    per_step = world * batch
+    steps = 33 // per_step
+    its = [TokenBatches(tokens, seq, batch, r, world, seed=5) for r in range(world)]
+    seen = [_windows(it, steps) for it in its]
+    flat = [w for rank in seen for step in rank for w in step]
+    assert len(flat) == len(set(flat)) == steps * per_step  # no window twice, across ranks and steps
+    for it in its:
+        x, y = next(it)  # the next epoch starts: reshuffled, still aligned windows
+        assert torch.equal(x[:, 1:], y[:, :-1])
+    assert len({it.state()["epoch"] for it in its}) == 1
+
+
+def test_two_ranks_read_what_one_rank_reads_over_two_micro_steps():
+    tokens = np.arange(40 * 8 + 1, dtype=np.uint32)
+    one = TokenBatches(tokens, 8, 3, 0, 1, seed=1)
+    two = [TokenBatches(tokens, 8, 3, r, 2, seed=1) for r in range(2)]
+    for _ in range(5):
+        a = torch.cat([next(one)[0], next(one)[0]])
+        b = torch.cat([next(two[0])[0], next(two[1])[0]])
+        assert torch.equal(a, b)
+
+
+def test_iterator_resumes_from_its_state_across_epochs():
+    tokens = np.arange(10 * 8 + 1, dtype=np.uint32)
+    it = TokenBatches(tokens, 8, 3, 0, 1, seed=3)
+    for _ in range(4):  # crosses the epoch boundary (3 micro-steps per epoch)
+        next(it)
+    state = json.loads(json.dumps(it.state()))  # survives the trip through meta.json
+    resumed = TokenBatches(tokens, 8, 3, 0, 1, seed=3, state=state)
+    for _ in range(7):
+        assert torch.equal(next(it)[0], next(resumed)[0])
+
+
+def test_too_small_for_one_micro_step_is_an_error():
+    with pytest.raises(DataError, match="fewer than one micro-step"):
+        TokenBatches(np.arange(100, dtype=np.uint32), 16, 4, 0, 2)
+
+
+def test_val_slice_is_split_across_ranks_without_overlap():
+    tokens = np.arange(21 * 10 + 1, dtype=np.uint32)
+    full = torch.cat([x[:, 0] for x, _ in val_batches(tokens, 10, 4, 1000, 0, 1)])
+    parts = [torch.cat([x[:, 0] for x, _ in val_batches(tokens, 10, 4, 1000, r, 3)]) for r in range(3)]
+    assert sorted(torch.cat(parts).tolist()) == full.tolist() == list(range(0, 210, 10))
+    assert len(list(val_batches(tokens, 10, 100, 55, 0, 1))[0][0]) == 5  # max_tokens bounds the slice
+
+
+def test_demo_corpus_is_correct_arithmetic_and_deterministic(tmp_path):
+    path = write_demo_corpus(tmp_path, n_lines=500)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 500 and lines == [l.strip() for l in demo_lines(500)]
+    for line in lines:
+        lhs, rhs = line.split("=")
+        a, b = lhs.split("+")
+        assert int(a) + int(b) == int(rhs)

@@ -1,0 +1,103 @@
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from experiment.model import GPT, GPTConfig
+from experiment.optim import ShardedOptimizer, partition
+
+LRS = dict(matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004)
+
+
+def make_model() -> GPT:
+    model = GPT(GPTConfig(vocab_size=64, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=16))
+    model.init_weights(seed=0)
+    return model
+
+
+def fake_grads(model: GPT, step: int) -> None:
+    """The same 'all-reduced' gradients on every rank, as DDP leaves them."""
+    gen = torch.Generator().manual_seed(step)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+def run_steps(model: GPT, opt: ShardedOptimizer, steps: int) -> None:
+    for step in range(steps):
+        fake_grads(model, step)
+        opt.set_lr_multiplier(1.0 - step / (2 * steps))
+        opt.step()
+
+
+def test_partition_is_balanced_deterministic_and_complete():
+    sizes = {f"p{i}": s for i, s in enumerate([100, 90, 50, 40, 30, 20, 10, 5, 5])}
+    owner = partition(sizes, 3)
+    assert owner == partition(dict(reversed(sizes.items())), 3)  # order-independent
+    assert set(owner) == set(sizes) and set(owner.values()) == {0, 1, 2}
+    load = [sum(s for n, s in sizes.items() if owner[n] == r) for r in range(3)]
+    assert max(load) - min(load) <= max(sizes.values())
+
+
+def _zero1_worker(rank, world, init_file, out):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = make_model()
+        opt = ShardedOptimizer(model, rank, world, **LRS)
+        run_steps(model, opt, 4)
+        torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                    "shard": opt.shard_state()}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def zero1_world2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zero1")
+    mp.spawn(_zero1_worker, args=(2, str(out / "init"), str(out)), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+def test_zero1_equals_unsharded_optimizer(zero1_world2):
+    reference = make_model()
+    run_steps(reference, ShardedOptimizer(reference, 0, 1, **LRS), 4)
+    for rank in zero1_world2:
+        for n, p in reference.named_parameters():
+            torch.testing.assert_close(rank["params"][n], p.detach(), rtol=0, atol=0, msg=n)
+    assert not torch.equal(reference.lm_head.weight, make_model().lm_head.weight)  # it did train
+
+
+def test_each_rank_keeps_state_only_for_the_parameters_it_owns(zero1_world2):
+    names = [n for n, _ in make_model().named_parameters()]
+    owned = [set(r["shard"]["owned"]) for r in zero1_world2]
+    assert owned[0].isdisjoint(owned[1]) and owned[0] | owned[1] == set(names)
+    for r, shard in enumerate(zero1_world2):
+        assert set(shard["shard"]["state"]) == owned[r]
+    expected = partition({n: p.numel() for n, p in make_model().named_parameters()}, 2)
+    assert owned[0] == {n for n, r in expected.items() if r == 0}
+
+
+@pytest.mark.parametrize("world_to", [1, 3])
+def test_state_moves_to_another_world_size(zero1_world2, world_to):
+    shards = [r["shard"] for r in zero1_world2]
+    saved = {n: s for shard in shards for n, s in shard["state"].items()}
+    for rank in range(world_to):
+        model = make_model()
+        opt = ShardedOptimizer(model, rank, world_to, **LRS)
+        loaded = opt.load_shards(shards)
+        mine = [n for n, r in opt.owner.items() if r == rank]
+        assert loaded == len(mine)
+        state = opt.shard_state()["state"]
+        for n in mine:
+            for k, v in saved[n].items():
+                assert torch.equal(state[n][k], v), (n, k)
+
+
+def test_lr_multiplier_scales_every_group():
+    opt = ShardedOptimizer(make_model(), **LRS)
+    opt.set_lr_multiplier(0.25)
+    for o in opt.optimizers:
+        for g in o.param_groups:
+            assert g["lr"] == pytest.approx(0.25 * g["initial_lr"])
+    assert opt.matrix_lr() == pytest.approx(0.005)

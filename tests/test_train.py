@@ -1,0 +1,134 @@
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+from conftest import TINY, run_train
+from experiment import checkpoint as ckpt
+from experiment.model import GPT, GPTConfig
+from experiment.optim import partition
+from experiment.train import ConfigError, TrainConfig, lr_multiplier, peak_flops, resolve
+
+
+def _params(path):
+    return ckpt.load_tensors(path)
+
+
+def _meta(ws, tag, step):
+    return json.loads(ckpt.meta_path(ws / "checkpoints" / tag, step).read_text())
+
+
+def test_lr_multiplier_follows_the_budget_fraction():
+    f = lambda p: lr_multiplier(p, warmup_frac=0.1, warmdown_frac=0.2, final_lr_frac=0.1)
+    assert f(0.0) == 0.0 and f(0.05) == pytest.approx(0.5)
+    assert f(0.1) == f(0.5) == f(0.8) == 1.0
+    assert f(0.9) == pytest.approx(0.55) and f(1.0) == pytest.approx(0.1) and f(1.7) == pytest.approx(0.1)
+    values = [f(i / 100) for i in range(80, 101)]
+    assert all(a > b for a, b in zip(values, values[1:]))  # warmdown is strictly decreasing to the end
+
+
+def test_settings_that_cannot_work_are_named():
+    with pytest.raises(ConfigError, match="--total_batch_size 1000 is not a multiple of max_seq_len 256"):
+        resolve(TrainConfig(total_batch_size=1000), cuda=False, world_size=1)
+    with pytest.raises(ConfigError, match="not divisible by device_batch_size 3"):
+        resolve(TrainConfig(device_batch_size=3), cuda=False, world_size=2)
+    cfg = resolve(TrainConfig(budget_usd=8.0), cuda=True, world_size=8)
+    assert cfg.training_hours == pytest.approx(0.25) and cfg.depth == 64 and cfg.model_tag == "d64"
+
+
+def test_peak_flops_by_name_and_none_for_unknown():
+    assert peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA GeForce RTX 4090") is None
+
+
+def test_two_ranks_equal_one_rank_and_shards_name_owned_params(tmp_path, corpus):
+    # Same global batch: 1 rank x 2 accumulation micro-steps == 2 ranks x 1 micro-step.
+    common = [*TINY, "--data_dir", corpus, "--max_steps", 3, "--total_batch_size", 256]
+    run_train([*common, "--workspace", tmp_path / "one"], nproc=1)
+    run_train([*common, "--workspace", tmp_path / "two"], nproc=2)
+    one = _params(ckpt.model_path(tmp_path / "one/checkpoints/d2", 3))
+    two = _params(ckpt.model_path(tmp_path / "two/checkpoints/d2", 3))
+    initial = GPT(GPTConfig(vocab_size=64, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=32))
+    initial.init_weights(seed=1337)
+    for name, p in one.items():
+        torch.testing.assert_close(two[name], p, atol=2e-5, rtol=1e-4, msg=name)
+        assert not torch.equal(p, initial.state_dict()[name]), f"{name} never trained"
+    run_dir = tmp_path / "two/checkpoints/d2"
+    shards = [ckpt.load_tensors(ckpt.optim_path(run_dir, 3, r)) for r in range(2)]
+    expected = partition({n: p.numel() for n, p in one.items()}, 2)
+    for r, shard in enumerate(shards):
+        owned = {n for n, o in expected.items() if o == r}
+        assert set(shard["owned"]) == owned and set(shard["state"]) == owned
+    meta = _meta(tmp_path / "two", "d2", 3)
+    assert meta["world_size"] == 2 and len(meta["data_positions"]) == 2
+    assert meta["val_loss"] == pytest.approx(_meta(tmp_path / "one", "d2", 3)["val_loss"], abs=1e-4)
+
+
+def test_resume_after_a_crash_equals_the_uninterrupted_run(tmp_path, corpus):
+    common = [*TINY, "--data_dir", corpus, "--max_steps", 6, "--save_every_steps", 3, "--total_batch_size", 256]
+    run_train([*common, "--workspace", tmp_path / "a"])
+    a_dir, b_dir = tmp_path / "a/checkpoints/d2", tmp_path / "b/checkpoints/d2"
+    shutil.copytree(a_dir, b_dir)
+    ckpt.meta_path(b_dir, 6).unlink()  # as if killed while saving step 6: its files exist, its meta not
+    ckpt.model_path(b_dir, 6).write_bytes(b"half-written")
+    proc = run_train([*common, "--workspace", tmp_path / "b"])
+    assert "resumed from" in proc.stdout and "step 3," in proc.stdout
+    a, b = _params(ckpt.model_path(a_dir, 6)), _params(ckpt.model_path(b_dir, 6))
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    sa, sb = (ckpt.load_tensors(ckpt.optim_path(d, 6, 0))["state"] for d in (a_dir, b_dir))
+    assert all(torch.equal(sa[n][k], sb[n][k]) for n in sa for k in sa[n])
+    assert _meta(tmp_path / "a", "d2", 6)["data_positions"] == _meta(tmp_path / "b", "d2", 6)["data_positions"]
+
+
+def test_budget_stop_two_ranks_then_second_launch_resumes(tmp_path, corpus):
+    budget = 4.0
+    args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256,
+            "--training_hours", budget / 3600, "--eval_every_minutes", 0.02, "--save_every_minutes", 0.02]
+    proc = run_train(args, nproc=2, timeout=180)
+    run_dir = tmp_path / "checkpoints/d2"
+    final = ckpt.complete_steps(run_dir)[-1]
+    meta = _meta(tmp_path, "d2", final)
+    step_ms = [int(m) for m in re.findall(r"dt (\d+)ms", proc.stdout)]
+    assert meta["used_seconds"] <= budget  # the hard limit holds, final eval and save included
+    assert budget - meta["used_seconds"] < 1.0 + 3 * max(step_ms) / 1000  # and little of it is wasted
+    best = json.loads((run_dir / "best.json").read_text())
+    assert best["step"] in ckpt.complete_steps(run_dir) and best["val_loss"] == meta["best_val_loss"]
+    assert list((tmp_path / "tensorboard/d2").glob("events.out.tfevents.*"))
+    log = (run_dir / "training.log").read_text()
+    assert "done:" in log and re.search(r"step \d{6} \| val_loss \d\.\d{4} \| val_bpc", log)
+    assert ckpt.optim_path(run_dir, final, 1).exists()
+
+    again = run_train(args, nproc=2, timeout=180)  # budget spent: resumes, trains nothing more
+    assert f"resumed from {ckpt.model_path(run_dir, final)}" in again.stdout
+    assert ckpt.complete_steps(run_dir)[-1] == final
+    more = run_train([*args[:-6], "--training_hours", (budget + 2) / 3600, *args[-4:]], nproc=2, timeout=180)
+    assert "resumed from" in more.stdout and ckpt.complete_steps(run_dir)[-1] > final
+    assert _meta(tmp_path, "d2", ckpt.complete_steps(run_dir)[-1])["used_seconds"] <= budget + 2
+
+
+def test_early_stop_after_evals_without_improvement(tmp_path, corpus):
+    args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 128,
+            "--matrix_lr", 0, "--embedding_lr", 0, "--unembedding_lr", 0, "--max_steps", 50,
+            "--eval_every_steps", 1, "--early_stop_evals", 2]
+    proc = run_train(args)
+    assert "early stop: 2 evals without improvement" in proc.stdout
+    assert ckpt.complete_steps(tmp_path / "checkpoints/d2")[-1] == 3  # best at 1, no gain at 2 and 3
+
+
+def test_bad_data_and_bad_settings_exit_nonzero_and_write_nothing(tmp_path, corpus):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = run_train([*TINY, "--data_dir", empty, "--workspace", tmp_path / "ws"], check=False)
+    assert proc.returncode == 2 and f"{empty}: no *.txt files" in proc.stderr
+    assert not list((tmp_path / "ws").rglob("*.pt"))
+    proc = run_train([*TINY, "--data_dir", corpus, "--workspace", tmp_path / "ws", "--total_batch_size", 100],
+                     check=False)
+    assert proc.returncode == 2 and "--total_batch_size 100 is not a multiple" in proc.stderr
+    run_train([*TINY, "--data_dir", corpus, "--workspace", tmp_path / "ws", "--max_steps", 1])
+    proc = run_train([*TINY, "--data_dir", corpus, "--workspace", tmp_path / "ws", "--resume", "never"], check=False)
+    assert proc.returncode == 2 and "--resume never, but" in proc.stderr
+    assert ckpt.complete_steps(tmp_path / "ws/checkpoints/d2") == [1]
