@@ -5,6 +5,12 @@
 #   NPROC_PER_NODE   processes per node (default: visible GPUs, or 1 without CUDA)
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   multi-node torchrun (c10d rendezvous)
 set -euo pipefail
+# Relative paths mean relative to where the user stands, not to the repo this script moves into.
+for var in DATA_DIR WORKSPACE; do
+    if [ -n "${!var:-}" ] && [[ "${!var}" != /* ]]; then
+        printf -v "$var" '%s' "$PWD/${!var}"
+    fi
+done
 cd "$(dirname "$0")/.."
 if [ -z "${VIRTUAL_ENV:-}" ] && [ -x .venv/bin/python ]; then
     export PATH="$PWD/.venv/bin:$PATH"

@@ -267,11 +267,10 @@ def demo_accuracy(model: GPT, prepared: Prepared, n: int = 50) -> tuple[int, int
     correct = 0
     for line in demo_lines(n, seed=99):
         prompt, answer = line.split("=")
-        ids = [tok.bos_id] + tok.encode(prompt + "=")
-        out = []
-        for t in model.generate(ids, len(answer) + 1, temperature=0, allowed_vocab=tok.n_real):
-            out.append(t)
-        correct += tok.decode(out).split("\n")[0] == answer.strip()
+        # In the corpus a line follows a newline (BOS only opens the file), so the prompt does too.
+        ids = tok.encode("\n" + prompt + "=")
+        out = model.generate(ids, len(answer) + 1, temperature=0, allowed_vocab=tok.n_real)
+        correct += tok.decode(list(out)).split("\n")[0] == answer.strip()
     return correct, n
 
 
@@ -524,15 +523,15 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
                 st.best_val, st.best_step, st.evals_since_best = val_loss, step, 0
             elif step > 0:
                 st.evals_since_best += 1
-            log(f"step {step:06d} | val_loss {val_loss:.4f} | val_bpc {val_bpc:.4f} | "
-                f"best {st.best_val:.4f} @ {max(st.best_step, 0):06d}")
+            best = f"{st.best_val:.4f} @ {st.best_step:06d}" if st.best_step >= 0 else "- (step 0 is not saved)"
+            log(f"step {step:06d} | val_loss {val_loss:.4f} | val_bpc {val_bpc:.4f} | best {best}")
             writer.add_scalar("val/loss", val_loss, step)
             writer.add_scalar("val/bpc", val_bpc, step)
             if d.master and cfg.sample_tokens > 0:
                 log(f"sample | {sample_text(model, prepared, cfg.sample_tokens)!r}")
                 if any(Path(s["path"]).name == DEMO_FILE for s in prepared.meta["sources"]):
                     ok, n = demo_accuracy(model, prepared)
-                    log(f"demo | {ok}/{n} held-out sums completed correctly")
+                    log(f"demo | {ok}/{n} sums of a separate draw completed correctly (greedy)")
                     writer.add_scalar("val/demo_accuracy", ok / n, step)
             writer.flush()
             if cfg.early_stop_evals and st.evals_since_best >= cfg.early_stop_evals:

@@ -132,3 +132,34 @@ def test_bad_data_and_bad_settings_exit_nonzero_and_write_nothing(tmp_path, corp
     proc = run_train([*TINY, "--data_dir", corpus, "--workspace", tmp_path / "ws", "--resume", "never"], check=False)
     assert proc.returncode == 2 and "--resume never, but" in proc.stderr
     assert ckpt.complete_steps(tmp_path / "ws/checkpoints/d2") == [1]
+
+
+def test_readme_documents_every_setting():
+    import dataclasses
+
+    from conftest import REPO
+
+    readme = (REPO / "README.md").read_text()
+    for f in dataclasses.fields(TrainConfig):
+        assert f"`{f.name.upper()}`" in readme, f"README lacks {f.name.upper()}"
+
+
+def test_launcher_maps_env_overrides_to_flags(tmp_path, corpus):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {**os.environ, "DEPTH": "2", "ASPECT_RATIO": "32", "HEAD_DIM": "32", "MAX_SEQ_LEN": "32",
+           "DEVICE_BATCH_SIZE": "auto", "TOTAL_BATCH_SIZE": "256", "MAX_STEPS": "1", "SAMPLE_TOKENS": "0",
+           "MODEL_TAG": "envtag", "DATA_DIR": "corpus", "WORKSPACE": "ws", "OMP_NUM_THREADS": "1",
+           "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", str(REPO / "experiment/run.sh")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    config = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("config "))[7:])
+    assert (config["depth"], config["max_seq_len"], config["model_tag"]) == (2, 32, "envtag")
+    assert config["device_batch_size"] == 8  # "auto" -> the CPU default
+    assert config["data_dir"] == str(tmp_path / "corpus")  # relative to where the user launched
+    assert ckpt.complete_steps(tmp_path / "ws/checkpoints/envtag") == [1]
