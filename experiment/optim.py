@@ -91,7 +91,9 @@ class ShardedOptimizer:
         state = {}
         for opt in self.optimizers:
             for p, s in opt.state.items():
-                state[names[id(p)]] = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+                # To CPU: a copy on the GPU would briefly double optimizer memory at every save.
+                state[names[id(p)]] = {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v)
+                                       for k, v in s.items()}
         return {"rank": self.rank, "world_size": self.world_size,
                 "owned": [n for n, r in self.owner.items() if r == self.rank], "state": state}
 

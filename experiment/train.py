@@ -465,7 +465,7 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
         st = load_checkpoint(run_dir, resume_step, model, opt, d)
         log(f"resumed from {ckpt.model_path(run_dir, resume_step)}: step {st.step}, "
             f"{st.used_seconds / 3600:.3f}h used, best {st.best_val:.4f} @ {st.best_step:06d}")
-    elif d.master:
+    if d.master:  # files of a save that a crash cut short; the loaded step is complete, so never these
         ckpt.remove_incomplete(run_dir)
     batches = TokenBatches(prepared.tokens("train"), cfg.max_seq_len, cfg.device_batch_size, d.rank,
                            d.world_size, cfg.seed, st.data_state)
