@@ -136,7 +136,7 @@ def remove_incomplete(run_dir: Path) -> None:
     done = set(complete_steps(run_dir))
     for p in run_dir.glob("*.pt"):
         m = re.match(r"^(?:model|optim)_(\d{6,})", p.name)
-        if m and int(m.group(1)) not in done:
+        if m and int(m.group(1)) not in done and p.is_file():
             p.unlink(missing_ok=True)
     for p in run_dir.glob(".*.tmp"):
         p.unlink(missing_ok=True)

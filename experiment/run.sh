@@ -22,6 +22,12 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-$default_nproc}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_PORT=${MASTER_PORT:-29500}
+# A worker that dies (OOM kill, NCCL fault) makes torchrun restart all workers, which resume from
+# the latest complete checkpoint (RESUME=auto), up to MAX_RESTARTS times.
+MAX_RESTARTS=${MAX_RESTARTS:-3}
+# On SIGTERM/SIGINT torchrun forwards the signal and waits this long for the workers to finish the
+# step and save before it kills them.
+SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-300}
 
 # Map env overrides to flags; the flag list comes from TrainConfig itself, so the two never drift.
 flags=()
@@ -39,8 +45,10 @@ if [ "$NNODES" -gt 1 ]; then
 else
     launch=(torchrun --standalone --nproc_per_node="$NPROC_PER_NODE")
 fi
+launch+=(--max-restarts="$MAX_RESTARTS" --shutdown_timeout="$SHUTDOWN_TIMEOUT")
 
-echo "launcher | gpus visible $n_gpu | nproc_per_node $NPROC_PER_NODE | nnodes $NNODES | node_rank $NODE_RANK"
+echo "launcher | gpus visible $n_gpu | nproc_per_node $NPROC_PER_NODE | nnodes $NNODES | node_rank $NODE_RANK |" \
+     "max_restarts $MAX_RESTARTS | shutdown_timeout ${SHUTDOWN_TIMEOUT}s"
 echo "launcher | overrides: ${flags[*]:-(none: device defaults)}"
 echo "launcher | ${launch[*]} -m experiment.train ${flags[*]}"
 # train.py prints the fully resolved configuration next and appends its lines (and any crash's

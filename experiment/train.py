@@ -18,6 +18,7 @@ import json
 import math
 import os
 import resource
+import signal
 import sys
 import time
 import traceback
@@ -43,6 +44,7 @@ CUDA_DEFAULTS = dict(depth=64, max_seq_len=2048, total_batch_size=524288, traini
 CPU_DEFAULTS = dict(depth=4, max_seq_len=256, total_batch_size=4096, training_hours=0.05,
                     save_every_minutes=1.0, eval_every_minutes=0.5, eval_tokens=1 << 16)
 CPU_DEVICE_BATCH = 8
+MAX_NONFINITE_IN_A_ROW = 5  # then the run is diverging, not unlucky: stop rather than burn the budget
 
 
 class ConfigError(Exception):
@@ -167,6 +169,7 @@ class Dist:
     local_rank: int
     world_size: int
     device: torch.device
+    store: object = None  # a store we made must outlive the process group that uses it
 
     @property
     def master(self) -> bool:
@@ -187,9 +190,20 @@ def setup_distributed(device_flag: str) -> Dist:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    store = None
     if world_size > 1:
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
-    return Dist(rank, local_rank, world_size, device)
+        backend, device_id = ("nccl", device) if cuda else ("gloo", None)
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restart > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun keeps its store across worker restarts, and the new workers would read the
+            # dead workers' addresses from it ("Connection refused"); a per-attempt prefix avoids that.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                  is_master=False)
+            dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{restart}", store), rank=rank,
+                                    world_size=world_size, device_id=device_id)
+        else:
+            dist.init_process_group(backend, device_id=device_id)
+    return Dist(rank, local_rank, world_size, device, store)
 
 
 class RunLog:
@@ -224,6 +238,36 @@ class NullWriter:
 
 
 # ---------------------------------------------------------------- pieces of the loop
+
+
+class StopSignal:
+    """SIGTERM/SIGINT (preemption, Ctrl-C): the first lets the step finish and the run save and exit 0;
+    a second one exits at once."""
+
+    def __init__(self, announce: bool):
+        self.announce = announce
+
+    def __enter__(self):
+        self.signum = 0
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum:
+            os._exit(128 + signum)
+        self.signum = signum
+        if self.announce:
+            print(f"{signal.Signals(signum).name}: finishing this step, then saving and exiting "
+                  "(send it again to exit at once, without a checkpoint)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def gradients_finite(model: torch.nn.Module) -> bool:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()).item())  # syncs the device
 
 
 def memory_gib(device: torch.device) -> float:
@@ -316,26 +360,61 @@ class RunState:
     eval_seconds: float = 0.0
     save_seconds: float = 0.0
     step_seconds: float = 0.0
+    nonfinite_steps: int = 0  # updates skipped because the loss or gradients were not finite
+
+
+def all_ranks_ok(ok: bool, d: Dist) -> bool:
+    """True on every rank iff ok on every rank (one tiny all-reduce; also a barrier)."""
+    if d.world_size == 1:
+        return ok
+    flag = torch.tensor([int(ok)], device=d.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def save_checkpoint(run_dir: Path, model: GPT, opt: ShardedOptimizer, data_state: dict, st: RunState,
-                    val_loss: float, cfg: TrainConfig, prepared: Prepared, budget_seconds: float,
-                    d: Dist, log: RunLog) -> None:
-    """Model once (rank 0), one optimizer shard per rank, then meta last as the completion marker."""
-    if d.master:
-        ckpt.atomic_torch_save(ckpt.model_path(run_dir, st.step), ckpt.strip_compile_prefix(model.state_dict()))
-    rng = {"cpu": torch.get_rng_state()}
-    if d.device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(d.device)
-    ckpt.atomic_torch_save(ckpt.optim_path(run_dir, st.step, d.rank), {**opt.shard_state(), "rng": rng})
+                    val_loss: float | None, cfg: TrainConfig, prepared: Prepared, budget_seconds: float,
+                    d: Dist, log: RunLog) -> bool:
+    """Model once (rank 0), one optimizer shard per rank, then meta last as the completion marker.
+
+    Returns False on every rank if any rank failed to write (disk full, say): the step stays
+    incomplete, its files are removed, and the checkpoints before it are untouched.
+    """
+    error = None
+    try:
+        if d.master:
+            ckpt.atomic_torch_save(ckpt.model_path(run_dir, st.step), ckpt.strip_compile_prefix(model.state_dict()))
+        rng = {"cpu": torch.get_rng_state()}
+        if d.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(d.device)
+        ckpt.atomic_torch_save(ckpt.optim_path(run_dir, st.step, d.rank), {**opt.shard_state(), "rng": rng})
+    except OSError as e:
+        error = e
+        print(f"[rank {d.rank}] error: writing checkpoint step {st.step:06d} failed: {e}", file=sys.stderr, flush=True)
     positions = [None] * d.world_size
     if d.world_size > 1:
         dist.all_gather_object(positions, data_state)
     else:
         positions = [data_state]
-    d.barrier()  # every rank's files are on disk before the meta makes the step complete
-    if not d.master:
-        return
+    # Every rank's files are on disk (or have failed) before the meta can make the step complete.
+    if not all_ranks_ok(error is None, d):
+        if d.master:
+            ckpt.remove_incomplete(run_dir)
+            log(f"error: checkpoint step {st.step:06d} not saved ({error or 'another rank failed'}); "
+                "earlier checkpoints are kept, training goes on")
+        return False
+    ok = True
+    if d.master:
+        try:
+            ok = _write_meta(run_dir, model, st, val_loss, cfg, prepared, budget_seconds, positions, d, log)
+        except OSError as e:
+            ok = False
+            ckpt.remove_incomplete(run_dir)
+            log(f"error: checkpoint step {st.step:06d} not saved (meta: {e}); earlier checkpoints are kept")
+    return all_ranks_ok(ok, d)
+
+
+def _write_meta(run_dir, model, st, val_loss, cfg, prepared, budget_seconds, positions, d, log) -> bool:
     improved = st.best_step == st.step
     meta = {
         "step": st.step, "tokens_seen": st.tokens_seen, "used_seconds": st.used_seconds,
@@ -343,7 +422,7 @@ def save_checkpoint(run_dir: Path, model: GPT, opt: ShardedOptimizer, data_state
         "best_val_loss": st.best_val, "best_step": st.best_step, "evals_since_best": st.evals_since_best,
         "eval_seconds": st.eval_seconds, "save_seconds": st.save_seconds, "step_seconds": st.step_seconds,
         "model_config": model.config.to_dict(), "train_config": dataclasses.asdict(cfg),
-        "world_size": d.world_size, "data_positions": positions,
+        "world_size": d.world_size, "data_positions": positions, "nonfinite_steps": st.nonfinite_steps,
         "tokenizer": {k: prepared.meta[k] for k in ("tokenizer", "encoding", "chars", "bos_id", "vocab_size", "vocab_used")},
         "prepared": {"dir": str(prepared.dir), "hash": prepared.meta["hash"]},
         "saved_at": time.time(),
@@ -351,9 +430,14 @@ def save_checkpoint(run_dir: Path, model: GPT, opt: ShardedOptimizer, data_state
     ckpt.atomic_write_json(ckpt.meta_path(run_dir, st.step), meta)
     if improved:
         ckpt.atomic_write_json(run_dir / "best.json", {"step": st.step, "val_loss": val_loss})
-    deleted = ckpt.prune(run_dir, cfg.keep_last)
+    try:
+        deleted = ckpt.prune(run_dir, cfg.keep_last)
+    except OSError as e:  # the new checkpoint is complete; old ones linger until the next prune
+        deleted = []
+        log(f"warning: pruning old checkpoints failed: {e}")
     log(f"saved step {st.step:06d} -> {run_dir}" + (" (best)" if improved else "")
         + (f"; pruned {', '.join(f'{s:06d}' for s in deleted)}" if deleted else ""))
+    return True
 
 
 def load_checkpoint(run_dir: Path, step: int, model: GPT, opt: ShardedOptimizer, d: Dist) -> RunState:
@@ -369,7 +453,8 @@ def load_checkpoint(run_dir: Path, step: int, model: GPT, opt: ShardedOptimizer,
                     best_val=meta["best_val_loss"] if meta["best_step"] >= 0 else math.inf,
                     best_step=meta["best_step"], evals_since_best=meta["evals_since_best"],
                     data_state=meta["data_positions"][0], eval_seconds=meta["eval_seconds"],
-                    save_seconds=meta["save_seconds"], step_seconds=meta["step_seconds"])
+                    save_seconds=meta["save_seconds"], step_seconds=meta["step_seconds"],
+                    nonfinite_steps=meta["nonfinite_steps"])
 
 
 def pick_resume_step(run_dir: Path, resume: str) -> int | None:
@@ -497,111 +582,142 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
     last_saved_step = last_eval_step = st.step if resume_step is not None else -1
     val_loss = math.nan
     measured_tokens, measured_time, planned = 0, 0.0, False
+    bad_in_a_row = 0
     loop_start, used_at_start = time.time(), st.used_seconds
 
-    for step in range(st.step, max_steps + 1):
-        st.step = step
-        st.used_seconds = used_at_start + time.time() - loop_start
-        reserve = st.eval_seconds + st.save_seconds + st.step_seconds  # measured: the final eval+save fits
-        # Rank 0 decides from its clock; all ranks follow the same flags, so none waits forever.
-        flags = torch.tensor([
-            step >= max_steps or st.used_seconds + reserve >= budget_seconds,
-            (time.time() - last_eval_time >= cfg.eval_every_minutes * 60)
-            or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0) or step == 0,
-            (time.time() - last_save_time >= cfg.save_every_minutes * 60)
-            or (cfg.save_every_steps > 0 and step % cfg.save_every_steps == 0 and step > 0),
-        ], dtype=torch.int32, device=d.device)
-        if d.world_size > 1:
-            dist.broadcast(flags, src=0)
-        last_step, eval_due, save_due = (bool(v) for v in flags.tolist())
-
-        if (eval_due or save_due or last_step) and step != last_eval_step:
-            t0 = time.time()
-            val_loss, val_bpc = evaluate(model, prepared, cfg, d, autocast)
-            last_eval_step, last_eval_time = step, time.time()
-            if step > 0 and val_loss < st.best_val:
-                st.best_val, st.best_step, st.evals_since_best = val_loss, step, 0
-            elif step > 0:
-                st.evals_since_best += 1
-            best = f"{st.best_val:.4f} @ {st.best_step:06d}" if st.best_step >= 0 else "- (step 0 is not saved)"
-            log(f"step {step:06d} | val_loss {val_loss:.4f} | val_bpc {val_bpc:.4f} | best {best}")
-            writer.add_scalar("val/loss", val_loss, step)
-            writer.add_scalar("val/bpc", val_bpc, step)
-            if d.master and cfg.sample_tokens > 0:
-                log(f"sample | {sample_text(model, prepared, cfg.sample_tokens)!r}")
-                if any(Path(s["path"]).name == DEMO_FILE for s in prepared.meta["sources"]):
-                    ok, n = demo_accuracy(model, prepared)
-                    log(f"demo | {ok}/{n} sums of a separate draw completed correctly (greedy)")
-                    writer.add_scalar("val/demo_accuracy", ok / n, step)
-            writer.flush()
-            if cfg.early_stop_evals and st.evals_since_best >= cfg.early_stop_evals:
-                log(f"early stop: {st.evals_since_best} evals without improvement")
-                last_step = True  # every rank saw the same reduced val loss, so all agree
-            st.eval_seconds = max(st.eval_seconds, time.time() - t0)
-
-        if (save_due or last_step or st.best_step == step) and step != last_saved_step:
-            t0 = time.time()
+    with StopSignal(announce=d.master) as stop_signal:
+        for step in range(st.step, max_steps + 1):
+            st.step = step
             st.used_seconds = used_at_start + time.time() - loop_start
-            save_checkpoint(run_dir, model, opt, data_state, st, val_loss, cfg, prepared, budget_seconds, d, log)
-            last_saved_step, last_save_time = step, time.time()
-            st.save_seconds = max(st.save_seconds, time.time() - t0)
+            reserve = st.eval_seconds + st.save_seconds + st.step_seconds  # measured: the final eval+save fits
+            # Rank 0 decides the clock-driven flags; a stop signal may reach any rank. One all-reduce
+            # (max) gives every rank the same decisions, so none is left waiting in a collective.
+            flags = torch.tensor([
+                d.master and (step >= max_steps or st.used_seconds + reserve >= budget_seconds),
+                d.master and ((time.time() - last_eval_time >= cfg.eval_every_minutes * 60)
+                              or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0) or step == 0),
+                d.master and ((time.time() - last_save_time >= cfg.save_every_minutes * 60)
+                              or (cfg.save_every_steps > 0 and step % cfg.save_every_steps == 0 and step > 0)),
+                stop_signal.signum,
+            ], dtype=torch.int32, device=d.device)
+            if d.world_size > 1:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            last_step, eval_due, save_due, signum = (int(v) for v in flags.tolist())
+            if signum:  # preempted: save what we have now; an eval would spend the grace period
+                log(f"received {signal.Signals(signum).name}: saving step {step:06d} and exiting")
+                last_step, eval_due = True, False
+            elif (eval_due or save_due or last_step) and step != last_eval_step:
+                t0 = time.time()
+                val_loss, val_bpc = evaluate(model, prepared, cfg, d, autocast)
+                last_eval_step, last_eval_time = step, time.time()
+                previous_best = (st.best_val, st.best_step, st.evals_since_best)
+                if step > 0 and val_loss < st.best_val:
+                    st.best_val, st.best_step, st.evals_since_best = val_loss, step, 0
+                elif step > 0:
+                    st.evals_since_best += 1
+                best = f"{st.best_val:.4f} @ {st.best_step:06d}" if st.best_step >= 0 else "- (step 0 is not saved)"
+                log(f"step {step:06d} | val_loss {val_loss:.4f} | val_bpc {val_bpc:.4f} | best {best}")
+                writer.add_scalar("val/loss", val_loss, step)
+                writer.add_scalar("val/bpc", val_bpc, step)
+                if d.master and cfg.sample_tokens > 0:
+                    log(f"sample | {sample_text(model, prepared, cfg.sample_tokens)!r}")
+                    if any(Path(s["path"]).name == DEMO_FILE for s in prepared.meta["sources"]):
+                        ok, n = demo_accuracy(model, prepared)
+                        log(f"demo | {ok}/{n} sums of a separate draw completed correctly (greedy)")
+                        writer.add_scalar("val/demo_accuracy", ok / n, step)
+                writer.flush()
+                if cfg.early_stop_evals and st.evals_since_best >= cfg.early_stop_evals:
+                    log(f"early stop: {st.evals_since_best} evals without improvement")
+                    last_step = True  # every rank saw the same reduced val loss, so all agree
+                st.eval_seconds = max(st.eval_seconds, time.time() - t0)
 
-        if last_step:
-            break
+            # No periodic save during a streak of skipped updates: retention must not push the last
+            # checkpoint from before the streak out. (Skipped updates leave the weights valid, so the
+            # final save still happens.)
+            if ((save_due or last_step or st.best_step == step) and step != last_saved_step
+                    and (last_step or not bad_in_a_row)):
+                t0 = time.time()
+                st.used_seconds = used_at_start + time.time() - loop_start
+                saved = save_checkpoint(run_dir, model, opt, data_state, st, None if signum else val_loss, cfg,
+                                        prepared, budget_seconds, d, log)
+                last_save_time = time.time()  # a failed save is retried at the next due time, not every step
+                st.save_seconds = max(st.save_seconds, time.time() - t0)
+                if saved:
+                    last_saved_step = step
+                elif last_step:
+                    log("error: the final checkpoint could not be written; the latest complete one is kept")
+                    return 1
+                elif st.best_step == step:  # best.json must name a checkpoint that exists
+                    st.best_val, st.best_step, st.evals_since_best = previous_best
 
-        # ---- one optimizer step: grad_accum micro-batches, gradient all-reduce on the last only
-        t0 = time.time()
-        progress = st.used_seconds / max(budget_seconds - reserve, 1e-9)
-        if cfg.max_steps:  # a max_steps run is reproducible: its schedule follows steps
-            progress = max(progress, step / cfg.max_steps)
-        mult = lr_multiplier(progress, cfg.warmup_frac, cfg.warmdown_frac, cfg.final_lr_frac)
-        opt.set_lr_multiplier(mult)
-        loss_sum = torch.zeros((), device=d.device)
-        for micro in range(grad_accum):
-            sync = micro == grad_accum - 1
-            with (contextlib.nullcontext() if sync or d.world_size == 1 else ddp.no_sync()), autocast:
-                loss = train_model(x, y) / grad_accum
-            loss.backward()
-            loss_sum += loss.detach()
-            data_state = batches.state()
-            # Prefetch: on GPU the kernels queued above still run while the CPU slices the next batch.
-            x, y = (t.to(d.device, non_blocking=True) for t in next(batches))
-        opt.step()
-        model.zero_grad(set_to_none=True)
-        st.tokens_seen += tokens_per_step
+            if last_step:
+                break
 
-        if (step + 1) % cfg.log_every_steps == 0:
-            if d.world_size > 1:  # the logged loss is the mean over ranks, not rank 0's
-                dist.all_reduce(loss_sum)
-                loss_sum /= d.world_size
-            train_loss = loss_sum.item()  # syncs the device; only on logging steps
-        dt = time.time() - t0
-        st.step_seconds = dt if st.step_seconds == 0 else 0.9 * st.step_seconds + 0.1 * dt
-        if step - (resume_step or 0) >= 3:  # first steps hold compile and allocator warm-up
-            measured_tokens += tokens_per_step
-            measured_time += dt
-        tok_s = tokens_per_step / dt
-        if (step + 1) % cfg.log_every_steps == 0:
-            used_h = (used_at_start + time.time() - loop_start) / 3600
-            mfu = f"{100 * flops_per_token * tok_s / (peak * d.world_size):.1f}%" if peak else "-"
-            log(f"step {step + 1:06d} | loss {train_loss:.4f} | lr {opt.matrix_lr():.2e} | dt {1000 * dt:.0f}ms | "
-                f"tok/s {tok_s:,.0f} | mfu {mfu} | mem {memory_gib(d.device):.1f}GiB | "
-                f"used {used_h:.2f}h/{cfg.training_hours:.2f}h | eta {max(cfg.training_hours - used_h, 0):.2f}h")
-            writer.add_scalar("train/loss", train_loss, step + 1)
-            writer.add_scalar("train/lr_multiplier", mult, step + 1)
-            writer.add_scalar("perf/tok_per_s", tok_s, step + 1)
-            writer.add_scalar("perf/mem_gib", memory_gib(d.device), step + 1)
-            if peak:
-                writer.add_scalar("perf/mfu", flops_per_token * tok_s / (peak * d.world_size), step + 1)
-        if not planned and measured_time > 0 and step - (resume_step or 0) >= 10:
-            planned = True
-            rate = measured_tokens / measured_time
-            left = max(budget_seconds - st.used_seconds - reserve, 0)
-            total_tokens = st.tokens_seen + rate * left
-            log(f"planner | measured {rate:,.0f} tok/s | projected {int(step + 1 + rate * left / tokens_per_step):,} "
-                f"steps, {total_tokens:,.0f} tokens in the {cfg.training_hours:.3f}h budget | "
-                f"{total_tokens / prepared.meta['split']['train_tokens']:.2f} epochs | "
-                f"{total_tokens / model.num_params():.1f} tokens/param")
+            # ---- one optimizer step: grad_accum micro-batches, gradient all-reduce on the last only
+            t0 = time.time()
+            progress = st.used_seconds / max(budget_seconds - reserve, 1e-9)
+            if cfg.max_steps:  # a max_steps run is reproducible: its schedule follows steps
+                progress = max(progress, step / cfg.max_steps)
+            mult = lr_multiplier(progress, cfg.warmup_frac, cfg.warmdown_frac, cfg.final_lr_frac)
+            opt.set_lr_multiplier(mult)
+            loss_sum = torch.zeros((), device=d.device)
+            for micro in range(grad_accum):
+                sync = micro == grad_accum - 1
+                with (contextlib.nullcontext() if sync or d.world_size == 1 else ddp.no_sync()), autocast:
+                    loss = train_model(x, y) / grad_accum
+                loss.backward()
+                loss_sum += loss.detach()
+                data_state = batches.state()
+                # Prefetch: on GPU the kernels queued above still run while the CPU slices the next batch.
+                x, y = (t.to(d.device, non_blocking=True) for t in next(batches))
+            # DDP leaves identical gradients on every rank, so every rank reaches the same verdict.
+            if gradients_finite(model):
+                opt.step()
+                bad_in_a_row = 0
+            else:
+                st.nonfinite_steps += 1
+                bad_in_a_row += 1
+                log(f"step {step + 1:06d} | non-finite loss or gradients: update skipped "
+                    f"({bad_in_a_row} in a row, {st.nonfinite_steps} in all)")
+                if bad_in_a_row >= MAX_NONFINITE_IN_A_ROW:
+                    log(f"error: {bad_in_a_row} non-finite steps in a row; stopping. The last good checkpoint is "
+                        f"step {max(last_saved_step, 0):06d}; lower the learning rates or check the data")
+                    return 1
+            model.zero_grad(set_to_none=True)
+            st.tokens_seen += tokens_per_step
+
+            if (step + 1) % cfg.log_every_steps == 0:
+                if d.world_size > 1:  # the logged loss is the mean over ranks, not rank 0's
+                    dist.all_reduce(loss_sum)
+                    loss_sum /= d.world_size
+                train_loss = loss_sum.item()  # syncs the device; only on logging steps
+            dt = time.time() - t0
+            st.step_seconds = dt if st.step_seconds == 0 else 0.9 * st.step_seconds + 0.1 * dt
+            if step - (resume_step or 0) >= 3:  # first steps hold compile and allocator warm-up
+                measured_tokens += tokens_per_step
+                measured_time += dt
+            tok_s = tokens_per_step / dt
+            if (step + 1) % cfg.log_every_steps == 0:
+                used_h = (used_at_start + time.time() - loop_start) / 3600
+                mfu = f"{100 * flops_per_token * tok_s / (peak * d.world_size):.1f}%" if peak else "-"
+                log(f"step {step + 1:06d} | loss {train_loss:.4f} | lr {opt.matrix_lr():.2e} | dt {1000 * dt:.0f}ms | "
+                    f"tok/s {tok_s:,.0f} | mfu {mfu} | mem {memory_gib(d.device):.1f}GiB | "
+                    f"used {used_h:.2f}h/{cfg.training_hours:.2f}h | eta {max(cfg.training_hours - used_h, 0):.2f}h")
+                writer.add_scalar("train/loss", train_loss, step + 1)
+                writer.add_scalar("train/lr_multiplier", mult, step + 1)
+                writer.add_scalar("perf/tok_per_s", tok_s, step + 1)
+                writer.add_scalar("perf/mem_gib", memory_gib(d.device), step + 1)
+                if peak:
+                    writer.add_scalar("perf/mfu", flops_per_token * tok_s / (peak * d.world_size), step + 1)
+            if not planned and measured_time > 0 and step - (resume_step or 0) >= 10:
+                planned = True
+                rate = measured_tokens / measured_time
+                left = max(budget_seconds - st.used_seconds - reserve, 0)
+                total_tokens = st.tokens_seen + rate * left
+                log(f"planner | measured {rate:,.0f} tok/s | projected {int(step + 1 + rate * left / tokens_per_step):,} "
+                    f"steps, {total_tokens:,.0f} tokens in the {cfg.training_hours:.3f}h budget | "
+                    f"{total_tokens / prepared.meta['split']['train_tokens']:.2f} epochs | "
+                    f"{total_tokens / model.num_params():.1f} tokens/param")
 
     writer.close()
     best = ckpt.read_best(run_dir) if d.master else None
@@ -625,6 +741,7 @@ def main(argv=None) -> int:
     finally:
         if d is not None and d.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+            d.store = None  # only now: the group's threads may use the store until they are gone
 
 
 if __name__ == "__main__":

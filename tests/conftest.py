@@ -27,15 +27,20 @@ def corpus(tmp_path) -> Path:
     return d
 
 
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def train_cmd(args, nproc: int = 1, torchrun=("--standalone",)) -> list[str]:
+    """The trainer as users run it: plain `python -m` for one process, torchrun (gloo) for more."""
+    if nproc == 1 and not torchrun:
+        return [sys.executable, "-m", "experiment.train", *map(str, args)]
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun, f"--nproc_per_node={nproc}",
+            "-m", "experiment.train", *map(str, args)]
+
+
 def run_train(args, nproc: int = 1, check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Runs the trainer as users do: plain `python -m` for one process, torchrun (gloo) for more."""
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "experiment.train", *map(str, args)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "experiment.train", *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    cmd = train_cmd(args, nproc, torchrun=() if nproc == 1 else ("--standalone",))
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
