@@ -1,15 +1,23 @@
-"""Benchmarks that print numbers (never asserted in tests).
+"""Benchmarks and planners that print numbers (never asserted in tests).
 
     python -m experiment.bench generate [--checkpoint PATH] [--tokens 1024] [--device auto]
+    python -m experiment.bench plan --depth 64 --nproc 8 --gpu_mem_gb 80 [--seq 2048] [--device_batch_size 2]
+    python -m experiment.bench fitprobe --depth 64 --world 8 --device_batch_sizes 1,2,4 [--seq 2048]
 
 generate: tokens/s for N generated tokens with the KV cache and with the naive path (a full forward
 over the last max_seq_len tokens per token), on a checkpoint (default: the newest run's best) or,
 with --depth, on a freshly initialised model of that shape.
+plan: the per-GPU memory breakdown of a configuration in every precision/recompute mode, and the
+largest device batch that fits in each. Nothing is allocated.
+fitprobe: one GPU runs rank 0 of a simulated world (optimizer state only for rank 0's parameters,
+collectives skipped) for a few steps and reports its measured peak memory beside the plan, so a
+configuration can be checked on one rented GPU before paying for eight.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -17,7 +25,9 @@ from pathlib import Path
 import torch
 
 from experiment import checkpoint as ckpt
+from experiment.memory import MODES, format_plan, param_shapes, plan_memory
 from experiment.model import GPT, GPTConfig
+from experiment.optim import ShardedOptimizer
 
 
 def _sync(device: torch.device) -> None:
@@ -41,6 +51,76 @@ def bench_generate(model: GPT, n_tokens: int, device: torch.device, allowed_voca
     return results
 
 
+def cmd_plan(args) -> int:
+    config = GPTConfig(vocab_size=args.vocab_size, depth=args.depth, aspect_ratio=args.aspect_ratio,
+                       head_dim=args.head_dim, max_seq_len=args.seq)
+    gpu_bytes = int(args.gpu_mem_gb * 2**30)
+    n = sum(math.prod(s) for s in param_shapes(config).values())
+    print(f"plan | d{args.depth} width {config.n_embd} | {n / 1e9:.2f}B params | {args.nproc} GPUs x "
+          f"{args.gpu_mem_gb:g} GiB | seq {args.seq} | device batch {args.device_batch_size}")
+    plans = [plan_memory(config, args.nproc, args.device_batch_size, args.seq, p, c) for p, c in MODES]
+    print(format_plan(plans, gpu_bytes))
+    for p, c in MODES:
+        fitting = [b for b in (1, 2, 4, 8, 16, 32, 64)
+                   if plan_memory(config, args.nproc, b, args.seq, p, c).fits(gpu_bytes)]
+        print(f"plan | {p}{' +ckpt' if c else '':6s} | largest device batch that fits: {max(fitting) if fitting else 'none'}")
+    return 0
+
+
+def cmd_fitprobe(args) -> int:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = GPTConfig(vocab_size=args.vocab_size, depth=args.depth, aspect_ratio=args.aspect_ratio,
+                       head_dim=args.head_dim, max_seq_len=args.seq)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"fitprobe | d{args.depth} as rank 0 of {args.world} | {args.precision}"
+          f"{' +ckpt' if args.activation_checkpointing else ''} | seq {args.seq} | {name} | torch {torch.__version__}")
+    for batch in args.device_batch_sizes:
+        planned = plan_memory(config, args.world, batch, args.seq, args.precision, args.activation_checkpointing,
+                              cuda=device.type == "cuda")
+        try:
+            peak = probe_peak_memory(config, args.world, batch, args.seq, args.precision,
+                                     args.activation_checkpointing, device, steps=args.steps)
+            measured = f"{peak / 2**30:.1f} GiB" if peak is not None else "n/a on CPU"
+        except torch.OutOfMemoryError:
+            measured = "OUT OF MEMORY"
+        print(f"fitprobe | device batch {batch} | measured peak {measured} | planned {planned.total / 2**30:.1f} GiB")
+    return 0
+
+
+def probe_peak_memory(config: GPTConfig, world: int, batch: int, seq: int, precision: str, recompute: bool,
+                      device: torch.device, steps: int = 3) -> int | None:
+    """Peak bytes allocated on the GPU by `steps` training steps of rank 0 in a simulated world."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device=device)
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    model.init_weights(seed=0)
+    model.activation_checkpointing = recompute
+    opt = ShardedOptimizer(model, 0, world, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004,
+                           master_weights=precision == "bf16", communicate=False)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    try:
+        for _ in range(steps):
+            x = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+            with autocast:
+                model(x, x).backward()
+            opt.step()
+            model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(device)
+            return torch.cuda.max_memory_allocated(device)
+        return None
+    finally:
+        del model, opt
+        if cuda:
+            torch.cuda.empty_cache()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiment.bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -51,7 +131,32 @@ def main(argv=None) -> int:
     g.add_argument("--max_seq_len", type=int, default=256, help="context of the fresh model")
     g.add_argument("--tokens", type=int, default=1024, help="tokens to generate")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    def shape_flags(p, depth_default=None):
+        p.add_argument("--depth", type=int, required=depth_default is None, default=depth_default)
+        p.add_argument("--aspect_ratio", type=int, default=64)
+        p.add_argument("--head_dim", type=int, default=128)
+        p.add_argument("--seq", type=int, default=2048, help="context length")
+        p.add_argument("--vocab_size", type=int, default=128, help="padded vocabulary (char corpora: 64-256)")
+
+    pl = sub.add_parser("plan", help="per-GPU memory breakdown for both precision modes")
+    shape_flags(pl)
+    pl.add_argument("--nproc", type=int, default=8, help="GPUs in all (the ZeRO-1 world size)")
+    pl.add_argument("--gpu_mem_gb", type=float, default=80, help="memory of one GPU, GiB")
+    pl.add_argument("--device_batch_size", type=int, default=1)
+    fp = sub.add_parser("fitprobe", help="measure peak memory of rank 0 of a simulated world on one GPU")
+    shape_flags(fp)
+    fp.add_argument("--world", type=int, default=8, help="simulated world size")
+    fp.add_argument("--device_batch_sizes", default="1,2,4", help="comma-separated micro-batch sizes")
+    fp.add_argument("--precision", default="bf16", choices=("fp32", "bf16"))
+    fp.add_argument("--activation_checkpointing", default="on", choices=("on", "off"))
+    fp.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return cmd_plan(args)
+    if args.command == "fitprobe":
+        args.device_batch_sizes = [int(b) for b in args.device_batch_sizes.split(",")]
+        args.activation_checkpointing = args.activation_checkpointing == "on"
+        return cmd_fitprobe(args)
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if args.device == "auto" else args.device))

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -147,14 +148,25 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        cos, sin = rope_tables(config.max_seq_len, config.head_dim, config.rope_base)
-        # Non-persistent: derived from the config, so checkpoints hold only learned weights.
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self._set_rope()
+        # Recompute each block in backward instead of keeping its activations (set by the trainer
+        # when the memory plan needs it): about a third more compute, a fraction of the memory.
+        self.activation_checkpointing = False
+
+    def _set_rope(self) -> None:
+        device = self.wte.weight.device
+        cos, sin = rope_tables(self.config.max_seq_len, self.config.head_dim, self.config.rope_base)
+        # Non-persistent (derived from the config, so checkpoints hold only learned weights) and
+        # always fp32, also when the weights are bf16.
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
-        """Explicit init (called once by the trainer, never by load): same seed -> same weights."""
+        """Explicit init (called once by the trainer, never by load): same seed -> same weights, on
+        any device and in any dtype. Also (re)computes the RoPE tables, so a model materialized from
+        the meta device with to_empty() is complete afterwards."""
+        self._set_rope()
         gen = torch.Generator(device="cpu")
         if seed is not None:
             gen.manual_seed(seed)
@@ -201,7 +213,10 @@ class GPT(nn.Module):
         cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
         x = rms_norm(self.wte(idx))
         for block in self.blocks:
-            x = block(x, cos, sin, cache)
+            if self.activation_checkpointing and cache is None and torch.is_grad_enabled():
+                x = checkpoint(block, x, cos, sin, None, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, cache)
         if cache is not None:
             cache.pos += T
         logits = self.lm_head(rms_norm(x)).float()  # fp32 logits: a stable softmax under bf16 autocast

@@ -4,6 +4,9 @@ All ranks hold full (DDP-averaged) gradients; each steps only the parameters it 
 owner broadcasts its updated values in one flattened buffer. Muon (torch.optim.Muon) updates the
 hidden matrices; AdamW the embedding, the head and any non-matrix parameter, as in modded-nanogpt
 and nanochat. State is saved per rank keyed by parameter name, so any world size can load it.
+
+With master_weights (bf16 parameters on GPU), each rank also keeps an fp32 copy of the parameters
+it owns: the optimizer steps the fp32 copy, and the bf16 weights are refreshed from it.
 """
 
 from __future__ import annotations
@@ -27,22 +30,33 @@ def partition(sizes: dict[str, int], world_size: int) -> dict[str, int]:
     return owner
 
 
+def uses_muon(name: str, shape) -> bool:
+    return len(shape) == 2 and name not in (EMBEDDING, UNEMBEDDING)
+
+
 class ShardedOptimizer:
     def __init__(self, model: torch.nn.Module, rank: int = 0, world_size: int = 1, *,
                  matrix_lr: float, embedding_lr: float, unembedding_lr: float,
-                 betas=(0.8, 0.95), muon_momentum: float = 0.95):
+                 betas=(0.8, 0.95), muon_momentum: float = 0.95, master_weights: bool = False,
+                 communicate: bool = True):
+        """master_weights: keep fp32 copies of owned parameters (create the optimizer while the
+        model is still fp32, then cast the model). communicate=False skips the broadcasts: the fit
+        probe runs one rank of a simulated world."""
         self.rank, self.world_size = rank, world_size
+        self.communicate = communicate and world_size > 1
         self.params = dict(model.named_parameters())
         self.owner = partition({n: p.numel() for n, p in self.params.items()}, world_size)
-        mine = {n: p for n, p in self.params.items() if self.owner[n] == rank}
+        owned = [n for n in self.params if self.owner[n] == rank]
+        self.master = {n: self.params[n].detach().float().clone() for n in owned} if master_weights else {}
+        self.target = {n: self.master.get(n, self.params[n]) for n in owned}  # what the optimizers step
         # AdamW lrs were tuned at width 768 (nanochat); scale by 1/sqrt(width) like its trainer.
         width = self.params[EMBEDDING].shape[1]
         adam_scale = (width / 768) ** -0.5
-        matrices = [p for n, p in mine.items() if p.ndim == 2 and n not in (EMBEDDING, UNEMBEDDING)]
+        matrices = [t for n, t in self.target.items() if uses_muon(n, t.shape)]
         adam_groups = [
-            {"params": [p for n, p in mine.items() if n == EMBEDDING], "lr": embedding_lr * adam_scale},
-            {"params": [p for n, p in mine.items() if n == UNEMBEDDING], "lr": unembedding_lr * adam_scale},
-            {"params": [p for n, p in mine.items() if p.ndim != 2], "lr": embedding_lr * adam_scale},
+            {"params": [t for n, t in self.target.items() if n == EMBEDDING], "lr": embedding_lr * adam_scale},
+            {"params": [t for n, t in self.target.items() if n == UNEMBEDDING], "lr": unembedding_lr * adam_scale},
+            {"params": [t for n, t in self.target.items() if t.ndim != 2], "lr": embedding_lr * adam_scale},
         ]
         adam_groups = [g for g in adam_groups if g["params"]]
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -70,9 +84,19 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
+        for name, master in self.master.items():
+            grad = self.params[name].grad
+            master.grad = None if grad is None else grad.float()
         for opt in self.optimizers:
             opt.step()
-        if self.world_size == 1:
+        for name, master in self.master.items():
+            self.params[name].copy_(master)  # the bf16 weights follow the fp32 masters
+            master.grad = None
+        self._broadcast_owned()
+
+    @torch.no_grad()
+    def _broadcast_owned(self) -> None:
+        if not self.communicate:
             return
         for r, params in enumerate(self.owned_by):
             if not params:
@@ -86,25 +110,30 @@ class ShardedOptimizer:
     # ------------------------------------------------------------ state, keyed by parameter name
 
     def shard_state(self) -> dict:
-        """This rank's optimizer state: {name: {state key: tensor}} for the parameters it owns."""
-        names = {id(p): n for n, p in self.params.items()}
-        state = {}
+        """This rank's optimizer state: {name: {state key: tensor}} for the parameters it owns, with
+        the fp32 master value under "master" (in either mode, so a resume is exact in both)."""
+        names = {id(t): n for n, t in self.target.items()}
+        state = {n: {} for n in self.target}
         for opt in self.optimizers:
-            for p, s in opt.state.items():
+            for t, s in opt.state.items():
                 # To CPU: a copy on the GPU would briefly double optimizer memory at every save.
-                state[names[id(p)]] = {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v)
+                state[names[id(t)]] = {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v)
                                        for k, v in s.items()}
+        for n, t in self.target.items():
+            state[n]["master"] = t.detach().float().to("cpu", copy=True)
         return {"rank": self.rank, "world_size": self.world_size,
                 "owned": [n for n, r in self.owner.items() if r == self.rank], "state": state}
 
+    @torch.no_grad()
     def load_shards(self, shards) -> int:
-        """Takes the state of the parameters this rank owns from any shard files (any world size).
-        Returns how many parameters got state; parameters with none start fresh."""
-        by_param = {}
+        """Takes the state of the parameters this rank owns from any shard files (any world size),
+        sets owned parameters (and masters) to their saved fp32 values, and shares them with the
+        other ranks (a collective). Returns how many parameters got optimizer state."""
+        by_target = {}
         for opt in self.optimizers:
             for group in opt.param_groups:
-                for p in group["params"]:
-                    by_param[id(p)] = opt
+                for t in group["params"]:
+                    by_target[id(t)] = opt
         loaded = 0
         for shard in shards:
             for name, s in shard["state"].items():
@@ -112,9 +141,15 @@ class ShardedOptimizer:
                     raise KeyError(f"optimizer shard names unknown parameter {name!r}")
                 if self.owner[name] != self.rank:
                     continue
-                p = self.params[name]
-                opt = by_param[id(p)]
-                opt.state[p] = {k: (v.clone().to(p.device) if torch.is_tensor(v) and v.ndim > 0
-                                    else (v.clone() if torch.is_tensor(v) else v)) for k, v in s.items()}
-                loaded += 1
+                target = self.target[name]
+                if "master" in s:
+                    target.copy_(s["master"])
+                    self.params[name].copy_(s["master"])
+                opt_state = {k: v for k, v in s.items() if k != "master"}
+                if opt_state:
+                    by_target[id(target)].state[target] = {
+                        k: (v.clone().to(target.device) if torch.is_tensor(v) and v.ndim > 0
+                            else (v.clone() if torch.is_tensor(v) else v)) for k, v in opt_state.items()}
+                    loaded += 1
+        self._broadcast_owned()
         return loaded

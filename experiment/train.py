@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from experiment import checkpoint as ckpt
 from experiment.dataloader import (DEMO_FILE, DataError, Prepared, TokenBatches, demo_lines, prepare, val_batches,
                                    write_demo_corpus)
+from experiment.memory import MODES, MemoryPlan, choose_mode, format_plan, plan_memory
 from experiment.model import GPT, GPTConfig
 from experiment.optim import ShardedOptimizer
 
@@ -93,6 +94,9 @@ class TrainConfig:
     final_lr_frac: float = _opt("LR multiplier at the end of warmdown", 0.0)
     seed: int = _opt("init and data-order seed", 1337)
     compile: str = _opt("torch.compile: auto (on with CUDA), on, off", "auto")
+    precision: str = _opt("weights: auto (fp32 unless only bf16 fits), fp32, or bf16 (bf16 weights and grads, "
+                          "fp32 master shards)", "auto")
+    activation_checkpointing: str = _opt("recompute blocks in backward: auto (when needed to fit), on, off", "auto")
     device: str = _opt("auto, cpu or cuda", "auto")
 
 
@@ -124,8 +128,10 @@ def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
         cfg.training_hours = cfg.budget_usd / (cfg.gpu_hourly_usd * world_size)
     if cfg.training_hours <= 0:
         raise ConfigError(f"--training_hours must be > 0, got {cfg.training_hours}")
-    if cfg.compile not in ("auto", "on", "off"):
-        raise ConfigError(f"--compile must be auto, on or off, got {cfg.compile!r}")
+    for name, allowed in (("compile", ("auto", "on", "off")), ("precision", ("auto", "fp32", "bf16")),
+                          ("activation_checkpointing", ("auto", "on", "off"))):
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}")
     if cfg.resume not in ("auto", "never") and not cfg.resume.isdigit():
         raise ConfigError(f"--resume must be auto, never or a step number, got {cfg.resume!r}")
     per_rank = cfg.max_seq_len * world_size
@@ -318,31 +324,64 @@ def demo_accuracy(model: GPT, prepared: Prepared, n: int = 50) -> tuple[int, int
     return correct, n
 
 
-def find_device_batch(model: GPT, cfg: TrainConfig, d: Dist, autocast) -> int:
-    """Largest power-of-two micro-batch whose forward+backward fits, agreed across ranks (min)."""
-    per_rank = cfg.total_batch_size // (cfg.max_seq_len * d.world_size)
-    b = 1 << (min(per_rank, 256).bit_length() - 1)
+def largest_fitting_batch(try_batch, start: int) -> int:
+    """Halves from `start` (a power of two) until try_batch(b) runs without running out of memory;
+    0 if not even 1 fits."""
+    b = start
     while b >= 1:
         try:
+            try_batch(b)
+            return b
+        except torch.OutOfMemoryError:
+            b //= 2
+    return 0
+
+
+def find_device_batch(model: GPT, cfg: TrainConfig, d: Dist, autocast, reserve_bytes: int) -> int:
+    """Largest power-of-two micro-batch whose forward+backward fits next to `reserve_bytes` (the
+    optimizer state and fp32 master gradients, allocated only at the first step), agreed across
+    ranks (min), and dividing the per-rank batch."""
+    per_rank = cfg.total_batch_size // (cfg.max_seq_len * d.world_size)
+
+    def try_batch(b: int) -> None:
+        reserve = None
+        try:
+            reserve = torch.empty(reserve_bytes, dtype=torch.uint8, device=d.device)
             x = torch.zeros(b, cfg.max_seq_len, dtype=torch.long, device=d.device)
             with autocast:
                 model(x, x).backward()
-            model.zero_grad(set_to_none=True)
-            break
-        except torch.OutOfMemoryError:
+        finally:
+            del reserve
             model.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
-            b //= 2
-    if b < 1:
-        raise ConfigError("not even device_batch_size 1 fits in GPU memory; lower --depth or --max_seq_len")
-    torch.cuda.empty_cache()
+
+    b = largest_fitting_batch(try_batch, 1 << (min(per_rank, 256).bit_length() - 1))
     agreed = torch.tensor([b], device=d.device)
     if d.world_size > 1:
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
     b = int(agreed.item())
+    if b < 1:
+        raise ConfigError("not even device_batch_size 1 fits in GPU memory; lower --depth or --max_seq_len "
+                          "(python -m experiment.bench plan shows where the memory goes)")
     while per_rank % b:
         b //= 2
     return b
+
+
+def choose_memory_mode(cfg: TrainConfig, model_config: GPTConfig, d: Dist) -> MemoryPlan | None:
+    """On CUDA, "auto" settings take the cheapest mode the memory plan says fits this GPU; on CPU,
+    "auto" is fp32 without recompute (returns None: no plan)."""
+    if d.device.type != "cuda":
+        return None
+    gpu_bytes = torch.cuda.get_device_properties(d.device).total_memory
+    batch = cfg.device_batch_size or 1
+    plan = choose_mode(model_config, d.world_size, batch, cfg.max_seq_len, gpu_bytes,
+                       cfg.precision, cfg.activation_checkpointing)
+    if plan is None:
+        plans = [plan_memory(model_config, d.world_size, batch, cfg.max_seq_len, p, c) for p, c in MODES]
+        raise ConfigError(f"d{cfg.depth} with device batch {batch} does not fit {gpu_bytes / 2**30:.0f} GiB per GPU "
+                          f"on {d.world_size} ranks in any mode allowed:\n{format_plan(plans, gpu_bytes)}")
+    return plan
 
 
 @dataclass
@@ -423,6 +462,8 @@ def _write_meta(run_dir, model, st, val_loss, cfg, prepared, budget_seconds, pos
         "eval_seconds": st.eval_seconds, "save_seconds": st.save_seconds, "step_seconds": st.step_seconds,
         "model_config": model.config.to_dict(), "train_config": dataclasses.asdict(cfg),
         "world_size": d.world_size, "data_positions": positions, "nonfinite_steps": st.nonfinite_steps,
+        "weights_dtype": str(model.wte.weight.dtype).removeprefix("torch."),
+        "activation_checkpointing": model.activation_checkpointing,
         "tokenizer": {k: prepared.meta[k] for k in ("tokenizer", "encoding", "chars", "bos_id", "vocab_size", "vocab_used")},
         "prepared": {"dir": str(prepared.dir), "hash": prepared.meta["hash"]},
         "saved_at": time.time(),
@@ -534,17 +575,31 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
     torch.manual_seed(cfg.seed)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast
-    model = GPT(model_config)
-    model.init_weights(seed=cfg.seed)  # identical on every rank: same seed, CPU generator
-    model.to(d.device)
+    plan = choose_memory_mode(cfg, model_config, d)
+    precision = plan.precision if plan else ("fp32" if cfg.precision == "auto" else cfg.precision)
+    recompute = plan.checkpointing if plan else cfg.activation_checkpointing == "on"
+    # Built on the meta device and materialized in place: d64 in fp32 is 51 GB, which no rank should
+    # hold in host memory first. Same seed and CPU generator: identical weights on every rank.
+    with torch.device("meta"):
+        model = GPT(model_config)
+    model.to_empty(device=d.device)
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    model.init_weights(seed=cfg.seed)
+    model.activation_checkpointing = recompute
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+    opt = ShardedOptimizer(model, d.rank, d.world_size, matrix_lr=cfg.matrix_lr, embedding_lr=cfg.embedding_lr,
+                           unembedding_lr=cfg.unembedding_lr, master_weights=precision == "bf16")
+    log(f"memory | weights {precision}" + (" with fp32 master shards" if precision == "bf16" else "")
+        + f" | activation checkpointing {'on' if recompute else 'off'}"
+        + (f" | planned {plan.total / 2**30:.1f} GiB of {torch.cuda.get_device_properties(d.device).total_memory / 2**30:.1f}"
+           f" GiB per GPU at device batch {cfg.device_batch_size or 1}" if plan else ""))
     if cfg.device_batch_size is None:
-        cfg.device_batch_size = find_device_batch(model, cfg, d, autocast)
+        reserve = plan.rows["optimizer state"] + plan.rows["fp32 masters"] // 2 if plan else 0
+        cfg.device_batch_size = find_device_batch(model, cfg, d, autocast, reserve)
         log(f"device_batch_size auto -> {cfg.device_batch_size}")
     grad_accum = cfg.total_batch_size // (cfg.device_batch_size * cfg.max_seq_len * d.world_size)
 
-    opt = ShardedOptimizer(model, d.rank, d.world_size, matrix_lr=cfg.matrix_lr,
-                           embedding_lr=cfg.embedding_lr, unembedding_lr=cfg.unembedding_lr)
     st = RunState()
     if resume_step is not None:
         st = load_checkpoint(run_dir, resume_step, model, opt, d)

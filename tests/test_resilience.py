@@ -199,7 +199,8 @@ def test_resume_on_another_world_size(elastic_runs, world_from, world_to, batch)
     meta = ckpt.read_meta(src, 3)
     for rank in range(world_to):
         model = GPT(GPTConfig(**meta["model_config"]))
-        opt = ShardedOptimizer(model, rank, world_to, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004)
+        opt = ShardedOptimizer(model, rank, world_to, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004,
+                               communicate=False)
         load_checkpoint(run_dir, 3, model, opt, Dist(rank, rank, world_to, torch.device("cpu")))
         mine = opt.shard_state()["state"]
         assert restored.keys().isdisjoint(mine.keys())
@@ -291,3 +292,33 @@ def test_nonfinite_losses_skip_updates_and_a_streak_stops_the_run(tmp_path, corp
     out = capsys.readouterr().out
     assert code == 1 and "5 non-finite steps in a row; stopping" in out
     assert ckpt.complete_steps(tmp_path / "checkpoints/d2")[-1] == 7  # nothing saved after the streak began
+
+
+# ---------------------------------------------------------------- memory modes
+
+
+def test_bf16_with_master_shards_resumes_exactly_and_recompute_changes_nothing(tmp_path, corpus):
+    args = [*TINY, "--data_dir", corpus, "--max_steps", 6, "--save_every_steps", 3, "--total_batch_size", 256,
+            "--precision", "bf16"]
+    run_train([*args, "--workspace", tmp_path / "a", "--activation_checkpointing", "on"], nproc=2)
+    run_train([*args, "--workspace", tmp_path / "b", "--activation_checkpointing", "off"], nproc=2)
+    a, b = _state(tmp_path / "a", 6), _state(tmp_path / "b", 6)
+    assert all(v.dtype == torch.bfloat16 for v in a.values())
+    assert all(torch.equal(a[n], b[n]) for n in a)  # recomputing blocks gives the same gradients
+    meta = _meta(tmp_path / "a", 6)
+    assert meta["weights_dtype"] == "bfloat16" and meta["activation_checkpointing"] is True
+    # fp32 masters live only in the owner's shard, and a resume restores them exactly.
+    run_dir = tmp_path / "a/checkpoints/d2"
+    shards = [ckpt.load_tensors(ckpt.optim_path(run_dir, 6, r))["state"] for r in range(2)]
+    assert set(shards[0]).isdisjoint(shards[1])
+    assert all(s["master"].dtype == torch.float32 for shard in shards for s in shard.values())
+    resumed = tmp_path / "c/checkpoints/d2"
+    resumed.mkdir(parents=True)
+    for p in run_dir.iterdir():
+        if "_000003" in p.name:
+            shutil.copy(p, resumed / p.name)
+    run_train([*args, "--workspace", tmp_path / "c", "--activation_checkpointing", "on"], nproc=2)
+    c = _state(tmp_path / "c", 6)
+    assert all(torch.equal(a[n], c[n]) for n in a)
+    masters_c = [ckpt.load_tensors(ckpt.optim_path(resumed, 6, r))["state"] for r in range(2)]
+    assert all(torch.equal(shards[r][n]["master"], masters_c[r][n]["master"]) for r in range(2) for n in shards[r])

@@ -1,0 +1,108 @@
+"""Per-GPU memory plan of a training configuration, computed before anything is allocated.
+
+Parameter shapes come from the model built on the meta device; ownership from the same partition
+the ZeRO-1 optimizer uses (the most loaded rank decides); activation counts from a measurement.
+The trainer uses the plan to pick the precision mode and activation checkpointing; `python -m
+experiment.bench plan` prints it, and `bench fitprobe` measures the truth on one GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from experiment.model import GPT, GPTConfig
+from experiment.optim import partition, uses_muon
+
+# Elements autograd saves for one forward pass, measured on CPU with saved_tensors_hooks over six
+# shapes (exact least-squares fit, relative error < 1e-5):
+#   19 x layers x B*T*d + 3 x layers x B*heads*T + 3 x B*T*d + 1 x B*T*vocab + 4 x B*T
+ACT_LAYER_BTD, ACT_LAYER_BHT, ACT_OUTSIDE_BTD, ACT_HEAD_BTV, ACT_BT = 19, 3, 3, 1, 4
+# Not measured here (no GPU when this was written): the CUDA context and kernel workspaces, and
+# allocator fragmentation. Assumptions, which `bench fitprobe` checks on a real GPU.
+OVERHEAD_FIXED_BYTES = 1 << 30
+OVERHEAD_FRACTION = 0.05
+MODES = (("fp32", False), ("bf16", False), ("fp32", True), ("bf16", True))  # cheapest compute first
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    precision: str  # "fp32": fp32 weights and grads; "bf16": bf16 weights and grads + fp32 masters
+    checkpointing: bool
+    rows: dict[str, int]  # bytes per GPU: weights, grads, fp32 masters, optimizer state, activations, overhead
+
+    @property
+    def total(self) -> int:
+        return sum(self.rows.values())
+
+    def fits(self, gpu_bytes: int) -> bool:
+        return self.total <= gpu_bytes
+
+
+def param_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        return {n: tuple(p.shape) for n, p in GPT(config).named_parameters()}
+
+
+def activation_bytes(config: GPTConfig, batch: int, seq: int, checkpointing: bool, elem_bytes: int) -> int:
+    """Saved activations of one micro-batch. With checkpointing, a block keeps only its input and
+    one block at a time is recomputed in backward. Logits and the loss are fp32 (4 bytes)."""
+    bt, d, heads, layers = batch * seq, config.n_embd, config.n_head, config.n_layer
+    block = (ACT_LAYER_BTD * bt * d + ACT_LAYER_BHT * batch * heads * seq) * elem_bytes
+    outside = ACT_OUTSIDE_BTD * bt * d * elem_bytes + ACT_HEAD_BTV * bt * config.vocab_size * 4 + ACT_BT * bt * 8
+    if checkpointing:
+        return layers * bt * d * elem_bytes + block + outside
+    return layers * block + outside
+
+
+def plan_memory(config: GPTConfig, world_size: int, batch: int, seq: int, precision: str,
+                checkpointing: bool, cuda: bool = True) -> MemoryPlan:
+    shapes = param_shapes(config)
+    sizes = {n: math.prod(s) for n, s in shapes.items()}
+    owner = partition(sizes, world_size)
+    # The most loaded rank decides whether the configuration fits.
+    owned = max(([n for n in sizes if owner[n] == r] for r in range(world_size)),
+                key=lambda names: sum(sizes[n] for n in names))
+    n_params = sum(sizes.values())
+    n_owned = sum(sizes[n] for n in owned)
+    n_muon = sum(sizes[n] for n in owned if uses_muon(n, shapes[n]))
+    weight_bytes = 2 if precision == "bf16" else 4
+    rows = {
+        "weights": n_params * weight_bytes,
+        "grads": n_params * weight_bytes,
+        # the fp32 copy of owned parameters, and its fp32 gradient while the optimizer steps
+        "fp32 masters": 2 * 4 * n_owned if precision == "bf16" else 0,
+        # Muon: one fp32 momentum buffer; AdamW: two fp32 moments
+        "optimizer state": 4 * n_muon + 8 * (n_owned - n_muon),
+        # on CUDA, autocast keeps activations in bf16 in both modes; CPU training is fp32
+        "activations": activation_bytes(config, batch, seq, checkpointing, 2 if cuda else 4),
+    }
+    rows["overhead"] = (OVERHEAD_FIXED_BYTES if cuda else 0) + int(OVERHEAD_FRACTION * sum(rows.values()))
+    return MemoryPlan(precision, checkpointing, rows)
+
+
+def choose_mode(config: GPTConfig, world_size: int, batch: int, seq: int, gpu_bytes: int,
+                precision: str = "auto", checkpointing: str = "auto") -> MemoryPlan | None:
+    """The cheapest mode (fp32 before bf16, no recompute before recompute) that fits, honouring
+    any setting that is not "auto"; None if nothing fits."""
+    for p, c in MODES:
+        if precision not in ("auto", p) or checkpointing not in ("auto", "on" if c else "off"):
+            continue
+        plan = plan_memory(config, world_size, batch, seq, p, c)
+        if plan.fits(gpu_bytes):
+            return plan
+    return None
+
+
+def format_plan(plans: list[MemoryPlan], gpu_bytes: int) -> str:
+    gib = 2**30
+    head = f"{'':18s}" + "".join(f"{p.precision + (' +ckpt' if p.checkpointing else ''):>14s}" for p in plans)
+    lines = [head]
+    for row in plans[0].rows:
+        lines.append(f"{row:18s}" + "".join(f"{p.rows[row] / gib:13.1f}G" for p in plans))
+    lines.append(f"{'total':18s}" + "".join(f"{p.total / gib:13.1f}G" for p in plans))
+    lines.append(f"{'fits ' + f'{gpu_bytes / gib:.0f}G':18s}"
+                 + "".join(f"{'yes' if p.fits(gpu_bytes) else 'NO':>14s}" for p in plans))
+    return "\n".join(lines)
