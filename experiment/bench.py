@@ -3,6 +3,8 @@
     python -m experiment.bench generate [--checkpoint PATH] [--tokens 1024] [--device auto]
     python -m experiment.bench plan --depth 64 --nproc 8 --gpu_mem_gb 80 [--seq 2048] [--device_batch_size 2]
     python -m experiment.bench fitprobe --depth 64 --world 8 --device_batch_sizes 1,2,4 [--seq 2048]
+    python -m experiment.bench throughput --depth 4 --seq 256 --batch 8 [--aspect_ratio 64 --head_dim 128]
+    python -m experiment.bench speedrun --data FILE --seconds 180 [--val_fraction 0.1]
 
 generate: tokens/s for N generated tokens with the KV cache and with the naive path (a full forward
 over the last max_seq_len tokens per token), on a checkpoint (default: the newest run's best) or,
@@ -12,13 +14,22 @@ largest device batch that fits in each. Nothing is allocated.
 fitprobe: one GPU runs rank 0 of a simulated world (optimizer state only for rank 0's parameters,
 collectives skipped) for a few steps and reports its measured peak memory beside the plan, so a
 configuration can be checked on one rented GPU before paying for eight.
+throughput: training tokens/s (forward, backward, optimizer step) after warm-up, model FLOP/s, MFU
+against the GPU's peak by name or, on CPU, against an fp32 matmul peak measured on the spot.
+speedrun: trains from scratch for exactly T seconds of budget with the recommended settings for the
+device (the trainer's defaults), then prints the val loss on the full val set and the val-loss curve
+against training seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import resource
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -121,6 +132,106 @@ def probe_peak_memory(config: GPTConfig, world: int, batch: int, seq: int, preci
             torch.cuda.empty_cache()
 
 
+def cpu_matmul_peak(n: int = 1024, reps: int = 20) -> float:
+    """Best fp32 FLOP/s of an n x n matmul on this CPU with torch's current thread count."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(3):
+        a @ b
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def cmd_throughput(args) -> int:
+    from experiment.train import peak_flops
+
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    device = torch.device("cuda" if cuda else "cpu")
+    config = GPTConfig(vocab_size=args.vocab_size, depth=args.depth, aspect_ratio=args.aspect_ratio,
+                       head_dim=args.head_dim, max_seq_len=args.seq)
+    model = GPT(config)
+    model.init_weights(seed=0)
+    model.to(device)
+    opt = ShardedOptimizer(model, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    x = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=device)
+
+    def step():
+        with autocast:
+            model(x, x).backward()
+        opt.step()
+        model.zero_grad(set_to_none=True)
+
+    for _ in range(args.warmup):
+        step()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    _sync(device)
+    seconds = (time.perf_counter() - t0) / args.steps
+    tok_s = args.batch * args.seq / seconds
+    flops = model.estimate_flops(args.seq) * tok_s
+    if cuda:
+        name = torch.cuda.get_device_name(device)
+        peak, peak_src = peak_flops(name), f"{name} dense bf16 peak"
+        mem = torch.cuda.max_memory_allocated(device) / 2**30
+    else:
+        name, peak = "cpu", cpu_matmul_peak()
+        peak_src = f"measured fp32 matmul peak {peak / 1e9:.1f} GFLOP/s, {torch.get_num_threads()} threads"
+        mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    mfu = f"{100 * flops / peak:.1f}%" if peak else "- (unknown device)"
+    print(f"throughput | d{args.depth} width {config.n_embd} heads {config.n_head} | {model.num_params():,} params | "
+          f"seq {args.seq} batch {args.batch} | {name} | torch {torch.__version__}")
+    print(f"throughput | {tok_s:,.0f} tok/s | {1000 * seconds:.1f} ms/step | {flops / 1e9:,.1f} GFLOP/s | "
+          f"mfu {mfu} ({peak_src}) | peak mem {mem:.2f} GiB")
+    return 0
+
+
+def full_val_loss(model: GPT, tokens, seq: int, batch: int = 16) -> tuple[float, int]:
+    """Mean loss over every whole window of the val tokens, in nats per token."""
+    from experiment.dataloader import val_batches
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in val_batches(tokens, seq, batch, max_tokens=len(tokens)):
+            total += model(x, y, reduction="sum").item()
+            count += y.numel()
+    return total / count, count
+
+
+def cmd_speedrun(args) -> int:
+    from experiment.dataloader import Prepared
+
+    ws = Path(args.workspace or tempfile.mkdtemp(prefix="speedrun-"))
+    cmd = [sys.executable, "-m", "experiment.train", "--data_dir", str(args.data), "--workspace", str(ws),
+           "--training_hours", str(args.seconds / 3600), "--val_fraction", str(args.val_fraction),
+           "--model_tag", "speedrun", "--resume", "never", "--sample_tokens", "0",
+           "--eval_every_minutes", str(args.seconds / 6 / 60), "--save_every_minutes", "1e9",
+           "--log_every_steps", "50", *args.train_args]
+    print(f"speedrun | {' '.join(cmd[1:])}", flush=True)
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent)
+    if proc.returncode != 0:
+        print(f"error: training exited {proc.returncode}", file=sys.stderr)
+        return 1
+    run_dir = ws / "checkpoints" / "speedrun"
+    step = ckpt.complete_steps(run_dir)[-1]
+    model, meta = ckpt.load_model(ckpt.model_path(run_dir, step))
+    prepared = Prepared(Path(meta["prepared"]["dir"]), json.loads((Path(meta["prepared"]["dir"]) / "meta.json").read_text()))
+    loss, n = full_val_loss(model, prepared.tokens("val"), model.config.max_seq_len)
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        print(f"curve | {r['used_seconds']:7.1f}s | step {r['step']:6d} | val_loss {r['val_loss']:.4f} (eval slice)")
+    print(f"speedrun | budget {args.seconds:g}s, used {meta['used_seconds']:.1f}s | step {step} | "
+          f"{meta['tokens_seen']:,} tokens | d{meta['model_config']['depth']} "
+          f"width {meta['model_config']['depth'] * meta['model_config']['aspect_ratio']} | "
+          f"val_loss {loss:.4f} nats/char on the full val set ({n:,} tokens, last {args.val_fraction:g} of the text)")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiment.bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -150,7 +261,25 @@ def main(argv=None) -> int:
     fp.add_argument("--precision", default="bf16", choices=("fp32", "bf16"))
     fp.add_argument("--activation_checkpointing", default="on", choices=("on", "off"))
     fp.add_argument("--steps", type=int, default=3)
+    tp = sub.add_parser("throughput", help="training tokens/s, FLOP/s and MFU after warm-up")
+    shape_flags(tp)
+    tp.add_argument("--batch", type=int, default=8)
+    tp.add_argument("--steps", type=int, default=10)
+    tp.add_argument("--warmup", type=int, default=3)
+    tp.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    sr = sub.add_parser("speedrun", help="train for exactly T seconds of budget, print the val loss")
+    sr.add_argument("--data", required=True, help="a .txt file or a directory of them")
+    sr.add_argument("--seconds", type=float, required=True, help="training budget")
+    sr.add_argument("--val_fraction", type=float, default=0.1)
+    sr.add_argument("--workspace", default=None, help="default: a new temp directory")
+    sr.add_argument("train_args", nargs="*", help="extra experiment.train flags after --, e.g. -- --depth 6")
     args = parser.parse_args(argv)
+    if args.command == "throughput":
+        if args.seq is None:
+            args.seq = 256
+        return cmd_throughput(args)
+    if args.command == "speedrun":
+        return cmd_speedrun(args)
     if args.command == "plan":
         return cmd_plan(args)
     if args.command == "fitprobe":
