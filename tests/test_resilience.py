@@ -1,14 +1,12 @@
 """Surviving the things a day on rented GPUs brings: preemption, kill -9, restarts on another GPU
 count, several nodes, a full disk, a diverging loss. All on CPU with gloo ranks."""
 
-import json
 import os
 import random
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest

@@ -13,7 +13,6 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 from conftest import REPO, TINY, run_train
 from experiment import checkpoint as ckpt
