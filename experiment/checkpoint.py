@@ -1,6 +1,7 @@
 """Everything that touches the persistent volume: workspace root, atomic writes, checkpoint files.
 
-One writer and one reader, shared by the trainer and the server. Layout (design.md):
+One writer and one reader, shared by the trainer and the server: file primitives first, then the
+trainer's save (every rank's shard, meta last) and load (any world size). Layout (design.md):
     <workspace>/checkpoints/<model_tag>/model_<step>.pt, optim_<step>_rank<r>.pt, meta_<step>.json,
     best.json. A step counts only once its meta file exists: meta is written last, after every
     rank's files are on disk, so a crash mid-save leaves an incomplete step that is never loaded.
@@ -8,16 +9,29 @@ One writer and one reader, shared by the trainer and the server. Layout (design.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import re
 import shutil
+import sys
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
+from experiment.distributed import Dist, all_ranks_ok
 from experiment.model import GPT, GPTConfig
+
+if TYPE_CHECKING:  # annotations only: dataloader imports this module
+    from experiment.dataloader import Prepared
+    from experiment.optim import ShardedOptimizer
+    from experiment.train import RunLog, TrainConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 META_RE = re.compile(r"^meta_(\d{6,})\.json$")
@@ -189,3 +203,125 @@ def publish_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(tmp)
         return
     os.replace(tmp, final)
+
+
+# ---------------------------------------------------------------- the trainer's checkpoints
+
+
+@dataclass
+class RunState:
+    """What a checkpoint restores besides weights and optimizer state."""
+    step: int = 0
+    tokens_seen: int = 0
+    used_seconds: float = 0.0
+    best_val: float = math.inf
+    best_step: int = -1
+    evals_since_best: int = 0
+    data_state: dict | None = None
+    # Measured durations (longest eval, longest save, recent step): the reserve kept for the final
+    # eval + save. Persisted, so a resumed run still knows what its ending costs.
+    eval_seconds: float = 0.0
+    save_seconds: float = 0.0
+    step_seconds: float = 0.0
+    nonfinite_steps: int = 0  # updates skipped because the loss or gradients were not finite
+
+
+def save_checkpoint(run_dir: Path, model: GPT, opt: ShardedOptimizer, data_state: dict, st: RunState,
+                    val_loss: float | None, cfg: TrainConfig, prepared: Prepared, budget_seconds: float,
+                    d: Dist, log: RunLog) -> bool:
+    """Model once (rank 0), one optimizer shard per rank, then meta last as the completion marker.
+
+    Returns False on every rank if any rank failed to write (disk full, say): the step stays
+    incomplete, its files are removed, and the checkpoints before it are untouched.
+    """
+    error = None
+    try:
+        if d.master:
+            atomic_torch_save(model_path(run_dir, st.step), strip_compile_prefix(model.state_dict()))
+        rng = {"cpu": torch.get_rng_state()}
+        if d.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(d.device)
+        atomic_torch_save(optim_path(run_dir, st.step, d.rank), {**opt.shard_state(), "rng": rng})
+    except OSError as e:
+        error = e
+        print(f"[rank {d.rank}] error: writing checkpoint step {st.step:06d} failed: {e}", file=sys.stderr, flush=True)
+    positions = [None] * d.world_size
+    if d.world_size > 1:
+        dist.all_gather_object(positions, data_state)
+    else:
+        positions = [data_state]
+    # Every rank's files are on disk (or have failed) before the meta can make the step complete.
+    if not all_ranks_ok(error is None, d):
+        if d.master:
+            remove_incomplete(run_dir)
+            log(f"error: checkpoint step {st.step:06d} not saved ({error or 'another rank failed'}); "
+                "earlier checkpoints are kept, training goes on")
+        return False
+    ok = True
+    if d.master:
+        try:
+            ok = _write_meta(run_dir, model, st, val_loss, cfg, prepared, budget_seconds, positions, d, log)
+        except OSError as e:
+            ok = False
+            remove_incomplete(run_dir)
+            log(f"error: checkpoint step {st.step:06d} not saved (meta: {e}); earlier checkpoints are kept")
+    return all_ranks_ok(ok, d)
+
+
+def _write_meta(run_dir, model, st, val_loss, cfg, prepared, budget_seconds, positions, d, log) -> bool:
+    improved = st.best_step == st.step
+    meta = {
+        "step": st.step, "tokens_seen": st.tokens_seen, "used_seconds": st.used_seconds,
+        "budget_seconds": budget_seconds, "val_loss": val_loss,
+        "best_val_loss": st.best_val, "best_step": st.best_step, "evals_since_best": st.evals_since_best,
+        "eval_seconds": st.eval_seconds, "save_seconds": st.save_seconds, "step_seconds": st.step_seconds,
+        "model_config": model.config.to_dict(), "train_config": dataclasses.asdict(cfg),
+        "world_size": d.world_size, "data_positions": positions, "nonfinite_steps": st.nonfinite_steps,
+        "weights_dtype": str(model.wte.weight.dtype).removeprefix("torch."),
+        "activation_checkpointing": model.activation_checkpointing,
+        "tokenizer": {k: prepared.meta[k] for k in ("tokenizer", "encoding", "chars", "bos_id", "vocab_size", "vocab_used")},
+        "prepared": {"dir": str(prepared.dir), "hash": prepared.meta["hash"]},
+        "saved_at": time.time(),
+    }
+    atomic_write_json(meta_path(run_dir, st.step), meta)
+    if improved:
+        atomic_write_json(run_dir / "best.json", {"step": st.step, "val_loss": val_loss})
+    try:
+        deleted = prune(run_dir, cfg.keep_last)
+    except OSError as e:  # the new checkpoint is complete; old ones linger until the next prune
+        deleted = []
+        log(f"warning: pruning old checkpoints failed: {e}")
+    log(f"saved step {st.step:06d} -> {run_dir}" + (" (best)" if improved else "")
+        + (f"; pruned {', '.join(f'{s:06d}' for s in deleted)}" if deleted else ""))
+    return True
+
+
+def load_checkpoint(run_dir: Path, step: int, model: GPT, opt: ShardedOptimizer, d: Dist) -> RunState:
+    meta = read_meta(run_dir, step)
+    model.load_state_dict(strip_compile_prefix(load_tensors(model_path(run_dir, step))))
+    shards = [load_tensors(optim_path(run_dir, step, r)) for r in range(meta["world_size"])]
+    opt.load_shards(shards)
+    own = shards[d.rank] if d.rank < len(shards) else shards[0]
+    torch.set_rng_state(own["rng"]["cpu"])
+    if d.device.type == "cuda" and "cuda" in own["rng"]:
+        torch.cuda.set_rng_state(own["rng"]["cuda"], d.device)
+    return RunState(step=meta["step"], tokens_seen=meta["tokens_seen"], used_seconds=meta["used_seconds"],
+                    best_val=meta["best_val_loss"] if meta["best_step"] >= 0 else math.inf,
+                    best_step=meta["best_step"], evals_since_best=meta["evals_since_best"],
+                    data_state=meta["data_positions"][0], eval_seconds=meta["eval_seconds"],
+                    save_seconds=meta["save_seconds"], step_seconds=meta["step_seconds"],
+                    nonfinite_steps=meta["nonfinite_steps"])
+
+
+def pick_resume_step(run_dir: Path, resume: str) -> int | None:
+    steps = complete_steps(run_dir)
+    if resume == "never":
+        if steps:
+            raise CheckpointError(f"--resume never, but {run_dir} holds checkpoints (steps {steps}); "
+                              "choose another --model_tag or move them away")
+        return None
+    if resume == "auto":
+        return steps[-1] if steps else None
+    if int(resume) not in steps:
+        raise CheckpointError(f"--resume {resume}: no complete checkpoint at that step in {run_dir} (have {steps})")
+    return int(resume)

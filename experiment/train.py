@@ -30,6 +30,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from experiment import checkpoint as ckpt
+from experiment.checkpoint import CheckpointError, RunState, load_checkpoint, pick_resume_step, save_checkpoint
+from experiment.distributed import Dist, StopSignal, broadcast_object, setup_distributed
 from experiment.dataloader import (DEMO_FILE, DataError, Prepared, TokenBatches, demo_lines, prepare, val_batches,
                                    write_demo_corpus)
 from experiment.memory import MODES, MemoryPlan, choose_mode, format_plan, plan_memory
@@ -174,49 +176,6 @@ def peak_flops(device_name: str) -> float | None:
 # ---------------------------------------------------------------- distributed + logging
 
 
-@dataclass
-class Dist:
-    rank: int
-    local_rank: int
-    world_size: int
-    device: torch.device
-    store: object = None  # a store we made must outlive the process group that uses it
-
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self):
-        if self.world_size > 1:
-            dist.barrier()
-
-
-def setup_distributed(device_flag: str) -> Dist:
-    """torchrun sets RANK/WORLD_SIZE; plain `python -m` runs as a world of one with no process group."""
-    cuda = torch.cuda.is_available() if device_flag == "auto" else device_flag == "cuda"
-    if cuda and not torch.cuda.is_available():
-        raise ConfigError("--device cuda but CUDA is not available")
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    store = None
-    if world_size > 1:
-        backend, device_id = ("nccl", device) if cuda else ("gloo", None)
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if restart > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            # torchrun keeps its store across worker restarts, and the new workers would read the
-            # dead workers' addresses from it ("Connection refused"); a per-attempt prefix avoids that.
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                                  is_master=False)
-            dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{restart}", store), rank=rank,
-                                    world_size=world_size, device_id=device_id)
-        else:
-            dist.init_process_group(backend, device_id=device_id)
-    return Dist(rank, local_rank, world_size, device, store)
-
-
 class RunLog:
     """Rank 0's human lines: stdout and the run's training.log. Off rank 0 every call is a no-op."""
 
@@ -249,31 +208,6 @@ class NullWriter:
 
 
 # ---------------------------------------------------------------- pieces of the loop
-
-
-class StopSignal:
-    """SIGTERM/SIGINT (preemption, Ctrl-C): the first lets the step finish and the run save and exit 0;
-    a second one exits at once."""
-
-    def __init__(self, announce: bool):
-        self.announce = announce
-
-    def __enter__(self):
-        self.signum = 0
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
-        return self
-
-    def _handle(self, signum, frame):
-        if self.signum:
-            os._exit(128 + signum)
-        self.signum = signum
-        if self.announce:
-            print(f"{signal.Signals(signum).name}: finishing this step, then saving and exiting "
-                  "(send it again to exit at once, without a checkpoint)", file=sys.stderr, flush=True)
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def gradients_finite(model: torch.nn.Module) -> bool:
@@ -389,142 +323,6 @@ def choose_memory_mode(cfg: TrainConfig, model_config: GPTConfig, d: Dist) -> Me
     return plan
 
 
-@dataclass
-class RunState:
-    """What a checkpoint restores besides weights and optimizer state."""
-    step: int = 0
-    tokens_seen: int = 0
-    used_seconds: float = 0.0
-    best_val: float = math.inf
-    best_step: int = -1
-    evals_since_best: int = 0
-    data_state: dict | None = None
-    # Measured durations (longest eval, longest save, recent step): the reserve kept for the final
-    # eval + save. Persisted, so a resumed run still knows what its ending costs.
-    eval_seconds: float = 0.0
-    save_seconds: float = 0.0
-    step_seconds: float = 0.0
-    nonfinite_steps: int = 0  # updates skipped because the loss or gradients were not finite
-
-
-def all_ranks_ok(ok: bool, d: Dist) -> bool:
-    """True on every rank iff ok on every rank (one tiny all-reduce; also a barrier)."""
-    if d.world_size == 1:
-        return ok
-    flag = torch.tensor([int(ok)], device=d.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def save_checkpoint(run_dir: Path, model: GPT, opt: ShardedOptimizer, data_state: dict, st: RunState,
-                    val_loss: float | None, cfg: TrainConfig, prepared: Prepared, budget_seconds: float,
-                    d: Dist, log: RunLog) -> bool:
-    """Model once (rank 0), one optimizer shard per rank, then meta last as the completion marker.
-
-    Returns False on every rank if any rank failed to write (disk full, say): the step stays
-    incomplete, its files are removed, and the checkpoints before it are untouched.
-    """
-    error = None
-    try:
-        if d.master:
-            ckpt.atomic_torch_save(ckpt.model_path(run_dir, st.step), ckpt.strip_compile_prefix(model.state_dict()))
-        rng = {"cpu": torch.get_rng_state()}
-        if d.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(d.device)
-        ckpt.atomic_torch_save(ckpt.optim_path(run_dir, st.step, d.rank), {**opt.shard_state(), "rng": rng})
-    except OSError as e:
-        error = e
-        print(f"[rank {d.rank}] error: writing checkpoint step {st.step:06d} failed: {e}", file=sys.stderr, flush=True)
-    positions = [None] * d.world_size
-    if d.world_size > 1:
-        dist.all_gather_object(positions, data_state)
-    else:
-        positions = [data_state]
-    # Every rank's files are on disk (or have failed) before the meta can make the step complete.
-    if not all_ranks_ok(error is None, d):
-        if d.master:
-            ckpt.remove_incomplete(run_dir)
-            log(f"error: checkpoint step {st.step:06d} not saved ({error or 'another rank failed'}); "
-                "earlier checkpoints are kept, training goes on")
-        return False
-    ok = True
-    if d.master:
-        try:
-            ok = _write_meta(run_dir, model, st, val_loss, cfg, prepared, budget_seconds, positions, d, log)
-        except OSError as e:
-            ok = False
-            ckpt.remove_incomplete(run_dir)
-            log(f"error: checkpoint step {st.step:06d} not saved (meta: {e}); earlier checkpoints are kept")
-    return all_ranks_ok(ok, d)
-
-
-def _write_meta(run_dir, model, st, val_loss, cfg, prepared, budget_seconds, positions, d, log) -> bool:
-    improved = st.best_step == st.step
-    meta = {
-        "step": st.step, "tokens_seen": st.tokens_seen, "used_seconds": st.used_seconds,
-        "budget_seconds": budget_seconds, "val_loss": val_loss,
-        "best_val_loss": st.best_val, "best_step": st.best_step, "evals_since_best": st.evals_since_best,
-        "eval_seconds": st.eval_seconds, "save_seconds": st.save_seconds, "step_seconds": st.step_seconds,
-        "model_config": model.config.to_dict(), "train_config": dataclasses.asdict(cfg),
-        "world_size": d.world_size, "data_positions": positions, "nonfinite_steps": st.nonfinite_steps,
-        "weights_dtype": str(model.wte.weight.dtype).removeprefix("torch."),
-        "activation_checkpointing": model.activation_checkpointing,
-        "tokenizer": {k: prepared.meta[k] for k in ("tokenizer", "encoding", "chars", "bos_id", "vocab_size", "vocab_used")},
-        "prepared": {"dir": str(prepared.dir), "hash": prepared.meta["hash"]},
-        "saved_at": time.time(),
-    }
-    ckpt.atomic_write_json(ckpt.meta_path(run_dir, st.step), meta)
-    if improved:
-        ckpt.atomic_write_json(run_dir / "best.json", {"step": st.step, "val_loss": val_loss})
-    try:
-        deleted = ckpt.prune(run_dir, cfg.keep_last)
-    except OSError as e:  # the new checkpoint is complete; old ones linger until the next prune
-        deleted = []
-        log(f"warning: pruning old checkpoints failed: {e}")
-    log(f"saved step {st.step:06d} -> {run_dir}" + (" (best)" if improved else "")
-        + (f"; pruned {', '.join(f'{s:06d}' for s in deleted)}" if deleted else ""))
-    return True
-
-
-def load_checkpoint(run_dir: Path, step: int, model: GPT, opt: ShardedOptimizer, d: Dist) -> RunState:
-    meta = ckpt.read_meta(run_dir, step)
-    model.load_state_dict(ckpt.strip_compile_prefix(ckpt.load_tensors(ckpt.model_path(run_dir, step))))
-    shards = [ckpt.load_tensors(ckpt.optim_path(run_dir, step, r)) for r in range(meta["world_size"])]
-    opt.load_shards(shards)
-    own = shards[d.rank] if d.rank < len(shards) else shards[0]
-    torch.set_rng_state(own["rng"]["cpu"])
-    if d.device.type == "cuda" and "cuda" in own["rng"]:
-        torch.cuda.set_rng_state(own["rng"]["cuda"], d.device)
-    return RunState(step=meta["step"], tokens_seen=meta["tokens_seen"], used_seconds=meta["used_seconds"],
-                    best_val=meta["best_val_loss"] if meta["best_step"] >= 0 else math.inf,
-                    best_step=meta["best_step"], evals_since_best=meta["evals_since_best"],
-                    data_state=meta["data_positions"][0], eval_seconds=meta["eval_seconds"],
-                    save_seconds=meta["save_seconds"], step_seconds=meta["step_seconds"],
-                    nonfinite_steps=meta["nonfinite_steps"])
-
-
-def pick_resume_step(run_dir: Path, resume: str) -> int | None:
-    steps = ckpt.complete_steps(run_dir)
-    if resume == "never":
-        if steps:
-            raise ConfigError(f"--resume never, but {run_dir} holds checkpoints (steps {steps}); "
-                              "choose another --model_tag or move them away")
-        return None
-    if resume == "auto":
-        return steps[-1] if steps else None
-    if int(resume) not in steps:
-        raise ConfigError(f"--resume {resume}: no complete checkpoint at that step in {run_dir} (have {steps})")
-    return int(resume)
-
-
-def broadcast_object(obj, d: Dist):
-    if d.world_size == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 # ---------------------------------------------------------------- main
 
 
@@ -537,7 +335,7 @@ def train(cfg: TrainConfig, d: Dist) -> int:
     log(f"config {json.dumps(dataclasses.asdict(cfg))}")
     try:
         return run(cfg, d, workspace, run_dir, log)
-    except (ConfigError, DataError):
+    except (ConfigError, DataError, CheckpointError):
         raise  # reported as a one-line error by main()
     except BaseException:
         log_crash(run_dir / "training.log", d.rank)
@@ -559,7 +357,7 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
             prepared = prepare(data_dir, workspace, cfg.tokenizer, cfg.alphabet, cfg.val_fraction, cfg.max_seq_len)
             resume_step = pick_resume_step(run_dir, cfg.resume)
             setup = {"prepared": str(prepared.dir), "resume_step": resume_step}
-        except (DataError, ConfigError) as e:
+        except (DataError, ConfigError, CheckpointError) as e:
             setup = {"error": str(e)}
     setup = broadcast_object(setup, d)
     if "error" in setup:
@@ -798,9 +596,12 @@ def main(argv=None) -> int:
     cfg = parse_args(argv)
     d = None
     try:
-        d = setup_distributed(cfg.device)
+        cuda = torch.cuda.is_available() if cfg.device == "auto" else cfg.device == "cuda"
+        if cuda and not torch.cuda.is_available():
+            raise ConfigError("--device cuda but CUDA is not available")
+        d = setup_distributed(cuda)
         return train(cfg, d)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     finally:

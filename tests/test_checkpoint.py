@@ -8,7 +8,9 @@ from experiment import checkpoint as ckpt
 from experiment.dataloader import prepare
 from experiment.model import GPT, GPTConfig
 from experiment.optim import ShardedOptimizer
-from experiment.train import Dist, RunLog, RunState, TrainConfig, load_checkpoint, save_checkpoint
+from experiment.checkpoint import RunState, load_checkpoint, save_checkpoint
+from experiment.distributed import Dist
+from experiment.train import RunLog, TrainConfig
 
 
 def _fake_step(run_dir, step, complete=True):

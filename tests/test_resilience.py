@@ -16,7 +16,8 @@ from conftest import ENV, REPO, TINY, run_train, train_cmd
 from experiment import checkpoint as ckpt
 from experiment.model import GPT, GPTConfig
 from experiment.optim import ShardedOptimizer
-from experiment.train import Dist, load_checkpoint
+from experiment.checkpoint import load_checkpoint
+from experiment.distributed import Dist
 
 def _state(ws, step, tag="d2"):
     return ckpt.load_tensors(ckpt.model_path(ws / "checkpoints" / tag, step))

@@ -1,0 +1,97 @@
+"""Process-group setup and the few collectives the trainer's decisions need.
+
+Works with and without torchrun: nccl on CUDA, gloo on CPU, and no process group at all for a plain
+`python -m` world of one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    store: object = None  # a store we made must outlive the process group that uses it
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self):
+        if self.world_size > 1:
+            dist.barrier()
+
+
+def setup_distributed(cuda: bool) -> Dist:
+    """torchrun sets RANK/WORLD_SIZE; plain `python -m` runs as a world of one with no process group."""
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    store = None
+    if world_size > 1:
+        backend, device_id = ("nccl", device) if cuda else ("gloo", None)
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restart > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun keeps its store across worker restarts, and the new workers would read the
+            # dead workers' addresses from it ("Connection refused"); a per-attempt prefix avoids that.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                  is_master=False)
+            dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{restart}", store), rank=rank,
+                                    world_size=world_size, device_id=device_id)
+        else:
+            dist.init_process_group(backend, device_id=device_id)
+    return Dist(rank, local_rank, world_size, device, store)
+
+
+def all_ranks_ok(ok: bool, d: Dist) -> bool:
+    """True on every rank iff ok on every rank (one tiny all-reduce; also a barrier)."""
+    if d.world_size == 1:
+        return ok
+    flag = torch.tensor([int(ok)], device=d.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def broadcast_object(obj, d: Dist):
+    if d.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class StopSignal:
+    """SIGTERM/SIGINT (preemption, Ctrl-C): the first lets the step finish and the run save and exit 0;
+    a second one exits at once."""
+
+    def __init__(self, announce: bool):
+        self.announce = announce
+
+    def __enter__(self):
+        self.signum = 0
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum:
+            os._exit(128 + signum)
+        self.signum = signum
+        if self.announce:
+            print(f"{signal.Signals(signum).name}: finishing this step, then saving and exiting "
+                  "(send it again to exit at once, without a checkpoint)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
