@@ -24,6 +24,7 @@ against training seconds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import resource
@@ -36,9 +37,12 @@ from pathlib import Path
 import torch
 
 from experiment import checkpoint as ckpt
+from experiment.dataloader import Prepared
+from experiment.distributed import Dist, resolve_device
 from experiment.memory import MODES, format_plan, param_shapes, plan_memory
 from experiment.model import GPT, GPTConfig
 from experiment.optim import ShardedOptimizer
+from experiment.train import build_model, evaluate, peak_flops
 
 
 def _sync(device: torch.device) -> None:
@@ -79,7 +83,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_fitprobe(args) -> int:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device("auto")
     config = GPTConfig(vocab_size=args.vocab_size, depth=args.depth, aspect_ratio=args.aspect_ratio,
                        head_dim=args.head_dim, max_seq_len=args.seq)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -105,13 +109,7 @@ def probe_peak_memory(config: GPTConfig, world: int, batch: int, seq: int, preci
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    with torch.device("meta"):
-        model = GPT(config)
-    model.to_empty(device=device)
-    if precision == "bf16":
-        model.to(torch.bfloat16)
-    model.init_weights(seed=0)
-    model.activation_checkpointing = recompute
+    model = build_model(config, device, precision, recompute)
     opt = ShardedOptimizer(model, 0, world, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004,
                            master_weights=precision == "bf16", communicate=False)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
@@ -146,15 +144,11 @@ def cpu_matmul_peak(n: int = 1024, reps: int = 20) -> float:
 
 
 def cmd_throughput(args) -> int:
-    from experiment.train import peak_flops
-
-    cuda = torch.cuda.is_available() and args.device != "cpu"
-    device = torch.device("cuda" if cuda else "cpu")
+    device = resolve_device(args.device)
+    cuda = device.type == "cuda"
     config = GPTConfig(vocab_size=args.vocab_size, depth=args.depth, aspect_ratio=args.aspect_ratio,
                        head_dim=args.head_dim, max_seq_len=args.seq)
-    model = GPT(config)
-    model.init_weights(seed=0)
-    model.to(device)
+    model = build_model(config, device)
     opt = ShardedOptimizer(model, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
     x = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=device)
@@ -191,21 +185,7 @@ def cmd_throughput(args) -> int:
     return 0
 
 
-def full_val_loss(model: GPT, tokens, seq: int, batch: int = 16) -> tuple[float, int]:
-    """Mean loss over every whole window of the val tokens, in nats per token."""
-    from experiment.dataloader import val_batches
-
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for x, y in val_batches(tokens, seq, batch, max_tokens=len(tokens)):
-            total += model(x, y, reduction="sum").item()
-            count += y.numel()
-    return total / count, count
-
-
 def cmd_speedrun(args) -> int:
-    from experiment.dataloader import Prepared
-
     ws = Path(args.workspace or tempfile.mkdtemp(prefix="speedrun-"))
     cmd = [sys.executable, "-m", "experiment.train", "--data_dir", str(args.data), "--workspace", str(ws),
            "--training_hours", str(args.seconds / 3600), "--val_fraction", str(args.val_fraction),
@@ -221,7 +201,10 @@ def cmd_speedrun(args) -> int:
     step = ckpt.complete_steps(run_dir)[-1]
     model, meta = ckpt.load_model(ckpt.model_path(run_dir, step))
     prepared = Prepared(Path(meta["prepared"]["dir"]), json.loads((Path(meta["prepared"]["dir"]) / "meta.json").read_text()))
-    loss, n = full_val_loss(model, prepared.tokens("val"), model.config.max_seq_len)
+    # The trainer's own eval, over every whole window of the val split.
+    seq, n_val = model.config.max_seq_len, len(prepared.tokens("val"))
+    loss, _ = evaluate(model, prepared, seq, 16, n_val, Dist(0, 0, 1, torch.device("cpu")), contextlib.nullcontext())
+    n = (n_val - 1) // seq * seq
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
         print(f"curve | {r['used_seconds']:7.1f}s | step {r['step']:6d} | val_loss {r['val_loss']:.4f} (eval slice)")
@@ -287,16 +270,14 @@ def main(argv=None) -> int:
         args.activation_checkpointing = args.activation_checkpointing == "on"
         return cmd_fitprobe(args)
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
-                          else ("cpu" if args.device == "auto" else args.device))
-    if args.depth is not None:
-        try:
-            model = GPT(GPTConfig(vocab_size=128, depth=args.depth, max_seq_len=args.max_seq_len))
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        model.init_weights(seed=0)
-        model.to(device).eval()
+    try:
+        device = resolve_device(args.device)
+        config = GPTConfig(vocab_size=128, depth=args.depth, max_seq_len=args.max_seq_len) if args.depth else None
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if config is not None:
+        model = build_model(config, device).eval()
         source, allowed = f"fresh d{args.depth}", 128
     else:
         workspace = Path(args.workspace) if args.workspace else ckpt.default_workspace()

@@ -32,6 +32,15 @@ class Dist:
             dist.barrier()
 
 
+def resolve_device(flag: str) -> torch.device:
+    """--device auto|cpu|cuda -> the device type to run on; asking for CUDA without it is an error."""
+    if flag not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {flag!r}")
+    if flag == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but CUDA is not available")
+    return torch.device("cuda" if flag == "cuda" or (flag == "auto" and torch.cuda.is_available()) else "cpu")
+
+
 def setup_distributed(cuda: bool) -> Dist:
     """torchrun sets RANK/WORLD_SIZE; plain `python -m` runs as a world of one with no process group."""
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))

@@ -26,6 +26,7 @@ import torch
 
 from experiment import checkpoint as ckpt
 from experiment.dataloader import tokenizer_from_meta
+from experiment.distributed import resolve_device
 
 # Every request is bounded by these.
 MAX_BODY_BYTES = 64 * 1024
@@ -160,7 +161,8 @@ PAGE = """<!doctype html>
 <script>
 const $ = id => document.getElementById(id);
 fetch('/info').then(r => r.json()).then(i => {
-  $('meta').textContent = `step ${i.step} | val loss ${i.val_loss.toFixed(4)} | ${i.num_params.toLocaleString()} params | ${i.checkpoint}`;
+  const val = i.val_loss === null ? 'n/a' : i.val_loss.toFixed(4);
+  $('meta').textContent = `step ${i.step} | val loss ${val} | ${i.num_params.toLocaleString()} params | ${i.checkpoint}`;
 });
 $('generate').onclick = async () => {
   $('error').textContent = ''; $('completion').textContent = '...';
@@ -296,7 +298,7 @@ def make_server(engine: Engine, host: str, port: int) -> ThreadingHTTPServer:
 
 
 def load_engine(checkpoint: str | None, workspace: Path, device: str) -> Engine:
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    dev = resolve_device(device)
     path = ckpt.resolve_serving_checkpoint(checkpoint, workspace)
     model, meta = ckpt.load_model(path, dev)
     return Engine(model, meta, path, dev)
@@ -314,12 +316,13 @@ def main(argv=None) -> int:
     try:
         engine = load_engine(args.checkpoint, workspace, args.device)
         server = make_server(engine, args.host, args.port)
-    except (ckpt.CheckpointError, OSError, RuntimeError, KeyError) as e:
+    except (ckpt.CheckpointError, OSError, RuntimeError, KeyError, ValueError) as e:
         print(f"error: no model served: {e}", file=sys.stderr)
         return 2
     host, port = server.server_address[:2]
     m = engine.meta
-    print(f"serving {engine.path} (step {m['step']}, val_loss {m['val_loss']:.4f}) at http://{host}:{port}/", flush=True)
+    val = "n/a (saved at a preemption, without an eval)" if m["val_loss"] is None else f"{m['val_loss']:.4f}"
+    print(f"serving {engine.path} (step {m['step']}, val_loss {val}) at http://{host}:{port}/", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

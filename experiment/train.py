@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError, RunState, load_checkpoint, pick_resume_step, save_checkpoint
-from experiment.distributed import Dist, StopSignal, broadcast_object, setup_distributed
+from experiment.distributed import Dist, StopSignal, broadcast_object, resolve_device, setup_distributed
 from experiment.dataloader import (DEMO_FILE, DataError, Prepared, TokenBatches, demo_lines, prepare, val_batches,
                                    write_demo_corpus)
 from experiment.memory import MODES, MemoryPlan, choose_mode, format_plan, plan_memory
@@ -173,7 +173,7 @@ def peak_flops(device_name: str) -> float | None:
     return None
 
 
-# ---------------------------------------------------------------- distributed + logging
+# ---------------------------------------------------------------- logging
 
 
 class RunLog:
@@ -221,13 +221,28 @@ def memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
 
+def build_model(config: GPTConfig, device: torch.device, precision: str = "fp32", recompute: bool = False,
+                seed: int = 0) -> GPT:
+    """Built on the meta device and materialized in place, in its final dtype: d64 in fp32 is 51 GB,
+    which no rank should hold in host memory first. Same seed, CPU generator: same weights anywhere."""
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device=device)
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    model.init_weights(seed=seed)
+    model.activation_checkpointing = recompute
+    return model
+
+
 @torch.no_grad()
-def evaluate(model: GPT, prepared: Prepared, cfg: TrainConfig, d: Dist, autocast) -> tuple[float, float]:
-    """(val loss in nats/token, bits per character) over the fixed val slice, summed over all ranks."""
+def evaluate(model: GPT, prepared: Prepared, seq_len: int, batch_size: int, max_tokens: int, d: Dist,
+             autocast) -> tuple[float, float]:
+    """(val loss in nats/token, bits per character) over the first max_tokens of val, summed over all
+    ranks."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=d.device)  # [sum of losses, tokens]
-    for x, y in val_batches(prepared.tokens("val"), cfg.max_seq_len, cfg.device_batch_size,
-                            cfg.eval_tokens, d.rank, d.world_size):
+    for x, y in val_batches(prepared.tokens("val"), seq_len, batch_size, max_tokens, d.rank, d.world_size):
         x, y = x.to(d.device), y.to(d.device)
         with autocast:
             total[0] += model(x, y, reduction="sum").double()
@@ -241,13 +256,13 @@ def evaluate(model: GPT, prepared: Prepared, cfg: TrainConfig, d: Dist, autocast
     return loss, loss / math.log(2) / chars_per_token
 
 
-def sample_text(model: GPT, prepared: Prepared, n_tokens: int, prompt: str = "") -> str:
+def sample_text(model: GPT, prepared: Prepared, n_tokens: int) -> str:
+    """A short sample from the start of a document (BOS)."""
     tok = prepared.tokenizer()
-    ids = [tok.bos_id] + (tok.encode(prompt) if prompt else [])
     gen = torch.Generator().manual_seed(0)  # a private generator: sampling never shifts training RNG
-    out = list(model.generate(ids, n_tokens, temperature=0.8, top_k=None, generator=gen,
-                              allowed_vocab=tok.n_real))
-    return prompt + tok.decode(out)
+    out = model.generate([tok.bos_id], n_tokens, temperature=0.8, top_k=None, generator=gen,
+                         allowed_vocab=tok.n_real)
+    return tok.decode(list(out))
 
 
 def demo_accuracy(model: GPT, prepared: Prepared, n: int = 50) -> tuple[int, int]:
@@ -381,15 +396,7 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
     plan = choose_memory_mode(cfg, model_config, d)
     precision = plan.precision if plan else ("fp32" if cfg.precision == "auto" else cfg.precision)
     recompute = plan.checkpointing if plan else cfg.activation_checkpointing == "on"
-    # Built on the meta device and materialized in place: d64 in fp32 is 51 GB, which no rank should
-    # hold in host memory first. Same seed and CPU generator: identical weights on every rank.
-    with torch.device("meta"):
-        model = GPT(model_config)
-    model.to_empty(device=d.device)
-    if precision == "bf16":
-        model.to(torch.bfloat16)
-    model.init_weights(seed=cfg.seed)
-    model.activation_checkpointing = recompute
+    model = build_model(model_config, d.device, precision, recompute, cfg.seed)  # identical on every rank
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     opt = ShardedOptimizer(model, d.rank, d.world_size, matrix_lr=cfg.matrix_lr, embedding_lr=cfg.embedding_lr,
                            unembedding_lr=cfg.unembedding_lr, master_weights=precision == "bf16")
@@ -466,7 +473,8 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
                 last_step, eval_due = True, False
             elif (eval_due or save_due or last_step) and step != last_eval_step:
                 t0 = time.time()
-                val_loss, val_bpc = evaluate(model, prepared, cfg, d, autocast)
+                val_loss, val_bpc = evaluate(model, prepared, cfg.max_seq_len, cfg.device_batch_size,
+                                             cfg.eval_tokens, d, autocast)
                 last_eval_step, last_eval_time = step, time.time()
                 previous_best = (st.best_val, st.best_step, st.evals_since_best)
                 if step > 0 and val_loss < st.best_val:
@@ -596,9 +604,10 @@ def main(argv=None) -> int:
     cfg = parse_args(argv)
     d = None
     try:
-        cuda = torch.cuda.is_available() if cfg.device == "auto" else cfg.device == "cuda"
-        if cuda and not torch.cuda.is_available():
-            raise ConfigError("--device cuda but CUDA is not available")
+        try:
+            cuda = resolve_device(cfg.device).type == "cuda"
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         d = setup_distributed(cuda)
         return train(cfg, d)
     except (ConfigError, DataError, CheckpointError) as e:

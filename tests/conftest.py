@@ -18,13 +18,17 @@ TINY = ["--depth", "2", "--aspect_ratio", "32", "--head_dim", "32", "--max_seq_l
         "--training_hours", "1", "--eval_tokens", "512"]
 
 
-@pytest.fixture
-def corpus(tmp_path) -> Path:
-    """A directory with one small arithmetic text file (about 40k characters)."""
-    d = tmp_path / "corpus"
+def write_corpus(parent: Path) -> Path:
+    """parent/corpus/sums.txt: one small arithmetic text file (about 40k characters)."""
+    d = parent / "corpus"
     d.mkdir()
     (d / "sums.txt").write_text("".join(demo_lines(4000, seed=7)))
     return d
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    return write_corpus(tmp_path)
 
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

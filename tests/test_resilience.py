@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import ENV, REPO, TINY, run_train, train_cmd
+from conftest import ENV, REPO, TINY, run_train, train_cmd, write_corpus
 from experiment import checkpoint as ckpt
 from experiment.model import GPT, GPTConfig
 from experiment.optim import ShardedOptimizer
@@ -40,15 +40,22 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _launch_until_logged(args, nproc: int, ws, line: str, **popen):
+    """Starts a run and returns its process once training.log shows `line`."""
+    torchrun = ("--standalone",) if nproc > 1 else ()
+    proc = subprocess.Popen(train_cmd(args, nproc, torchrun=torchrun), cwd=REPO, env=ENV, text=True, **popen)
+    log = ws / "checkpoints/d2/training.log"
+    _wait_for(lambda: log.exists() and line in log.read_text(), what=line)
+    return proc
+
+
 # ---------------------------------------------------------------- preemption
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path, corpus):
     args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256]
-    proc = subprocess.Popen(train_cmd(args, 1, torchrun=()), cwd=REPO, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    log = tmp_path / "checkpoints/d2/training.log"
-    _wait_for(lambda: log.exists() and "step 000008 | loss" in log.read_text(), what="step 8")
+    proc = _launch_until_logged(args, 1, tmp_path, "step 000008 | loss", stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-2000:]
@@ -61,10 +68,8 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path, corpus):
 
 def test_signal_on_one_rank_stops_all_ranks_with_a_complete_checkpoint(tmp_path, corpus):
     args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256]
-    agent = subprocess.Popen(train_cmd(args, 2), cwd=REPO, env=ENV, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-    log = tmp_path / "checkpoints/d2/training.log"
-    _wait_for(lambda: log.exists() and "step 000006 | loss" in log.read_text(), what="step 6")
+    agent = _launch_until_logged(args, 2, tmp_path, "step 000006 | loss", stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE)
     workers = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
     assert len(workers) == 2
     os.kill(int(workers[-1]), signal.SIGINT)  # Ctrl-C reaching one worker only
@@ -78,10 +83,8 @@ def test_signal_on_one_rank_stops_all_ranks_with_a_complete_checkpoint(tmp_path,
 def test_second_signal_exits_at_once(tmp_path, corpus):
     # 64 accumulation micro-steps per step: the second signal arrives while a step is still running.
     args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 8192]
-    proc = subprocess.Popen(train_cmd(args, 1, torchrun=()), cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    log = tmp_path / "checkpoints/d2/training.log"
-    _wait_for(lambda: log.exists() and "step 000001 | loss" in log.read_text(), what="step 1")
+    proc = _launch_until_logged(args, 1, tmp_path, "step 000001 | loss", stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
     proc.send_signal(signal.SIGTERM)
     assert "SIGTERM: finishing this step" in proc.stderr.readline()  # the first one was handled
     proc.send_signal(signal.SIGTERM)
@@ -163,11 +166,7 @@ def test_torchrun_restarts_a_dead_worker_and_the_run_resumes(tmp_path, corpus):
 def elastic_runs(tmp_path_factory):
     """Uninterrupted 6-step runs that also save step 3, on 1, 2 and 3 ranks."""
     root = tmp_path_factory.mktemp("elastic")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    from experiment.dataloader import demo_lines
-
-    (corpus / "sums.txt").write_text("".join(demo_lines(4000, seed=7)))
+    corpus = write_corpus(root)
     # 256 tokens: 1 rank x 2 micro-steps or 2 ranks x 1, bit-identical sums (the 1/2 scale is exact).
     # 768 tokens: also divisible by 3 ranks, but 1/3 and 1/6 round differently (compared loosely).
     runs = {}

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import REPO, TINY, run_train
+from conftest import REPO, TINY, run_train, write_corpus
 from experiment import checkpoint as ckpt
 from experiment.dataloader import demo_lines
 from experiment.server import MAX_BODY_BYTES, MAX_NEW_TOKENS, load_engine, make_server
@@ -23,10 +23,7 @@ from experiment.server import MAX_BODY_BYTES, MAX_NEW_TOKENS, load_engine, make_
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     ws = tmp_path_factory.mktemp("serve")
-    data = ws / "corpus"
-    data.mkdir()
-    (data / "sums.txt").write_text("".join(demo_lines(4000, seed=7)))
-    run_train([*TINY, "--data_dir", data, "--workspace", ws, "--max_steps", 30, "--total_batch_size", 256,
+    run_train([*TINY, "--data_dir", write_corpus(ws), "--workspace", ws, "--max_steps", 30, "--total_batch_size", 256,
                "--max_seq_len", 64])
     return ws
 
@@ -312,3 +309,25 @@ def test_page_answers_a_prompt_in_a_real_browser(server, tmp_path):
     expected = request(port, "POST", "/generate", {"prompt": "12+34=", "max_tokens": 12, "temperature": 0})[1]
     assert shown == expected["text"].strip() or shown == expected["text"]
     assert f"step {engine.meta['step']}" in meta and "val loss" in meta
+
+
+def test_serves_a_checkpoint_saved_at_a_preemption(tmp_path, workspace):
+    # A preemption save skips the eval, so its meta holds val_loss null; it must still be servable.
+    src = workspace / "checkpoints/d2"
+    step = ckpt.complete_steps(src)[-1]
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(ckpt.model_path(src, step), ckpt.model_path(run, step))
+    meta = json.loads(ckpt.meta_path(src, step).read_text())
+    ckpt.meta_path(run, step).write_text(json.dumps({**meta, "val_loss": None}))
+    srv = subprocess.Popen([sys.executable, "-m", "experiment.server", "--port", "0", "--checkpoint", run], cwd=REPO,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = srv.stdout.readline()
+        assert line.startswith("serving ") and "val_loss n/a" in line, srv.stderr.read() if not line else line
+        port = int(line.rsplit(":", 1)[1].strip(" /\n"))
+        assert request(port, "GET", "/health")[1]["val_loss"] is None
+    finally:
+        srv.terminate()
+        srv.wait(timeout=30)
