@@ -1,10 +1,12 @@
 """Everything that touches the persistent volume: workspace root, atomic writes, checkpoint files.
 
 One writer and one reader, shared by the trainer and the server: file primitives first, then the
-trainer's save (every rank's shard, meta last) and load (any world size). Layout (design.md):
-    <workspace>/checkpoints/<model_tag>/model_<step>.pt, optim_<step>_rank<r>.pt, meta_<step>.json,
-    best.json. A step counts only once its meta file exists: meta is written last, after every
-    rank's files are on disk, so a crash mid-save leaves an incomplete step that is never loaded.
+trainer's save (every rank's files, meta last) and load (any world size). Layout (design.md):
+    <workspace>/checkpoints/<model_tag>/model_<step>.pt (one process) or model_<step>_rank<r>.pt
+    (world > 1: each rank writes the weights it owns, so no rank writes the whole model),
+    optim_<step>_rank<r>.pt, meta_<step>.json, best.json. A step counts only once its meta file
+    exists: meta is written last, after every rank's files are on disk, so a crash mid-save leaves an
+    incomplete step that is never loaded.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ if TYPE_CHECKING:  # annotations only: dataloader imports this module
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 META_RE = re.compile(r"^meta_(\d{6,})\.json$")
+MODEL_RE = re.compile(r"^model_(\d{6,})(?:_rank\d+)?\.pt$")  # the whole model or one rank's part
+STEP_FILE_RE = re.compile(r"^(?:model|optim)_(\d{6,})(?:_rank\d+)?\.pt$")
 
 
 class CheckpointError(Exception):
@@ -84,6 +88,10 @@ def model_path(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / f"model_{step:06d}.pt"
 
 
+def model_part_path(run_dir: Path, step: int, rank: int) -> Path:
+    return Path(run_dir) / f"model_{step:06d}_rank{rank}.pt"
+
+
 def optim_path(run_dir: Path, step: int, rank: int) -> Path:
     return Path(run_dir) / f"optim_{step:06d}_rank{rank}.pt"
 
@@ -121,6 +129,12 @@ def strip_compile_prefix(state_dict: dict) -> dict:
     return {k.removeprefix("_orig_mod."): v for k, v in state_dict.items()}
 
 
+def _step_files(run_dir: Path, step: int) -> list[Path]:
+    """The step's model file or parts and its optimizer shards. Matched by number, not by a glob:
+    `*_100000*.pt` would also match step 1000000's files."""
+    return [p for p in run_dir.iterdir() if (m := STEP_FILE_RE.match(p.name)) and int(m.group(1)) == step]
+
+
 def prune(run_dir: Path, keep_last: int) -> list[int]:
     """Delete complete checkpoints older than the newest `keep_last`, never the best one.
 
@@ -138,10 +152,35 @@ def prune(run_dir: Path, keep_last: int) -> list[int]:
         if step in protected:
             continue
         meta_path(run_dir, step).unlink(missing_ok=True)
-        for p in run_dir.glob(f"*_{step:06d}*.pt"):
+        for p in _step_files(run_dir, step):
             p.unlink(missing_ok=True)
         deleted.append(step)
     return deleted
+
+
+def drop_old_best_optimizer(run_dir: Path, keep_last: int) -> int | None:
+    """Delete the optimizer shards of the best step once it is older than the newest `keep_last`.
+
+    It is kept to be served, not resumed (a resume continues from the newest steps), and its shards
+    are most of its bytes: fp32 master plus momentum is 4-6x the bf16 weights. Model and meta stay,
+    so it remains a complete, servable step; `is_resumable` tells it apart. Returns the step whose
+    shards were deleted now, else None.
+    """
+    run_dir = Path(run_dir)
+    best, steps = read_best(run_dir), complete_steps(run_dir)
+    newest = steps[-keep_last:] if keep_last > 0 else []
+    if best is None or int(best["step"]) not in steps or int(best["step"]) in newest:
+        return None
+    shards = list(run_dir.glob(f"optim_{int(best['step']):06d}_rank*.pt"))
+    for p in shards:
+        p.unlink(missing_ok=True)
+    return int(best["step"]) if shards else None
+
+
+def is_resumable(run_dir: Path, step: int) -> bool:
+    """A complete step with every rank's optimizer shard on disk (retention drops an old best's)."""
+    world = read_meta(run_dir, step)["world_size"]
+    return all(optim_path(run_dir, step, r).is_file() for r in range(world))
 
 
 def remove_incomplete(run_dir: Path) -> None:
@@ -149,7 +188,7 @@ def remove_incomplete(run_dir: Path) -> None:
     run_dir = Path(run_dir)
     done = set(complete_steps(run_dir))
     for p in run_dir.glob("*.pt"):
-        m = re.match(r"^(?:model|optim)_(\d{6,})", p.name)
+        m = STEP_FILE_RE.match(p.name)
         if m and int(m.group(1)) not in done and p.is_file():
             p.unlink(missing_ok=True)
     for p in run_dir.glob(".*.tmp"):
@@ -157,7 +196,10 @@ def remove_incomplete(run_dir: Path) -> None:
 
 
 def resolve_serving_checkpoint(path: str | Path | None, workspace: Path) -> Path:
-    """A model_*.pt as given; a run directory -> its best (else latest); None -> newest run's best."""
+    """A model_*.pt as given; a run directory -> its best (else latest); None -> newest run's best.
+
+    A step saved in per-rank parts is named by model_<step>.pt (what the trainer prints), though
+    that file does not exist, or by any of its model_<step>_rank<r>.pt."""
     if path is None:
         root = Path(workspace) / "checkpoints"
         runs = [d for d in root.iterdir() if d.is_dir() and complete_steps(d)] if root.is_dir() else []
@@ -173,25 +215,57 @@ def resolve_serving_checkpoint(path: str | Path | None, workspace: Path) -> Path
         if not steps:
             raise CheckpointError(f"{path}: no complete checkpoint (no meta_*.json)")
         return model_path(path, steps[-1])
-    if not path.is_file():
+    if not path.is_file() and not _names_step_in_parts(path):
         raise CheckpointError(f"{path}: no such checkpoint file")
     return path
+
+
+def _names_step_in_parts(path: Path) -> bool:
+    m = MODEL_RE.match(path.name)
+    if not m or not meta_path(path.parent, int(m.group(1))).is_file():
+        return False
+    return read_meta(path.parent, int(m.group(1))).get("model_parts", 1) > 1
+
+
+def model_part(state: dict, owner: dict[str, int], rank: int) -> dict:
+    """Rank's share of a state_dict: the parameters it owns in the optimizer's partition. Entries
+    that are no parameter (none today: the RoPE tables are non-persistent buffers) go to rank 0."""
+    return {name: t for name, t in state.items() if owner.get(name, 0) == rank}
+
+
+def load_model_state(run_dir: Path, step: int) -> dict:
+    """The step's full model state_dict (plain names), from its one file or every rank's part.
+
+    The one reader of weights: resume, serving and tests all come here, whichever layout was saved.
+    """
+    parts = read_meta(run_dir, step).get("model_parts", 1)  # metas from before parts: one file
+    paths = ([model_path(run_dir, step)] if parts == 1
+             else [model_part_path(run_dir, step, r) for r in range(parts)])
+    state = {}
+    for path in paths:
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing; step {step:06d} was saved in {parts} model file(s)")
+        part = strip_compile_prefix(load_tensors(path))
+        if not state.keys().isdisjoint(part):
+            raise CheckpointError(f"{path}: holds entries another part of step {step:06d} also holds")
+        state.update(part)
+    return state
 
 
 def load_model(path: Path, device: str | torch.device = "cpu") -> tuple[GPT, dict]:
     """Rebuild the model from its meta alone and load its weights; returns (model, meta)."""
     path = Path(path)
-    m = re.match(r"^model_(\d{6,})\.pt$", path.name)
+    m = MODEL_RE.match(path.name)
     if not m:
-        raise CheckpointError(f"{path}: expected a file named model_<step>.pt")
-    meta_file = meta_path(path.parent, int(m.group(1)))
+        raise CheckpointError(f"{path}: expected a file named model_<step>.pt or model_<step>_rank<r>.pt")
+    step = int(m.group(1))
+    meta_file = meta_path(path.parent, step)
     if not meta_file.exists():
         raise CheckpointError(f"{path}: incomplete checkpoint ({meta_file.name} missing)")
     meta = read_json(meta_file)
     model = GPT(GPTConfig(**meta["model_config"]))
     try:
-        state = strip_compile_prefix(load_tensors(path))
-        model.load_state_dict(state)
+        model.load_state_dict(load_model_state(path.parent, step))
     except (RuntimeError, OSError, KeyError) as e:
         raise CheckpointError(f"{path}: cannot load weights ({e})") from e
     return model.to(device).eval(), meta
@@ -229,15 +303,19 @@ class RunState:
 def save_checkpoint(run_dir: Path, model: GPT, opt: ShardedOptimizer, data_state: dict, st: RunState,
                     val_loss: float | None, cfg: TrainConfig, prepared: Prepared, budget_seconds: float,
                     d: Dist, log: RunLog) -> bool:
-    """Model once (rank 0), one optimizer shard per rank, then meta last as the completion marker.
+    """The model (one file with one process, else each rank's part), one optimizer shard per rank,
+    then meta last as the completion marker.
 
     Returns False on every rank if any rank failed to write (disk full, say): the step stays
     incomplete, its files are removed, and the checkpoints before it are untouched.
     """
     error = None
     try:
-        if d.master:
-            atomic_torch_save(model_path(run_dir, st.step), strip_compile_prefix(model.state_dict()))
+        state = strip_compile_prefix(model.state_dict())
+        if d.world_size == 1:
+            atomic_torch_save(model_path(run_dir, st.step), state)
+        else:  # every rank writes what it owns: no rank writes (and no rank waits on) the whole model
+            atomic_torch_save(model_part_path(run_dir, st.step, d.rank), model_part(state, opt.owner, d.rank))
         rng = {"cpu": torch.get_rng_state()}
         if d.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(d.device)
@@ -277,6 +355,7 @@ def _write_meta(run_dir, model, st, val_loss, cfg, prepared, budget_seconds, pos
         "eval_seconds": st.eval_seconds, "save_seconds": st.save_seconds, "step_seconds": st.step_seconds,
         "model_config": model.config.to_dict(), "train_config": dataclasses.asdict(cfg),
         "world_size": d.world_size, "data_positions": positions, "nonfinite_steps": st.nonfinite_steps,
+        "model_parts": d.world_size,  # model_<step>.pt alone, or one model_<step>_rank<r>.pt per rank
         "weights_dtype": str(model.wte.weight.dtype).removeprefix("torch."),
         "activation_checkpointing": model.activation_checkpointing,
         "tokenizer": {k: prepared.meta[k] for k in ("tokenizer", "encoding", "chars", "bos_id", "vocab_size", "vocab_used")},
@@ -286,19 +365,27 @@ def _write_meta(run_dir, model, st, val_loss, cfg, prepared, budget_seconds, pos
     atomic_write_json(meta_path(run_dir, st.step), meta)
     if improved:
         atomic_write_json(run_dir / "best.json", {"step": st.step, "val_loss": val_loss})
+    log(f"saved step {st.step:06d} -> {run_dir}" + (" (best)" if improved else "") + _retain(run_dir, cfg, log))
+    return True
+
+
+def _retain(run_dir: Path, cfg: TrainConfig, log) -> str:
+    """Keep-last-k plus the best (without its optimizer shards unless keep_best_optimizer); returns
+    what was deleted, for the "saved step" line."""
     try:
         deleted = prune(run_dir, cfg.keep_last)
+        dropped = None if cfg.keep_best_optimizer else drop_old_best_optimizer(run_dir, cfg.keep_last)
     except OSError as e:  # the new checkpoint is complete; old ones linger until the next prune
-        deleted = []
         log(f"warning: pruning old checkpoints failed: {e}")
-    log(f"saved step {st.step:06d} -> {run_dir}" + (" (best)" if improved else "")
-        + (f"; pruned {', '.join(f'{s:06d}' for s in deleted)}" if deleted else ""))
-    return True
+        return ""
+    return ((f"; pruned {', '.join(f'{s:06d}' for s in deleted)}" if deleted else "")
+            + (f"; dropped the optimizer shards of best step {dropped:06d} (kept for serving, not resuming)"
+               if dropped is not None else ""))
 
 
 def load_checkpoint(run_dir: Path, step: int, model: GPT, opt: ShardedOptimizer, d: Dist) -> RunState:
     meta = read_meta(run_dir, step)
-    model.load_state_dict(strip_compile_prefix(load_tensors(model_path(run_dir, step))))
+    model.load_state_dict(load_model_state(run_dir, step))
     shards = [load_tensors(optim_path(run_dir, step, r)) for r in range(meta["world_size"])]
     opt.load_shards(shards)
     own = shards[d.rank] if d.rank < len(shards) else shards[0]
@@ -320,8 +407,16 @@ def pick_resume_step(run_dir: Path, resume: str) -> int | None:
             raise CheckpointError(f"--resume never, but {run_dir} holds checkpoints (steps {steps}); "
                               "choose another --model_tag or move them away")
         return None
+    resumable = [s for s in steps if is_resumable(run_dir, s)]
     if resume == "auto":
-        return steps[-1] if steps else None
+        if steps and not resumable:  # a fresh start here would mix two runs' steps in one directory
+            raise CheckpointError(f"{run_dir} holds only checkpoints kept for serving (steps {steps}, optimizer "
+                                  "shards dropped); choose another --model_tag or move them away")
+        return resumable[-1] if resumable else None
     if int(resume) not in steps:
         raise CheckpointError(f"--resume {resume}: no complete checkpoint at that step in {run_dir} (have {steps})")
+    if int(resume) not in resumable:
+        raise CheckpointError(f"--resume {resume}: step {int(resume):06d} in {run_dir} was kept for serving only (its "
+                              "optimizer shards were dropped; set KEEP_BEST_OPTIMIZER=1 to keep them); "
+                              f"resumable steps: {resumable}")
     return int(resume)

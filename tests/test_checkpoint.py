@@ -7,18 +7,20 @@ import torch
 from experiment import checkpoint as ckpt
 from experiment.dataloader import prepare
 from experiment.model import GPT, GPTConfig
-from experiment.optim import ShardedOptimizer
+from experiment.optim import ShardedOptimizer, partition
 from experiment.checkpoint import RunState, load_checkpoint, save_checkpoint
 from experiment.distributed import Dist
 from experiment.train import RunLog, TrainConfig
 
 
-def _fake_step(run_dir, step, complete=True):
+def _fake_step(run_dir, step, complete=True, world=1):
+    """A step's files as `world` ranks write them: one model file, or one model part per rank."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt.model_path(run_dir, step).write_bytes(b"m")
-    ckpt.optim_path(run_dir, step, 0).write_bytes(b"o")
+    for r in range(world):
+        (ckpt.model_path(run_dir, step) if world == 1 else ckpt.model_part_path(run_dir, step, r)).write_bytes(b"m")
+        ckpt.optim_path(run_dir, step, r).write_bytes(b"o")
     if complete:
-        ckpt.atomic_write_json(ckpt.meta_path(run_dir, step), {"step": step})
+        ckpt.atomic_write_json(ckpt.meta_path(run_dir, step), {"step": step, "world_size": world, "model_parts": world})
 
 
 def test_only_steps_with_meta_count_and_prune_keeps_last_k_and_best(tmp_path):
@@ -33,6 +35,45 @@ def test_only_steps_with_meta_count_and_prune_keeps_last_k_and_best(tmp_path):
     assert not list(run.glob("*_000001*")) and ckpt.model_path(run, 2).exists()
     ckpt.remove_incomplete(run)
     assert not ckpt.model_path(run, 6).exists() and ckpt.model_path(run, 5).exists()
+
+
+def test_model_parts_follow_the_same_rules_and_a_half_saved_step_is_never_used(tmp_path):
+    run = tmp_path / "run"
+    for s in (1, 2, 100000, 1000000):  # 100000's files are a prefix of 1000000's: never confused
+        _fake_step(run, s, world=2)
+    _fake_step(run, 10, world=2)
+    ckpt.meta_path(run, 10).unlink()
+    ckpt.model_part_path(run, 10, 1).unlink()  # killed mid-save: one part, one shard, no meta
+    ckpt.optim_path(run, 10, 1).unlink()
+    assert ckpt.complete_steps(run) == [1, 2, 100000, 1000000] and ckpt.pick_resume_step(run, "auto") == 1000000
+    with pytest.raises(ckpt.CheckpointError, match="incomplete checkpoint"):
+        ckpt.load_model(ckpt.model_part_path(run, 10, 0))
+    with pytest.raises(ckpt.CheckpointError, match="no such checkpoint file"):
+        ckpt.resolve_serving_checkpoint(ckpt.model_path(run, 10), tmp_path)
+    ckpt.atomic_write_json(run / "best.json", {"step": 1, "val_loss": 1.0})
+    assert ckpt.prune(run, keep_last=1) == [2, 100000]
+    assert not [p for p in run.iterdir() if "_000002" in p.name or "_100000." in p.name or "_100000_" in p.name]
+    ckpt.remove_incomplete(run)
+    assert not [p for p in run.iterdir() if "_000010" in p.name]
+    assert len([p for p in run.iterdir() if "_000001" in p.name]) == 5  # the best, whole
+    assert len([p for p in run.iterdir() if "_1000000" in p.name]) == 5  # the newest, whole
+
+
+def test_an_old_best_keeps_model_and_meta_but_not_its_optimizer_shards(tmp_path):
+    run = tmp_path / "run"
+    for s in (1, 2, 3):
+        _fake_step(run, s, world=2)
+    ckpt.atomic_write_json(run / "best.json", {"step": 1, "val_loss": 1.0})
+    assert ckpt.drop_old_best_optimizer(run, keep_last=3) is None  # still among the newest
+    assert ckpt.drop_old_best_optimizer(run, keep_last=2) == 1
+    assert ckpt.drop_old_best_optimizer(run, keep_last=2) is None  # nothing left to drop
+    assert sorted(p.name for p in run.iterdir() if "_000001" in p.name) == [
+        "meta_000001.json", "model_000001_rank0.pt", "model_000001_rank1.pt"]
+    assert ckpt.complete_steps(run) == [1, 2, 3] and not ckpt.is_resumable(run, 1)
+    ckpt.meta_path(run, 2).unlink()
+    ckpt.meta_path(run, 3).unlink()
+    with pytest.raises(ckpt.CheckpointError, match="only checkpoints kept for serving"):
+        ckpt.pick_resume_step(run, "auto")  # a fresh start would mix two runs in one directory
 
 
 def test_failed_write_keeps_the_previous_file_and_leaves_no_temp(tmp_path):
@@ -55,21 +96,25 @@ def saved_run(tmp_path, corpus):
         model(x, x).backward()
         opt.step()
         model.zero_grad()
-    st = RunState(step=2, tokens_seen=128, used_seconds=5.0, best_val=1.5, best_step=2)
     run = tmp_path / "checkpoints" / "t"
-    d = Dist(0, 0, 1, torch.device("cpu"))
-    save_checkpoint(run, model, opt, {"epoch": 0, "cursor": 8}, st, 1.5, TrainConfig(), prepared, 60.0, d,
-                    RunLog(None))
-    return run, model, opt
+    _save(run, model, opt, prepared, step=2, val_loss=1.5, best=(1.5, 2))
+    return run, model, opt, prepared
+
+
+def _save(run, model, opt, prepared, step, val_loss, best, cfg=None, log=None):
+    st = RunState(step=step, tokens_seen=64 * step, used_seconds=2.5 * step, best_val=best[0], best_step=best[1])
+    assert save_checkpoint(run, model, opt, {"epoch": 0, "cursor": 4 * step}, st, val_loss, cfg or TrainConfig(),
+                           prepared, 60.0, Dist(0, 0, 1, torch.device("cpu")), log or RunLog(None))
 
 
 def test_checkpoint_round_trip_gives_identical_logits_and_state(saved_run):
-    run, model, opt = saved_run
+    run, model, opt, _ = saved_run
     assert json.loads((run / "best.json").read_text()) == {"step": 2, "val_loss": 1.5}
     loaded, meta = ckpt.load_model(ckpt.model_path(run, 2))
     x = torch.randint(1, 20, (2, 32))
     assert torch.equal(loaded(x), model.eval()(x))
-    assert meta["data_positions"] == [{"epoch": 0, "cursor": 8}] and meta["world_size"] == 1
+    assert meta["data_positions"] == [{"epoch": 0, "cursor": 8}] and meta["world_size"] == meta["model_parts"] == 1
+    assert [p.name for p in run.glob("model_*")] == ["model_000002.pt"]
 
     fresh = GPT(model.config)
     fresh_opt = ShardedOptimizer(fresh, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004)
@@ -80,7 +125,7 @@ def test_checkpoint_round_trip_gives_identical_logits_and_state(saved_run):
 
 
 def test_serving_resolution_prefers_best_and_refuses_incomplete(saved_run, tmp_path):
-    run, _, _ = saved_run
+    run, _, _, _ = saved_run
     assert ckpt.resolve_serving_checkpoint(run, tmp_path) == ckpt.model_path(run, 2)
     assert ckpt.resolve_serving_checkpoint(None, tmp_path) == ckpt.model_path(run, 2)
     _fake_step(run, 9, complete=False)
@@ -88,3 +133,57 @@ def test_serving_resolution_prefers_best_and_refuses_incomplete(saved_run, tmp_p
         ckpt.load_model(ckpt.model_path(run, 9))
     with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint"):
         ckpt.resolve_serving_checkpoint(None, tmp_path / "elsewhere")
+
+
+def test_a_step_saved_in_parts_is_served_from_any_of_its_names(saved_run, tmp_path):
+    run, model, _, _ = saved_run
+    # The layout two ranks write: each rank's owned parameters in its own file, meta naming 2 parts.
+    parts = tmp_path / "checkpoints" / "parts"
+    parts.mkdir()
+    full = ckpt.load_model_state(run, 2)
+    owner = partition({n: t.numel() for n, t in full.items()}, 2)
+    for r in range(2):
+        ckpt.atomic_torch_save(ckpt.model_part_path(parts, 2, r), ckpt.model_part(full, owner, r))
+    meta = ckpt.read_meta(run, 2)
+    ckpt.atomic_write_json(ckpt.meta_path(parts, 2), {**meta, "world_size": 2, "model_parts": 2})
+    ckpt.atomic_write_json(parts / "best.json", {"step": 2, "val_loss": 1.5})
+
+    merged = ckpt.load_model_state(parts, 2)
+    assert merged.keys() == full.keys() and all(torch.equal(merged[n], full[n]) for n in full)
+    x = torch.randint(1, 20, (2, 32))
+    expected = model.eval()(x)
+    named = ckpt.model_path(parts, 2)  # what the trainer prints: it names the step, no such file exists
+    for given in (parts, named, ckpt.model_part_path(parts, 2, 1), None):
+        path = ckpt.resolve_serving_checkpoint(given, tmp_path)
+        assert path == (named if given in (parts, None) else given)
+        assert torch.equal(ckpt.load_model(path)[0](x), expected)
+
+    ckpt.model_part_path(parts, 2, 1).unlink()
+    with pytest.raises(ckpt.CheckpointError, match="model_000002_rank1.pt: missing"):
+        ckpt.load_model(named)
+    with pytest.raises(ckpt.CheckpointError, match="no such checkpoint file"):
+        ckpt.resolve_serving_checkpoint(ckpt.model_path(parts, 3), tmp_path)
+
+
+@pytest.mark.parametrize("keep_best_optimizer", [0, 1])
+def test_retention_keeps_an_old_best_for_serving_and_resume_skips_it(saved_run, keep_best_optimizer):
+    run, model, opt, prepared = saved_run  # step 2 is the best
+    cfg, lines = TrainConfig(keep_last=1, keep_best_optimizer=keep_best_optimizer), []
+    for step in (3, 4):
+        _save(run, model, opt, prepared, step, val_loss=2.0, best=(1.5, 2), cfg=cfg, log=lines.append)
+    assert ckpt.complete_steps(run) == [2, 4] and ckpt.read_best(run)["step"] == 2
+    assert ckpt.load_model(ckpt.resolve_serving_checkpoint(run, run))[1]["step"] == 2  # still served
+    assert ckpt.optim_path(run, 2, 0).exists() == bool(keep_best_optimizer)
+    assert ckpt.pick_resume_step(run, "auto") == 4
+    if keep_best_optimizer:
+        assert ckpt.pick_resume_step(run, "2") == 2 and not any("dropped" in line for line in lines)
+    else:
+        assert lines[0].startswith("saved step 000003") and lines[0].endswith(
+            "; dropped the optimizer shards of best step 000002 (kept for serving, not resuming)")
+        with pytest.raises(ckpt.CheckpointError, match=r"--resume 2: step 000002 .* kept for serving only \(its "
+                           r"optimizer shards were dropped; set KEEP_BEST_OPTIMIZER=1 to keep them\)"):
+            ckpt.pick_resume_step(run, "2")
+        ckpt.optim_path(run, 4, 0).unlink()  # were the newest one not resumable either, auto would skip it too
+        ckpt.atomic_write_json(ckpt.meta_path(run, 1), {"step": 1, "world_size": 1})
+        ckpt.optim_path(run, 1, 0).write_bytes(b"o")
+        assert ckpt.pick_resume_step(run, "auto") == 1

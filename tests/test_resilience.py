@@ -20,7 +20,7 @@ from experiment.checkpoint import load_checkpoint
 from experiment.distributed import Dist
 
 def _state(ws, step, tag="d2"):
-    return ckpt.load_tensors(ckpt.model_path(ws / "checkpoints" / tag, step))
+    return ckpt.load_model_state(ws / "checkpoints" / tag, step)
 
 
 def _meta(ws, step, tag="d2"):
@@ -252,9 +252,9 @@ def test_failed_save_keeps_earlier_checkpoints_and_training_goes_on(tmp_path, co
     proc = run_train(args, nproc=2)
     assert "error: checkpoint step 000004 not saved" in proc.stdout and "writing checkpoint step 000004 failed" in proc.stderr
     assert ckpt.complete_steps(run_dir) == [2, 6]
-    assert not ckpt.model_path(run_dir, 4).exists()  # the partial step was cleaned up
+    assert not list(run_dir.glob("model_000004*"))  # the partial step's model parts were cleaned up
 
-    ckpt.model_path(run_dir, 8).mkdir()  # now the final save fails
+    ckpt.model_part_path(run_dir, 8, 1).mkdir()  # now rank 1 cannot write its model part: the final save fails
     proc = run_train([*args, "--max_steps", 8], nproc=2, check=False)
     assert proc.returncode != 0 and "the final checkpoint could not be written" in proc.stdout
     assert ckpt.complete_steps(run_dir) == [2, 6]

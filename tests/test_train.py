@@ -12,8 +12,9 @@ from experiment.optim import partition
 from experiment.train import ConfigError, TrainConfig, lr_multiplier, peak_flops, resolve
 
 
-def _params(path):
-    return ckpt.load_tensors(path)
+def _params(run_dir, step):
+    """The step's weights, whichever layout (one file, or one part per rank) holds them."""
+    return ckpt.load_model_state(run_dir, step)
 
 
 def _meta(ws, tag, step):
@@ -49,8 +50,8 @@ def test_two_ranks_equal_one_rank_and_shards_name_owned_params(tmp_path, corpus)
     common = [*TINY, "--data_dir", corpus, "--max_steps", 3, "--total_batch_size", 256]
     run_train([*common, "--workspace", tmp_path / "one"], nproc=1)
     run_train([*common, "--workspace", tmp_path / "two"], nproc=2)
-    one = _params(ckpt.model_path(tmp_path / "one/checkpoints/d2", 3))
-    two = _params(ckpt.model_path(tmp_path / "two/checkpoints/d2", 3))
+    one = _params(tmp_path / "one/checkpoints/d2", 3)
+    two = _params(tmp_path / "two/checkpoints/d2", 3)
     initial = GPT(GPTConfig(vocab_size=64, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=32))
     initial.init_weights(seed=1337)
     for name, p in one.items():
@@ -62,9 +63,20 @@ def test_two_ranks_equal_one_rank_and_shards_name_owned_params(tmp_path, corpus)
     for r, shard in enumerate(shards):
         owned = {n for n, o in expected.items() if o == r}
         assert set(shard["owned"]) == owned and set(shard["state"]) == owned
+        # Each rank wrote the weights it owns (plain names), and no rank the whole model.
+        assert set(ckpt.load_tensors(ckpt.model_part_path(run_dir, 3, r))) == owned
+    assert not ckpt.model_path(run_dir, 3).exists()
+    assert ckpt.model_path(tmp_path / "one/checkpoints/d2", 3).exists()
+    assert not list((tmp_path / "one/checkpoints/d2").glob("model_*_rank*.pt"))
     meta = _meta(tmp_path / "two", "d2", 3)
-    assert meta["world_size"] == 2 and len(meta["data_positions"]) == 2
+    assert meta["world_size"] == meta["model_parts"] == 2 and len(meta["data_positions"]) == 2
+    assert _meta(tmp_path / "one", "d2", 3)["model_parts"] == 1
     assert meta["val_loss"] == pytest.approx(_meta(tmp_path / "one", "d2", 3)["val_loss"], abs=1e-4)
+    # The server's path: the run directory resolves to model_<step>.pt, naming the step in parts.
+    served = ckpt.resolve_serving_checkpoint(run_dir, tmp_path)
+    assert served == ckpt.model_path(run_dir, 3)
+    model, _ = ckpt.load_model(served)
+    assert all(torch.equal(t, two[n]) for n, t in model.state_dict().items())
 
 
 def test_resume_after_a_crash_equals_the_uninterrupted_run(tmp_path, corpus):
@@ -76,7 +88,7 @@ def test_resume_after_a_crash_equals_the_uninterrupted_run(tmp_path, corpus):
     ckpt.model_path(b_dir, 6).write_bytes(b"half-written")
     proc = run_train([*common, "--workspace", tmp_path / "b"])
     assert "resumed from" in proc.stdout and "step 3," in proc.stdout
-    a, b = _params(ckpt.model_path(a_dir, 6)), _params(ckpt.model_path(b_dir, 6))
+    a, b = _params(a_dir, 6), _params(b_dir, 6)
     for name in a:
         assert torch.equal(a[name], b[name]), name
     sa, sb = (ckpt.load_tensors(ckpt.optim_path(d, 6, 0))["state"] for d in (a_dir, b_dir))
