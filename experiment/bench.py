@@ -5,6 +5,7 @@
     python -m experiment.bench fitprobe --depth 64 --world 8 --device_batch_sizes 1,2,4 [--seq 2048]
     python -m experiment.bench throughput --depth 4 --seq 256 --batch 8 [--aspect_ratio 64 --head_dim 128]
     python -m experiment.bench speedrun --data FILE --seconds 180 [--val_fraction 0.1]
+    python -m experiment.bench gpucheck [--quick] [--workspace DIR] [--only env,correctness,...]
 
 generate: tokens/s for N generated tokens with the KV cache and with the naive path (a full forward
 over the last max_seq_len tokens per token), on a checkpoint (default: the newest run's best) or,
@@ -19,6 +20,8 @@ against the GPU's peak by name or, on CPU, against an fp32 matmul peak measured 
 speedrun: trains from scratch for exactly T seconds of budget with the recommended settings for the
 device (the trainer's defaults), then prints the val loss on the full val set and the val-loss curve
 against training seconds.
+gpucheck: every CUDA path of the trainer on one GPU, PASS/WARN/FAIL per item with the numbers, in a
+report under $WORKSPACE/gpucheck/<timestamp>/ (experiment/gpucheck.py).
 """
 
 from __future__ import annotations
@@ -37,11 +40,13 @@ from pathlib import Path
 import torch
 
 from experiment import checkpoint as ckpt
+from experiment import gpucheck
 from experiment.dataloader import Prepared
 from experiment.distributed import Dist, resolve_device
 from experiment.memory import MODES, format_plan, param_shapes, plan_memory
 from experiment.model import GPT, GPTConfig
 from experiment.optim import ShardedOptimizer
+from experiment.probes import cpu_matmul_peak, probe_peak_memory
 from experiment.train import build_model, evaluate, peak_flops
 
 
@@ -95,52 +100,12 @@ def cmd_fitprobe(args) -> int:
         try:
             peak = probe_peak_memory(config, args.world, batch, args.seq, args.precision,
                                      args.activation_checkpointing, device, steps=args.steps)
-            measured = f"{peak / 2**30:.1f} GiB" if peak is not None else "n/a on CPU"
+            measured = (f"{peak['allocated'] / 2**30:.1f} GiB (reserved {peak['reserved'] / 2**30:.1f} GiB)"
+                        if peak is not None else "n/a on CPU")
         except torch.OutOfMemoryError:
             measured = "OUT OF MEMORY"
         print(f"fitprobe | device batch {batch} | measured peak {measured} | planned {planned.total / 2**30:.1f} GiB")
     return 0
-
-
-def probe_peak_memory(config: GPTConfig, world: int, batch: int, seq: int, precision: str, recompute: bool,
-                      device: torch.device, steps: int = 3) -> int | None:
-    """Peak bytes allocated on the GPU by `steps` training steps of rank 0 in a simulated world."""
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    model = build_model(config, device, precision, recompute)
-    opt = ShardedOptimizer(model, 0, world, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004,
-                           master_weights=precision == "bf16", communicate=False)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
-    try:
-        for _ in range(steps):
-            x = torch.randint(0, config.vocab_size, (batch, seq), device=device)
-            with autocast:
-                model(x, x).backward()
-            opt.step()
-            model.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize(device)
-            return torch.cuda.max_memory_allocated(device)
-        return None
-    finally:
-        del model, opt
-        if cuda:
-            torch.cuda.empty_cache()
-
-
-def cpu_matmul_peak(n: int = 1024, reps: int = 20) -> float:
-    """Best fp32 FLOP/s of an n x n matmul on this CPU with torch's current thread count."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    for _ in range(3):
-        a @ b
-    best = math.inf
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
 
 
 def cmd_throughput(args) -> int:
@@ -256,7 +221,10 @@ def main(argv=None) -> int:
     sr.add_argument("--val_fraction", type=float, default=0.1)
     sr.add_argument("--workspace", default=None, help="default: a new temp directory")
     sr.add_argument("train_args", nargs="*", help="extra experiment.train flags after --, e.g. -- --depth 6")
+    gpucheck.add_arguments(sub.add_parser("gpucheck", help="prove a GPU box: every CUDA path, PASS/FAIL per item"))
     args = parser.parse_args(argv)
+    if args.command == "gpucheck":
+        return gpucheck.main(args)
     if args.command == "throughput":
         if args.seq is None:
             args.seq = 256

@@ -15,8 +15,10 @@ cd "$(dirname "$0")/.."
 if [ -z "${VIRTUAL_ENV:-}" ] && [ -x .venv/bin/python ]; then
     export PATH="$PWD/.venv/bin:$PATH"
 fi
+# A rented image may have only python3 and no torchrun on the PATH; PYTHON overrides.
+PYTHON=${PYTHON:-$(command -v python || command -v python3)}
 
-n_gpu=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+n_gpu=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 if [ "$n_gpu" -gt 0 ]; then default_nproc=$n_gpu; else default_nproc=1; fi
 NPROC_PER_NODE=${NPROC_PER_NODE:-$default_nproc}
 NNODES=${NNODES:-1}
@@ -31,7 +33,7 @@ SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-300}
 
 # Map env overrides to flags; the flag list comes from TrainConfig itself, so the two never drift.
 flags=()
-for name in $(python -c "import dataclasses, experiment.train as t; print(*[f.name for f in dataclasses.fields(t.TrainConfig)])"); do
+for name in $("$PYTHON" -c "import dataclasses, experiment.train as t; print(*[f.name for f in dataclasses.fields(t.TrainConfig)])"); do
     var=${name^^}
     if [ -n "${!var+set}" ]; then
         flags+=("--$name=${!var}")
@@ -40,12 +42,20 @@ done
 
 if [ "$NNODES" -gt 1 ]; then
     : "${MASTER_ADDR:?MASTER_ADDR must be set when NNODES > 1}"
-    launch=(torchrun --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC_PER_NODE"
+    launch=("$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC_PER_NODE"
             --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_id="${MODEL_TAG:-run}")
 else
-    launch=(torchrun --standalone --nproc_per_node="$NPROC_PER_NODE")
+    launch=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC_PER_NODE")
 fi
-launch+=(--max-restarts="$MAX_RESTARTS" --shutdown_timeout="$SHUTDOWN_TIMEOUT")
+launch+=(--max-restarts="$MAX_RESTARTS")
+# torchrun has a shutdown timeout flag only from torch 2.13 on (2.11 refuses it and starts nothing);
+# older ones wait their fixed default (30 s) before SIGKILL.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$SHUTDOWN_TIMEOUT
+if "$PYTHON" -m torch.distributed.run --help 2>/dev/null | grep -q -- '--shutdown[-_]timeout'; then
+    launch+=(--shutdown_timeout="$SHUTDOWN_TIMEOUT")
+else
+    echo "launcher | this torch's torchrun has no --shutdown_timeout: it waits its own default after a signal"
+fi
 
 echo "launcher | gpus visible $n_gpu | nproc_per_node $NPROC_PER_NODE | nnodes $NNODES | node_rank $NODE_RANK |" \
      "max_restarts $MAX_RESTARTS | shutdown_timeout ${SHUTDOWN_TIMEOUT}s"

@@ -51,6 +51,9 @@ CPU_DEFAULTS = dict(depth=4, aspect_ratio=32, head_dim=64, matrix_lr=0.04, warmd
                     max_seq_len=256, total_batch_size=4096, training_hours=0.05,
                     save_every_minutes=1.0, eval_every_minutes=0.5, eval_tokens=1 << 16)
 CPU_DEVICE_BATCH = 16
+# The first steps after a (re)start hold torch.compile and allocator warm-up: tens of seconds on a
+# GPU, not a step's cost. They stay out of the throughput figures and the end-of-run reserve.
+WARMUP_STEPS = 3
 MAX_NONFINITE_IN_A_ROW = 5  # then the run is diverging, not unlucky: stop rather than burn the budget
 
 
@@ -86,6 +89,8 @@ class TrainConfig:
     save_every_minutes: float | None = _opt("checkpoint cadence (default 60 with CUDA, 1 without)")
     save_every_steps: int = _opt("also checkpoint every N steps (0: off)", 0)
     keep_last: int = _opt("complete checkpoints kept, plus the best", 3)
+    keep_best_optimizer: int = _opt("1: a best checkpoint older than the last keep_last keeps its optimizer "
+                                    "shards (resumable); 0: only its model and meta (servable)", 0)
     eval_every_minutes: float | None = _opt("eval cadence (default 30 with CUDA, 0.5 without)")
     eval_every_steps: int = _opt("also eval every N steps (0: off)", 0)
     eval_tokens: int | None = _opt("size of the fixed val slice (default 1048576 with CUDA, 65536 without)")
@@ -210,6 +215,15 @@ class NullWriter:
 # ---------------------------------------------------------------- pieces of the loop
 
 
+def updated_step_seconds(previous: float, dt: float, warm: bool) -> float:
+    """Moving average of the step time, which the reserve for the final eval + save includes.
+    Warm-up steps leave it as it was (0 on a fresh start, the checkpoint's on a resume): on an H100
+    a 30 s compile step taken for a step's cost stopped an 80 s run after one step."""
+    if not warm:
+        return previous
+    return 0.9 * previous + 0.1 * dt if previous else dt
+
+
 def gradients_finite(model: torch.nn.Module) -> bool:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     return bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()).item())  # syncs the device
@@ -222,15 +236,16 @@ def memory_gib(device: torch.device) -> float:
 
 
 def build_model(config: GPTConfig, device: torch.device, precision: str = "fp32", recompute: bool = False,
-                seed: int = 0) -> GPT:
+                seed: int = 0, draw_on_device: bool = False) -> GPT:
     """Built on the meta device and materialized in place, in its final dtype: d64 in fp32 is 51 GB,
-    which no rank should hold in host memory first. Same seed, CPU generator: same weights anywhere."""
+    which no rank should hold in host memory first. Same seed, CPU generator: same weights anywhere
+    (`draw_on_device`: a fast draw on the device, for probes)."""
     with torch.device("meta"):
         model = GPT(config)
-    model.to_empty(device=device)
-    if precision == "bf16":
+    if precision == "bf16":  # cast while still on meta: materializing fp32 first would cost 2x on the GPU
         model.to(torch.bfloat16)
-    model.init_weights(seed=seed)
+    model.to_empty(device=device)
+    model.init_weights(seed=seed, draw_on_device=draw_on_device)
     model.activation_checkpointing = recompute
     return model
 
@@ -408,6 +423,9 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
         reserve = plan.rows["optimizer state"] + plan.rows["fp32 masters"] // 2 if plan else 0
         cfg.device_batch_size = find_device_batch(model, cfg, d, autocast, reserve)
         log(f"device_batch_size auto -> {cfg.device_batch_size}")
+        # The probe's tries (up to out-of-memory) are no part of training: on an H100 the step line
+        # showed 78.1 GiB at d12 for a step that needs a fraction of it.
+        torch.cuda.reset_peak_memory_stats(d.device)
     grad_accum = cfg.total_batch_size // (cfg.device_batch_size * cfg.max_seq_len * d.world_size)
 
     st = RunState()
@@ -563,8 +581,9 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
                     loss_sum /= d.world_size
                 train_loss = loss_sum.item()  # syncs the device; only on logging steps
             dt = time.time() - t0
-            st.step_seconds = dt if st.step_seconds == 0 else 0.9 * st.step_seconds + 0.1 * dt
-            if step - (resume_step or 0) >= 3:  # first steps hold compile and allocator warm-up
+            warm = step - (resume_step or 0) >= WARMUP_STEPS
+            st.step_seconds = updated_step_seconds(st.step_seconds, dt, warm)
+            if warm:
                 measured_tokens += tokens_per_step
                 measured_time += dt
             tok_s = tokens_per_step / dt
@@ -594,7 +613,9 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
     best = ckpt.read_best(run_dir) if d.master else None
     if best is not None:
         path = ckpt.model_path(run_dir, best["step"])
-        log(f"done: step {st.step:06d}, {st.used_seconds / 3600:.3f}h of {cfg.training_hours:.3f}h used | "
+        used = used_at_start + time.time() - loop_start  # the final eval and save included
+        log(f"done: step {st.step:06d}, {used / 3600:.3f}h of {cfg.training_hours:.3f}h used "
+            f"({used:.1f}s of {budget_seconds:.1f}s) | "
             f"best checkpoint {path} (val_loss {best['val_loss']:.4f})")
         log(f"serve it: bash run.sh serve   (or: python -m experiment.server --checkpoint {path})")
     return 0

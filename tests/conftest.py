@@ -48,3 +48,12 @@ def run_train(args, nproc: int = 1, check: bool = True, timeout: int = 300) -> s
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cuda-tests-on-cpu", action="store_true",
+                     help="run the tests marked cuda on the CPU (gpucheck on a machine without a GPU)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a GPU; skipped without one unless --cuda-tests-on-cpu")

@@ -1,0 +1,95 @@
+"""gpucheck: prove a GPU box in minutes, before paying for a day on it.
+
+    python3 -m experiment.bench gpucheck [--quick] [--workspace DIR] [--only ITEM,...]
+    bash run.sh gpucheck [same flags]
+
+Exercises every CUDA path of the trainer on one GPU and says PASS, WARN or FAIL per item, with the
+numbers: environment, correctness (tests/test_cuda.py through pytest), speed and MFU, memory (planner
+against measured peaks, the d64 world-8 fit), checkpoint save/load rates, and an end-to-end run of
+experiment/run.sh with a preemption and a resume. The report (report.md, report.json) is rewritten
+under $WORKSPACE/gpucheck/<timestamp>/ after every item, so a check cut short still leaves one.
+Without CUDA every item runs at tiny sizes on the CPU, and the report says its figures are CPU
+figures. The items themselves are in experiment/gpucheck_items.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from experiment import gpucheck_items
+from experiment.checkpoint import atomic_write_bytes, atomic_write_json, default_workspace
+from experiment.gpucheck_items import CPU_SIZES, GPU_FULL, GPU_QUICK, ITEMS, Ctx, Item
+
+class Report:
+    """report.md and report.json, rewritten atomically after every item."""
+
+    def __init__(self, out: Path, header: str):
+        self.out, self.header, self.items = out, header, []
+
+    def add(self, item: Item) -> None:
+        self.items.append(item)
+        atomic_write_bytes(self.out / "report.md", self.markdown().encode())
+        atomic_write_json(self.out / "report.json", {"header": self.header, "items": [asdict(i) for i in self.items]})
+
+    def markdown(self) -> str:
+        lines = [self.header, "", "| item | result | seconds | summary |", "|---|---|---|---|"]
+        lines += [f"| {i.name} | **{i.status}** | {i.seconds:.0f} | {i.summary} |" for i in self.items]
+        for i in self.items:
+            lines += ["", f"## {i.name}: {i.status}", "", i.summary]
+            if i.detail:
+                lines += ["", i.detail]
+        return "\n".join(lines) + "\n"
+
+
+def run_items(ctx: Ctx, names: list[str], report: Report) -> None:
+    for name in names:
+        t0 = time.time()
+        print(f"gpucheck | {name} ...", flush=True)
+        try:
+            item = getattr(gpucheck_items, f"check_{name}")(ctx)
+        except Exception as e:  # one broken item must not hide the others' results
+            item = Item(name, "FAIL", f"crashed: {type(e).__name__}: {str(e)[:300]}",
+                        detail=f"```\n{traceback.format_exc()[-4000:]}\n```")
+        item.seconds = time.time() - t0
+        report.add(item)
+        print(f"gpucheck | {name}: {item.status} ({item.seconds:.0f}s) | {item.summary}", flush=True)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="fewer sizes and a 1-minute end-to-end run")
+    p.add_argument("--workspace", default=None, help="report and scratch root (default: as WORKSPACE in run.sh)")
+    p.add_argument("--only", default=",".join(ITEMS), help=f"comma-separated items of: {', '.join(ITEMS)}")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+
+
+def main(args) -> int:
+    from experiment.distributed import resolve_device
+
+    names = [n for n in args.only.split(",") if n]
+    unknown = [n for n in names if n not in ITEMS]
+    if unknown:
+        print(f"error: --only: unknown item(s) {', '.join(unknown)}; choose from {', '.join(ITEMS)}")
+        return 2
+    device = resolve_device(args.device)
+    sizes = (GPU_QUICK if args.quick else GPU_FULL) if device.type == "cuda" else CPU_SIZES
+    workspace = Path(args.workspace) if args.workspace else default_workspace()
+    out = workspace / "gpucheck" / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else "CPU (no CUDA): every figure below is a CPU figure at tiny sizes, not a GPU measurement")
+    header = (f"# gpucheck {time.strftime('%Y-%m-%d %H:%M:%S')} on {where}\n\n"
+              f"{'quick' if args.quick else 'full'} run; sizes {asdict(sizes)}")
+    report = Report(out, header)
+    print(header, flush=True)
+    run_items(Ctx(device, sizes, workspace, out), names, report)
+    print(report.markdown(), flush=True)
+    print(f"gpucheck | report: {out / 'report.md'} and report.json", flush=True)
+    failed = [i.name for i in report.items if i.status == "FAIL"]
+    print(f"gpucheck | {'FAIL: ' + ', '.join(failed) if failed else 'PASS'}", flush=True)
+    return 1 if failed else 0

@@ -1,0 +1,525 @@
+"""The items of gpucheck (experiment/gpucheck.py): each `check_<name>(ctx) -> Item` runs one part of
+the trainer's CUDA path for real and reports what it measured."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+from experiment import checkpoint as ckpt
+from experiment.checkpoint import RunState, load_checkpoint, save_checkpoint
+from experiment.dataloader import prepare, write_demo_corpus
+from experiment.distributed import Dist
+from experiment.memory import choose_mode, param_shapes, plan_memory
+from experiment.model import GPTConfig
+from experiment.optim import ShardedOptimizer, partition, uses_muon
+from experiment.probes import LRS, autocast_for, cpu_matmul_peak, free_memory, measure_speed, probe_peak_memory, \
+    profile_step, sync
+from experiment.train import TrainConfig, build_model, peak_flops, resolve
+
+REPO = Path(__file__).resolve().parent.parent
+ITEMS = ("env", "correctness", "speed", "memory", "checkpoints", "e2e")
+GIB = 2**30
+VOCAB = 128  # a char vocabulary padded to a multiple of 64
+MFU_GOAL = 0.5  # nanochat reports about 50% on H100 SXM
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big each item runs. The GPU sizes are the issue's; the CPU ones only prove the code paths."""
+    aspect_ratio: int
+    head_dim: int
+    seq: int
+    speed_depths: tuple[int, ...]
+    batch_cap: int
+    speed_steps: int
+    profile_depth: int
+    fit_depth: int
+    fit_world: int
+    fit_batches: tuple[int, ...]
+    ckpt_depths: tuple[int, ...]
+    e2e_depth: int
+    e2e_seconds: float
+
+
+GPU_FULL = Sizes(64, 128, 2048, (12, 20, 24, 32), 16, 6, 24, 64, 8, (1, 2, 4), (24, 32), 12, 180)
+GPU_QUICK = Sizes(64, 128, 2048, (12, 24), 16, 4, 24, 64, 8, (1,), (24,), 12, 60)
+CPU_SIZES = Sizes(32, 32, 64, (2, 4), 4, 3, 4, 8, 8, (1, 2), (2,), 2, 30)
+
+
+@dataclass
+class Item:
+    name: str
+    status: str  # PASS, WARN, FAIL or SKIP
+    summary: str
+    figures: dict = field(default_factory=dict)
+    detail: str = ""  # Markdown: tables, logs
+    seconds: float = 0.0
+
+
+@dataclass
+class Ctx:
+    """What every item needs: where it runs, how big, where it may write, what earlier items found."""
+    device: torch.device
+    sizes: Sizes
+    workspace: Path
+    out: Path
+    found: dict = field(default_factory=dict)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+# ---------------------------------------------------------------- shared helpers
+
+
+def _config(ctx: Ctx, depth: int) -> GPTConfig:
+    s = ctx.sizes
+    return GPTConfig(vocab_size=VOCAB, depth=depth, aspect_ratio=s.aspect_ratio, head_dim=s.head_dim, max_seq_len=s.seq)
+
+
+def _gpu_bytes(ctx: Ctx) -> int:
+    return torch.cuda.get_device_properties(ctx.device).total_memory
+
+
+def _setup_that_fits(ctx: Ctx, config: GPTConfig):
+    """(precision, recompute, device batch, plan) as the trainer would choose them on one GPU: the
+    cheapest mode that fits at batch 1, then the largest power-of-two batch <= batch_cap the plan fits."""
+    cap, seq = ctx.sizes.batch_cap, config.max_seq_len
+    if not ctx.cuda:
+        return "fp32", False, cap, plan_memory(config, 1, cap, seq, "fp32", False, cuda=False)
+    mode = choose_mode(config, 1, 1, seq, _gpu_bytes(ctx))
+    if mode is None:
+        raise RuntimeError(f"d{config.depth} does not fit one GPU at device batch 1 in any mode")
+    batch = 1
+    while batch * 2 <= cap and plan_memory(config, 1, batch * 2, seq, mode.precision, mode.checkpointing).fits(
+            _gpu_bytes(ctx)):
+        batch *= 2
+    return mode.precision, mode.checkpointing, batch, plan_memory(config, 1, batch, seq, mode.precision,
+                                                                  mode.checkpointing)
+
+
+def _peak_flops(ctx: Ctx) -> tuple[float | None, str]:
+    if ctx.cuda:
+        name = torch.cuda.get_device_name(ctx.device)
+        return peak_flops(name), f"{name} dense bf16 peak from the table"
+    peak = ctx.found.setdefault("cpu_peak", cpu_matmul_peak())
+    return peak, f"measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s"
+
+
+def _table(head: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+
+
+def _status(failed: bool, warned: bool) -> str:
+    return "FAIL" if failed else "WARN" if warned else "PASS"
+
+
+# ---------------------------------------------------------------- 1. environment
+
+
+def _driver_version() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown (no nvidia-smi)"
+
+
+def _torch_pin() -> str | None:
+    for line in (REPO / "requirements.txt").read_text().splitlines():
+        if line.startswith("torch=="):
+            return line.split("==")[1].strip()
+    return None
+
+
+def _bf16_matmul_tflops(device: torch.device, n: int = 8192, reps: int = 10) -> float:
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
+
+
+def check_env(ctx: Ctx) -> Item:
+    figures = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    warnings = []
+    pin = _torch_pin()
+    if pin and torch.__version__.split("+")[0] != pin:
+        warnings.append(f"torch {torch.__version__} is not the pinned {pin}: fine for this check; `bash run.sh` "
+                        "installs the pin")
+    if ctx.cuda:
+        props = torch.cuda.get_device_properties(ctx.device)
+        peak, _ = _peak_flops(ctx)
+        figures.update(gpu=props.name, gpus=torch.cuda.device_count(), memory_gib=round(props.total_memory / GIB, 1),
+                       capability=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
+                       driver=_driver_version(), cuda=torch.version.cuda,
+                       nccl=".".join(map(str, torch.cuda.nccl.version())), peak_flops_table=peak,
+                       bf16_matmul_tflops_measured=round(_bf16_matmul_tflops(ctx.device), 1))
+        if peak is None:
+            warnings.append(f"{props.name} is not in the peak FLOP/s table (train.PEAK_FLOPS): no MFU is reported")
+        if figures["gpus"] < 2:
+            warnings.append("one GPU: NCCL collectives are not exercised (the correctness tests run nccl world 2 "
+                            "when there are 2 or more GPUs)")
+    else:
+        figures.update(cpu_threads=torch.get_num_threads(), cpu_fp32_matmul_gflops=round(_peak_flops(ctx)[0] / 1e9, 1))
+        warnings.append("no CUDA: every figure in this report is a CPU figure at tiny sizes")
+    summary = ", ".join(f"{k} {v}" for k, v in figures.items())
+    detail = "\n".join(f"- warning: {w}" for w in warnings)
+    return Item("env", _status(False, bool(warnings)), summary, figures, detail)
+
+
+# ---------------------------------------------------------------- 2. correctness (pytest)
+
+
+def _junit_rows(path: Path) -> list[list]:
+    rows = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = case.find(tag)
+            if el is not None:
+                outcome, message = tag, (el.get("message") or "").replace("\n", " ").replace("|", "/")[:160]
+        rows.append([case.get("name"), outcome, f"{float(case.get('time', 0)):.1f}", message])
+    return rows
+
+
+def check_correctness(ctx: Ctx) -> Item:
+    junit = ctx.out / "junit.xml"
+    cmd = [sys.executable, "-m", "pytest", str(REPO / "tests/test_cuda.py"), "-m", "cuda", "-q", "-s",
+           "-p", "no:cacheprovider", f"--junitxml={junit}"] + ([] if ctx.cuda else ["--cuda-tests-on-cpu"])
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    rows = _junit_rows(junit) if junit.exists() else []
+    counts = {o: sum(r[1] == o for r in rows) for o in ("passed", "failure", "error", "skipped")}
+    failed = proc.returncode != 0 or counts["passed"] == 0
+    notes = [line for line in proc.stdout.splitlines() if line.startswith("sigterm:")]
+    detail = _table(["test", "outcome", "seconds", "message"], rows) + "".join(f"\n\n{n}" for n in notes)
+    if failed:
+        detail += f"\n\n```\n{(proc.stdout + proc.stderr)[-3000:]}\n```"
+    summary = (f"{counts['passed']} passed, {counts['failure'] + counts['error']} failed, {counts['skipped']} "
+               f"skipped (tests/test_cuda.py on {ctx.device.type})")
+    return Item("correctness", _status(failed, counts["skipped"] > 0), summary, counts, detail)
+
+
+# ---------------------------------------------------------------- 3. speed
+
+
+def _speed_row(r: dict, seq: int) -> list:
+    return [f"d{r['depth']}", f"{r['params'] / 1e6:,.0f}M", f"{r['batch']} x {seq} x {r['grad_accum']}",
+            r["precision"] + (" +ckpt" if r["recompute"] else ""), f"{r['micro_tok_per_s']:,.0f}",
+            f"{1000 * r['micro_s']:.1f}", f"{1000 * r['optimizer_s']:.1f}", f"{r['host_overhead_ms']:.1f}",
+            f"{r['tok_per_s']:,.0f}", f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-", f"{r['first_step_s']:.1f}"]
+
+
+def _profile(ctx: Ctx, results: dict) -> str:
+    depth = ctx.sizes.profile_depth
+    if depth not in results:
+        return ""
+    r = results[depth]
+    batch = max(r["batch"] // 2, 1)  # eager keeps more activations than the compiled step measured above
+    try:
+        table = profile_step(_config(ctx, depth), batch, r["precision"], ctx.device)
+    except torch.OutOfMemoryError as e:
+        free_memory(ctx.device)
+        return f"\n\nProfile of d{depth} at batch {batch}: out of memory ({str(e)[:200]})"
+    return (f"\n\nProfile of one eager step (one micro-batch of {batch} x {ctx.sizes.seq} and the optimizer) at "
+            f"d{depth}, by self {'CUDA' if ctx.cuda else 'CPU'} time:\n\n```\n{table}\n```")
+
+
+def check_speed(ctx: Ctx) -> Item:
+    peak, peak_src = _peak_flops(ctx)
+    tokens_per_step = resolve(TrainConfig(), ctx.cuda, 1).total_batch_size  # the default TOTAL_BATCH_SIZE
+    results = {}
+    for depth in ctx.sizes.speed_depths:
+        config = _config(ctx, depth)
+        precision, recompute, batch, plan = _setup_that_fits(ctx, config)
+        r = measure_speed(config, batch, precision, recompute, ctx.device, ctx.sizes.speed_steps,
+                          compile_model=ctx.cuda, tokens_per_step=tokens_per_step)
+        r.update(depth=depth, batch=batch, precision=precision, recompute=recompute, planned=plan.total,
+                 planned_rows=plan.rows, mfu=r["flops_per_token"] * r["tok_per_s"] / peak if peak else None)
+        results[depth] = r
+        print(f"gpucheck | speed d{depth}: {r['tok_per_s']:,.0f} tok/s, first step {r['first_step_s']:.1f}s", flush=True)
+    ctx.found["speed"] = results
+    head = ["size", "params", "batch x seq x accum", "weights", "micro-step tok/s", "micro-step ms",
+            "optimizer + syncs ms", "host syncs ms", f"tok/s at {tokens_per_step:,} tokens/step", "MFU",
+            "first step s" + (" (compile)" if ctx.cuda else "")]
+    detail = (f"MFU against the {peak_src}. Random tokens, one device, the trainer's step: autocast bf16, Muon + "
+              f"AdamW, {'torch.compile (whole model)' if ctx.cuda else 'eager'}. A step of {tokens_per_step:,} tokens "
+              "(the default TOTAL_BATCH_SIZE) is composed of measured parts: grad_accum micro-steps (forward + "
+              "backward, timed in a queue) plus one optimizer step with the trainer's two host syncs. 'host syncs' "
+              "is a synced step minus a step in a queue of unsynced ones.\n\n"
+              + _table(head, [_speed_row(r, ctx.sizes.seq) for r in results.values()]) + _profile(ctx, results))
+    goal = results.get(24, {}).get("mfu")
+    short = ctx.cuda and goal is not None and goal < MFU_GOAL
+    summary = " | ".join(f"d{d} {r['tok_per_s']:,.0f} tok/s" + (f" MFU {100 * r['mfu']:.1f}%" if r["mfu"] else "")
+                         for d, r in results.items()) + (f" | d24 below the {100 * MFU_GOAL:.0f}% goal" if short else "")
+    figures = {f"d{d}": {k: v for k, v in r.items() if k != "planned_rows"} for d, r in results.items()}
+    return Item("speed", _status(False, short), summary, figures, detail)
+
+
+# ---------------------------------------------------------------- 4. memory
+
+
+def _context_bytes(ctx: Ctx) -> int:
+    """GPU memory outside PyTorch's allocator (CUDA context, library workspaces)."""
+    free, total = torch.cuda.mem_get_info(ctx.device)
+    return total - free - torch.cuda.memory_reserved(ctx.device)
+
+
+def _plan_vs_measured(ctx: Ctx, outside: int) -> tuple[list[list], dict]:
+    rows, errors = [], {}
+    for depth, r in ctx.found.get("speed", {}).items():
+        measured = r["peak_reserved"] + outside
+        no_overhead = r["planned"] - r["planned_rows"]["overhead"]
+        errors[f"d{depth}"] = (r["planned"] - measured) / measured
+        rows.append([f"d{depth} batch {r['batch']} (compiled)", f"{r['planned'] / GIB:.1f}",
+                     f"{r['peak_allocated'] / GIB:.1f}", f"{measured / GIB:.1f}",
+                     f"{(measured - no_overhead) / GIB:.1f} (planned {r['planned_rows']['overhead'] / GIB:.1f})",
+                     f"{100 * errors[f'd{depth}']:+.1f}%"])
+    return rows, errors
+
+
+def _fit_rows(ctx: Ctx, outside: int) -> tuple[list[list], dict, dict, bool]:
+    """The big model as rank 0 of its world at each device batch: planned vs measured."""
+    s = ctx.sizes
+    config, rows, errors, fit, failed = _config(ctx, s.fit_depth), [], {}, {}, False
+    for batch in s.fit_batches:
+        plan = plan_memory(config, s.fit_world, batch, s.seq, "bf16", True, cuda=ctx.cuda)
+        label = f"d{s.fit_depth} bf16 +ckpt batch {batch}, rank 0 of {s.fit_world}"
+        try:
+            peak = probe_peak_memory(config, s.fit_world, batch, s.seq, "bf16", True, ctx.device, steps=2)
+        except torch.OutOfMemoryError:
+            free_memory(ctx.device)
+            failed |= plan.fits(_gpu_bytes(ctx))  # the planner said it fits, and it did not
+            fit[batch] = "out of memory"
+            rows.append([label, f"{plan.total / GIB:.1f}", "OUT OF MEMORY", "", "", ""])
+            continue
+        if peak is None:  # CPU: the code path ran; there is no allocator peak to compare
+            fit[batch] = "ran (CPU)"
+            rows.append([label, f"{plan.total / GIB:.3f}", "n/a on CPU", "", "", ""])
+            continue
+        measured = peak["reserved"] + outside
+        errors[f"d{s.fit_depth}_b{batch}"] = err = (plan.total - measured) / measured
+        fit[batch] = f"{measured / GIB:.1f} GiB"
+        rows.append([label, f"{plan.total / GIB:.1f}", f"{peak['allocated'] / GIB:.1f}", f"{measured / GIB:.1f}",
+                     f"{(measured - plan.total + plan.rows['overhead']) / GIB:.1f} (planned "
+                     f"{plan.rows['overhead'] / GIB:.1f})", f"{100 * err:+.1f}%"])
+    return rows, errors, fit, failed
+
+
+def check_memory(ctx: Ctx) -> Item:
+    s = ctx.sizes
+    outside = _context_bytes(ctx) if ctx.cuda else 0
+    rows, errors = _plan_vs_measured(ctx, outside) if ctx.cuda else ([], {})
+    fit_rows, fit_errors, fit, failed = _fit_rows(ctx, outside)
+    errors.update(fit_errors)
+    worst = max(errors.values(), key=abs) if errors else 0.0
+    head = ["configuration", "planned GiB", "peak allocated GiB", "measured GiB (reserved + outside)",
+            "overhead GiB measured", "planner error"]
+    detail = (f"Measured = the caching allocator's peak reserved bytes + {outside / GIB:.2f} GiB outside it (CUDA "
+              "context, library workspaces). Planner error = (planned - measured) / measured: positive means "
+              "the planner is conservative.\n\n" + _table(head, rows + fit_rows))
+    summary = (f"worst planner error {100 * worst:+.1f}% over {len(errors)} configurations | "
+               f"d{s.fit_depth} as rank 0 of {s.fit_world}: " + ", ".join(f"batch {b} {v}" for b, v in fit.items()))
+    return Item("memory", _status(failed, abs(worst) > 0.2), summary,
+                {"errors": errors, "outside_bytes": outside, "fit": fit}, detail)
+
+
+# ---------------------------------------------------------------- 5. checkpoints
+
+
+def _demo_prepared(ctx: Ctx):
+    data = write_demo_corpus(ctx.workspace / "demo_data").parent
+    return prepare(data, ctx.workspace, max_seq_len=ctx.sizes.seq)
+
+
+def _drop_page_cache() -> bool:
+    """So the load reads the disk, not the pages the save just wrote (needs root; False otherwise)."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _time_save_load(ctx: Ctx, depth: int, prepared) -> dict:
+    """The trainer's own save and resume load of one step of a model with optimizer state."""
+    config = _config(ctx, depth)
+    precision, recompute, _, _ = _setup_that_fits(ctx, config)
+    tag = f"gpucheck-d{depth}"
+    cfg = resolve(TrainConfig(depth=depth, aspect_ratio=config.aspect_ratio, head_dim=config.head_dim,
+                              max_seq_len=config.max_seq_len, total_batch_size=config.max_seq_len, device_batch_size=1,
+                              workspace=str(ctx.workspace), model_tag=tag), ctx.cuda, 1)
+    run_dir = ctx.workspace / "checkpoints" / tag
+    shutil.rmtree(run_dir, ignore_errors=True)
+    model = build_model(config, ctx.device, precision, recompute, draw_on_device=True)
+    opt = ShardedOptimizer(model, **LRS, master_weights=precision == "bf16")
+    x = torch.randint(0, VOCAB, (1, config.max_seq_len), device=ctx.device)
+    with autocast_for(ctx.device):
+        model(x, x).backward()
+    opt.step()  # creates the optimizer state a real checkpoint holds
+    model.zero_grad(set_to_none=True)
+    d, st = Dist(0, 0, 1, ctx.device), RunState(step=1, tokens_seen=x.numel(), used_seconds=1.0, best_val=9.0, best_step=1)
+    try:
+        sync(ctx.device)
+        t0 = time.perf_counter()
+        if not save_checkpoint(run_dir, model, opt, {"epoch": 0, "cursor": 0}, st, 9.0, cfg, prepared, 3600.0, d,
+                               log=lambda msg: None):
+            raise RuntimeError(f"save_checkpoint of d{depth} failed")
+        save_s = time.perf_counter() - t0
+        nbytes = sum(p.stat().st_size for p in run_dir.glob("*_000001*.pt"))
+        cold = _drop_page_cache()
+        t0 = time.perf_counter()
+        load_checkpoint(run_dir, 1, model, opt, d)
+        sync(ctx.device)
+        load_s = time.perf_counter() - t0
+    finally:
+        del model, opt
+        free_memory(ctx.device)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return {"depth": depth, "precision": precision, "bytes": nbytes, "save_s": save_s, "load_s": load_s,
+            "save_gb_s": nbytes / save_s / 1e9, "load_gb_s": nbytes / load_s / 1e9, "cold_load": cold}
+
+
+def checkpoint_bytes_per_rank(config: GPTConfig, world: int, precision: str) -> list[tuple[int, int]]:
+    """(model part, optimizer shard) bytes each rank writes per checkpoint when the model is saved in
+    per-rank parts: its parameters in the weights' dtype; fp32 master + Muon momentum or AdamW moments."""
+    shapes = param_shapes(config)
+    sizes = {n: math.prod(sh) for n, sh in shapes.items()}
+    owner = partition(sizes, world)
+    weight = 2 if precision == "bf16" else 4
+    part, shard = [0] * world, [0] * world
+    for n, size in sizes.items():
+        part[owner[n]] += size * weight
+        shard[owner[n]] += size * (4 + (4 if uses_muon(n, shapes[n]) else 8))
+    return list(zip(part, shard))
+
+
+def check_checkpoints(ctx: Ctx) -> Item:
+    prepared = _demo_prepared(ctx)
+    results = [_time_save_load(ctx, depth, prepared) for depth in ctx.sizes.ckpt_depths]
+    rows = [[f"d{r['depth']}", r["precision"], f"{r['bytes'] / 1e9:.2f}", f"{r['save_s']:.1f}", f"{r['save_gb_s']:.2f}",
+             f"{r['load_s']:.1f}", f"{r['load_gb_s']:.2f}" + ("" if r["cold_load"] else " (page cache)")] for r in results]
+    rate = min(r["save_gb_s"] for r in results)
+    big = GPTConfig(vocab_size=VOCAB, depth=64, aspect_ratio=64, head_dim=128, max_seq_len=2048)
+    parts = checkpoint_bytes_per_rank(big, 8, "bf16")
+    ranks = [p + o for p, o in parts]
+    rank0_old = sum(p for p, _ in parts) + parts[0][1]  # the whole model, not its part, plus its shard
+    detail = (_table(["size", "weights", "GB written", "save s", "save GB/s", "load s", "load GB/s"], rows)
+              + f"\n\nSave = the trainer's save_checkpoint (state to host, torch.save, fsync, rename, meta); load = "
+              f"its resume load. Extrapolated, not measured: d64 bf16 on 8 ranks writes {sum(ranks) / 1e9:.0f} GB per "
+              f"checkpoint, {max(ranks) / 1e9:.1f} GB on the busiest rank. At the slowest save rate measured here "
+              f"({rate:.2f} GB/s) one writer takes {max(ranks) / rate / 1e9:.0f} s for a rank's share; if the 8 ranks "
+              f"share this disk's rate, {sum(ranks) / rate / 1e9:.0f} s in all. Before the model was written in "
+              f"parts, rank 0 alone wrote about {rank0_old / 1e9:.0f} GB.")
+    summary = " | ".join(f"d{r['depth']} {r['bytes'] / 1e9:.1f} GB: save {r['save_s']:.1f}s ({r['save_gb_s']:.2f} GB/s), "
+                         f"load {r['load_s']:.1f}s ({r['load_gb_s']:.2f} GB/s)" for r in results)
+    summary += f" | d64 world 8 extrapolated: {sum(ranks) / rate / 1e9:.0f} s per save at this disk's rate"
+    return Item("checkpoints", "PASS", summary, {"runs": results, "d64_world8_bytes_per_rank": ranks}, detail)
+
+
+# ---------------------------------------------------------------- 6. end to end
+
+
+def _e2e_env(ctx: Ctx, ws: Path) -> dict:
+    """experiment/run.sh's environment: the user's, minus any training override it may hold."""
+    names = {f.name.upper() for f in fields(TrainConfig)} | {"NPROC_PER_NODE", "NNODES", "NODE_RANK"}
+    env = {k: v for k, v in os.environ.items() if k not in names}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    s = ctx.sizes
+    env.update(PYTHON=sys.executable, PYTHONUNBUFFERED="1", WORKSPACE=str(ws), MASTER_PORT=str(port),
+               TRAINING_HOURS=str(s.e2e_seconds / 3600), DEPTH=str(s.e2e_depth), MODEL_TAG="e2e",
+               SAVE_EVERY_MINUTES="1000", EVAL_EVERY_MINUTES=str(s.e2e_seconds / 4 / 60), SAMPLE_TOKENS="0",
+               LOG_EVERY_STEPS="20", MAX_RESTARTS="0", SHUTDOWN_TIMEOUT="120")
+    if ctx.cuda:  # d12 at 16 x 2048 tokens a step: many short steps, so the stop lands close to the budget
+        env.update(DEVICE_BATCH_SIZE="16", TOTAL_BATCH_SIZE=str(16 * 2048), EVAL_TOKENS=str(1 << 18))
+    else:
+        env.update(DEVICE="cpu", ASPECT_RATIO=str(s.aspect_ratio), HEAD_DIM=str(s.head_dim), MAX_SEQ_LEN=str(s.seq),
+                   DEVICE_BATCH_SIZE="8", TOTAL_BATCH_SIZE=str(8 * s.seq), EVAL_TOKENS="2048", OMP_NUM_THREADS="1")
+    return env
+
+
+def _launch(env: dict, log: Path) -> subprocess.Popen:
+    with open(log, "w") as out:  # the child keeps its own handle
+        return subprocess.Popen(["bash", str(REPO / "experiment/run.sh")], cwd=REPO, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_for_line(path: Path, text: str, proc: subprocess.Popen, timeout: float) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists() and text in path.read_text():
+            return True
+        time.sleep(0.5)
+    return path.exists() and text in path.read_text()
+
+
+def _done_seconds(log_text: str) -> tuple[float, float] | None:
+    """(used, budget) seconds from the last run's "done:" line."""
+    for line in reversed(log_text.splitlines()):
+        if line.startswith("done: ") and "s of " in line:
+            used, budget = line.split("(")[1].split(")")[0].split(" of ")
+            return float(used.rstrip("s")), float(budget.rstrip("s"))
+    return None
+
+
+def check_e2e(ctx: Ctx) -> Item:
+    """A budgeted run of experiment/run.sh (one process per visible GPU), SIGTERM to the launcher as a
+    preemption would send it, then the same command again: it must resume and stop at the budget."""
+    ws = ctx.workspace / "gpucheck-e2e"
+    shutil.rmtree(ws, ignore_errors=True)
+    env, budget = _e2e_env(ctx, ws), ctx.sizes.e2e_seconds
+    run_dir, train_log = ws / "checkpoints/e2e", ws / "checkpoints/e2e/training.log"
+    first = _launch(env, ctx.out / "e2e-run1.log")
+    try:
+        started = _wait_for_line(train_log, " | loss ", first, 900)
+        time.sleep(0.4 * budget if started else 0)
+        first.send_signal(signal.SIGTERM)  # to torchrun, which forwards it once to every worker
+        first.wait(timeout=600)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    text = train_log.read_text() if train_log.exists() else ""
+    preempted = "received SIGTERM: saving step" in text
+    saved = ckpt.complete_steps(run_dir)
+    second = _launch(env, ctx.out / "e2e-run2.log")
+    try:
+        second.wait(timeout=budget + 900)
+    finally:
+        if second.poll() is None:
+            os.killpg(second.pid, signal.SIGKILL)
+    text = train_log.read_text() if train_log.exists() else ""
+    resumed = bool(saved) and f"resumed from {ckpt.model_path(run_dir, saved[-1])}" in text
+    done, final = _done_seconds(text), ckpt.complete_steps(run_dir)
+    error = (done[0] - done[1]) / done[1] if done else None
+    figures = {"preempted": preempted, "preempt_step": saved[-1] if saved else None, "resumed": resumed,
+               "final_step": final[-1] if final else None, "used_s": done and done[0], "budget_s": done and done[1],
+               "budget_error": error, "exit_codes": [first.returncode, second.returncode]}
+    ok = (preempted and resumed and second.returncode == 0 and error is not None and abs(error) <= 0.01
+          and final[-1] > saved[-1])
+    summary = (f"preempted at step {figures['preempt_step']} ({'saved' if preempted else 'NO preemption save'}), "
+               f"{'resumed' if resumed else 'did NOT resume'}, finished at step {figures['final_step']}, "
+               + (f"{done[0]:.1f}s of the {done[1]:.0f}s budget used ({100 * error:+.2f}%)" if done else "no done line"))
+    tail = "\n".join(text.splitlines()[-25:])
+    return Item("e2e", _status(not ok, False), summary, figures, f"training.log (last lines):\n\n```\n{tail}\n```")

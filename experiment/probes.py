@@ -1,0 +1,168 @@
+"""Measurements on the machine at hand, shared by `bench` and `gpucheck`: the CPU's matmul peak, the
+peak GPU memory of rank 0 of a simulated world, and the speed of a (compiled) training step.
+
+Nothing here is asserted in tests; callers print or report the numbers.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+
+import torch
+
+from experiment.model import GPTConfig
+from experiment.optim import ShardedOptimizer
+from experiment.train import build_model, gradients_finite
+
+LRS = dict(matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004)  # the values do not change the cost
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def autocast_for(device: torch.device):
+    """bf16 autocast on CUDA as the trainer uses it; fp32 on CPU."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def probe_peak_memory(config: GPTConfig, world: int, batch: int, seq: int, precision: str, recompute: bool,
+                      device: torch.device, steps: int = 3) -> dict | None:
+    """Peak bytes on the GPU ({"allocated", "reserved"} by the caching allocator) of `steps` training
+    steps of rank 0 in a simulated world; None on CPU."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model = build_model(config, device, precision, recompute, draw_on_device=True)
+    opt = ShardedOptimizer(model, 0, world, **LRS, master_weights=precision == "bf16", communicate=False)
+    autocast = autocast_for(device)
+    try:
+        for _ in range(steps):
+            x = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+            with autocast:
+                model(x, x).backward()
+            opt.step()
+            model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(device)
+            return {"allocated": torch.cuda.max_memory_allocated(device),
+                    "reserved": torch.cuda.max_memory_reserved(device)}
+        return None
+    finally:
+        del model, opt
+        free_memory(device)
+
+
+def cpu_matmul_peak(n: int = 1024, reps: int = 20) -> float:
+    """Best fp32 FLOP/s of an n x n matmul on this CPU with torch's current thread count."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(3):
+        a @ b
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+
+
+def measure_speed(config: GPTConfig, batch: int, precision: str, recompute: bool, device: torch.device,
+                  steps: int, compile_model: bool, tokens_per_step: int) -> dict:
+    """One rank's training step as the trainer runs it (autocast, Muon/AdamW, bf16 weights with fp32
+    masters if asked), on random tokens, measured in parts: the first step (compile included); a
+    micro-step (forward + backward) in a queue of micro-steps; a step of one micro-step with the
+    optimizer and the trainer's two host syncs (the finite-gradient check, the flags read); the same
+    with no sync in a queue (the difference is what the syncs cost). A step of `tokens_per_step`
+    tokens is grad_accum micro-steps plus one optimizer step and its syncs; its tok/s is composed
+    from those measured parts. Peak memory (allocated, reserved) on CUDA."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model = build_model(config, device, precision, recompute, draw_on_device=True)
+    opt = ShardedOptimizer(model, **LRS, master_weights=precision == "bf16")
+    run = torch.compile(model) if compile_model else model
+    x = torch.randint(0, config.vocab_size, (batch, config.max_seq_len), device=device)
+    flags = torch.zeros(4, dtype=torch.int32, device=device)
+
+    def micro() -> None:
+        with autocast_for(device):
+            loss = run(x, x)
+        loss.backward()
+
+    def step(host_syncs: bool) -> None:
+        micro()
+        if host_syncs:
+            gradients_finite(model)  # .item(): host sync 1
+        opt.step()
+        model.zero_grad(set_to_none=True)
+        if host_syncs:
+            flags.tolist()  # the trainer's per-step decision flags: host sync 2
+
+    def timed(n: int, fn, *args) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn(*args)
+        sync(device)
+        return (time.perf_counter() - t0) / n
+
+    try:
+        first = timed(1, step, True)
+        timed(2, step, True)  # allocator and autotuning warm-up
+        micro_s = timed(steps, micro)
+        model.zero_grad(set_to_none=True)
+        steady, queued = timed(steps, step, True), timed(steps, step, False)
+        micro_tokens = batch * config.max_seq_len
+        accum = max(tokens_per_step // micro_tokens, 1)
+        step_s = accum * micro_s + max(steady - micro_s, 0.0)
+        out = {"first_step_s": first, "micro_s": micro_s, "optimizer_s": max(steady - micro_s, 0.0),
+               "host_overhead_ms": 1000 * max(steady - queued, 0.0), "grad_accum": accum, "step_s": step_s,
+               "tok_per_s": accum * micro_tokens / step_s, "micro_tok_per_s": micro_tokens / micro_s,
+               "flops_per_token": model.estimate_flops(config.max_seq_len), "params": model.num_params()}
+        if device.type == "cuda":
+            out.update(peak_allocated=torch.cuda.max_memory_allocated(device),
+                       peak_reserved=torch.cuda.max_memory_reserved(device))
+        return out
+    finally:
+        del model, opt, run
+        torch._dynamo.reset()  # compiled graphs hold the model: let the next size have the memory
+        free_memory(device)
+
+
+def profile_step(config: GPTConfig, batch: int, precision: str, device: torch.device, rows: int = 15) -> str:
+    """torch.profiler table of one eager training step after a warm-up step (kernels by self time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = build_model(config, device, precision, draw_on_device=True)
+    opt = ShardedOptimizer(model, **LRS, master_weights=precision == "bf16")
+    x = torch.randint(0, config.vocab_size, (batch, config.max_seq_len), device=device)
+
+    def step():
+        with autocast_for(device):
+            model(x, x).backward()
+        opt.step()
+        model.zero_grad(set_to_none=True)
+
+    try:
+        step()
+        sync(device)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            step()
+            sync(device)
+        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+    finally:
+        del model, opt
+        free_memory(device)

@@ -1,0 +1,189 @@
+"""The CUDA paths of the trainer, on a real GPU: bf16 autocast, torch.compile, the KV cache, bf16
+weights with fp32 master shards across a resume, kill -9 during a save, SIGTERM.
+
+Marked `cuda` and skipped without CUDA. `python -m experiment.bench gpucheck` runs them through
+pytest; without CUDA it passes --cuda-tests-on-cpu and they run at the same tiny sizes on the CPU.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from conftest import ENV, REPO, TINY, train_cmd, write_corpus
+from experiment import checkpoint as ckpt
+from experiment.model import GPT, GPTConfig
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(scope="module")
+def device(request) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if request.config.getoption("--cuda-tests-on-cpu"):
+        return torch.device("cpu")
+    pytest.skip("needs CUDA (gpucheck runs these on the CPU with --cuda-tests-on-cpu)")
+
+
+def _model(device, depth=2, seq=64, seed=0) -> GPT:
+    model = GPT(GPTConfig(vocab_size=64, depth=depth, aspect_ratio=64, head_dim=32, max_seq_len=seq))
+    model.init_weights(seed=seed)
+    with torch.no_grad():  # residual outputs start at zero; give the blocks something to compute
+        for block in model.blocks:
+            block.attn.c_proj.weight.normal_(0, 0.02)
+            block.mlp.c_proj.weight.normal_(0, 0.02)
+        model.lm_head.weight.normal_(0, 0.05)
+    return model.to(device)
+
+
+def _batch(device, batch=4, seq=64):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 64, (batch, seq + 1), generator=gen)
+    return x[:, :-1].to(device), x[:, 1:].to(device)
+
+
+def test_bf16_autocast_loss_is_close_to_fp32(device):
+    model = _model(device)
+    x, y = _batch(device)
+    with torch.no_grad():
+        fp32 = model(x, y).item()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            bf16 = model(x, y).item()
+    assert abs(bf16 - fp32) < 0.02 * fp32, (fp32, bf16)
+
+
+def test_compiled_loss_and_gradients_match_eager(device):
+    model = _model(device)
+    compiled = torch.compile(model)
+    x, y = _batch(device)
+    losses, grads = [], []
+    for m in (model, compiled):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = m(x, y)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.flatten().float() for p in model.parameters()]))
+        model.zero_grad(set_to_none=True)
+    tol = 1e-2 if device.type == "cuda" else 1e-4  # bf16 kernels fuse and round differently
+    assert abs(losses[0] - losses[1]) < tol * losses[0], losses
+    rel = (grads[0] - grads[1]).norm() / grads[0].norm()
+    assert rel < 5 * tol, rel.item()
+
+
+def test_kv_cache_generation_equals_full_reforward(device):
+    model = _model(device, seq=64).eval()
+    prompt = [3, 1, 4, 1, 5]
+    cached = list(model.generate(prompt, 40, temperature=0, use_cache=True))
+    full = list(model.generate(prompt, 40, temperature=0, use_cache=False))
+    assert cached == full
+    # and the logits themselves, not only their argmax
+    from experiment.model import KVCache
+
+    ids = torch.tensor([prompt + cached[:20]], device=device)
+    with torch.no_grad():
+        ref = model(ids)[0, -1]
+        cache = KVCache(model.config, 1, device, torch.float32)
+        model(ids[:, :-1], cache=cache)
+        step = model(ids[:, -1:], cache=cache)[0, -1]
+    assert torch.allclose(ref, step, atol=1e-3, rtol=1e-3), (ref - step).abs().max().item()
+
+
+def _args(tmp_path, device, *extra):
+    corpus = tmp_path / "corpus" if (tmp_path / "corpus").exists() else write_corpus(tmp_path)
+    return [*TINY, "--data_dir", corpus, "--device", device.type, "--compile", "off", "--total_batch_size", 256, *extra]
+
+
+def _run(args, nproc=1, timeout=300):
+    cmd = train_cmd(args, nproc, torchrun=("--standalone",) if nproc > 1 else ())
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    return proc
+
+
+def _weights(ws, step, tag="d2"):
+    return ckpt.load_model_state(ws / "checkpoints" / tag, step)
+
+
+def _assert_equal_weights(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k}: max diff {(a[k].float() - b[k].float()).abs().max().item()}"
+
+
+def _nprocs():
+    return [1, 2] if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else [1]
+
+
+@pytest.mark.parametrize("nproc", _nprocs())
+def test_bf16_master_shards_save_then_resume_is_bit_exact(tmp_path, device, nproc):
+    args = _args(tmp_path, device, "--precision", "bf16", "--save_every_steps", 3, "--max_steps", 6)
+    _run([*args, "--workspace", tmp_path / "a"], nproc)
+    a_dir, b_dir = tmp_path / "a/checkpoints/d2", tmp_path / "b/checkpoints/d2"
+    b_dir.mkdir(parents=True)
+    for p in a_dir.glob("*_000003*"):  # step 3 alone, as if the run had stopped there
+        shutil.copy(p, b_dir / p.name)
+    _run([*args, "--workspace", tmp_path / "b"], nproc)
+    a, b = _weights(tmp_path / "a", 6), _weights(tmp_path / "b", 6)
+    assert a["lm_head.weight"].dtype == torch.bfloat16
+    _assert_equal_weights(a, b)
+
+
+def _wait(predicate, timeout, what):
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+def _save_in_progress(run_dir) -> bool:
+    """A temp file, or a step's files without its meta: rank files are down, the meta is not."""
+    names = [p.name for p in run_dir.iterdir()] if run_dir.is_dir() else []
+    metas = {n[5:11] for n in names if n.startswith("meta_")}
+    return any(n.endswith(".tmp") or (n.endswith(".pt") and n.split("_")[1][:6] not in metas) for n in names)
+
+
+@pytest.mark.parametrize("nproc", _nprocs())
+def test_kill9_during_a_save_then_resume_equals_the_uninterrupted_run(tmp_path, device, nproc):
+    steps = ["--save_every_steps", 1, "--max_steps", 30, "--keep_last", 2]
+    _run([*_args(tmp_path, device, *steps), "--workspace", tmp_path / "a"], nproc)
+    ws = tmp_path / "b"
+    run_dir = ws / "checkpoints/d2"
+    cmd = train_cmd([*_args(tmp_path, device, *steps), "--workspace", ws], nproc,
+                    torchrun=("--standalone",) if nproc > 1 else ())
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait(lambda: len(ckpt.complete_steps(run_dir)) >= 2 or proc.poll() is not None, 240, "two saves")
+    deadline = time.time() + 60
+    while not _save_in_progress(run_dir) and proc.poll() is None and time.time() < deadline:
+        pass  # poll as fast as we can: a tiny model's save lasts milliseconds
+    hit = proc.poll() is None and _save_in_progress(run_dir)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert hit, "the run ended before a save could be caught in progress"
+    killed_at = ckpt.complete_steps(run_dir)
+    _run([*_args(tmp_path, device, *steps), "--workspace", ws], nproc)
+    assert ckpt.complete_steps(run_dir)[-1] == 30, killed_at
+    _assert_equal_weights(_weights(tmp_path / "a", 30), _weights(ws, 30))
+
+
+def test_sigterm_saves_within_one_step_and_exits_zero(tmp_path, device):
+    ws = tmp_path / "ws"
+    log = ws / "checkpoints/d2/training.log"
+    cmd = train_cmd([*_args(tmp_path, device), "--workspace", ws], 1, torchrun=())
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait(lambda: log.exists() and "step 000008 | loss" in log.read_text(), 240, "step 8")
+    logged = max(int(line.split()[1]) for line in log.read_text().splitlines() if " | loss " in line)
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    saved = ckpt.complete_steps(ws / "checkpoints/d2")[-1]
+    # the step in flight when the signal came finishes (log lines may trail the steps by one)
+    assert logged <= saved <= logged + 2, (logged, saved)
+    assert ckpt.read_meta(ws / "checkpoints/d2", saved)["val_loss"] is None  # no eval in the grace period
+    print(f"sigterm: exited {time.time() - t0:.2f}s after the signal, saved step {saved} (last logged {logged})")
