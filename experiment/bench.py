@@ -27,7 +27,6 @@ report under $WORKSPACE/gpucheck/<timestamp>/ (experiment/gpucheck.py).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import resource
@@ -42,17 +41,13 @@ import torch
 from experiment import checkpoint as ckpt
 from experiment import gpucheck
 from experiment.dataloader import Prepared
-from experiment.distributed import Dist, resolve_device
+from experiment.distributed import Dist, autocast_for, resolve_device, sync
+from experiment.files import default_workspace
 from experiment.memory import MODES, format_plan, param_shapes, plan_memory
 from experiment.model import GPT, GPTConfig
 from experiment.optim import ShardedOptimizer
 from experiment.probes import cpu_matmul_peak, probe_peak_memory
 from experiment.train import build_model, evaluate, peak_flops
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def bench_generate(model: GPT, n_tokens: int, device: torch.device, allowed_vocab: int) -> dict:
@@ -61,11 +56,11 @@ def bench_generate(model: GPT, n_tokens: int, device: torch.device, allowed_voca
     for name, use_cache in (("kv_cache", True), ("naive", False)):
         list(model.generate(prompt, 8, temperature=1.0, generator=torch.Generator().manual_seed(0),
                             use_cache=use_cache, allowed_vocab=allowed_vocab))  # warm-up
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         out = list(model.generate(prompt, n_tokens, temperature=1.0, generator=torch.Generator().manual_seed(0),
                                   use_cache=use_cache, allowed_vocab=allowed_vocab))
-        _sync(device)
+        sync(device)
         seconds = time.perf_counter() - t0
         results[name] = {"tokens": len(out), "seconds": seconds, "tok_per_s": len(out) / seconds, "ids": out}
     return results
@@ -88,6 +83,8 @@ def cmd_plan(args) -> int:
 
 
 def cmd_fitprobe(args) -> int:
+    args.device_batch_sizes = [int(b) for b in args.device_batch_sizes.split(",")]
+    args.activation_checkpointing = args.activation_checkpointing == "on"
     device = resolve_device("auto")
     config = GPTConfig(vocab_size=args.vocab_size, depth=args.depth, aspect_ratio=args.aspect_ratio,
                        head_dim=args.head_dim, max_seq_len=args.seq)
@@ -115,7 +112,7 @@ def cmd_throughput(args) -> int:
                        head_dim=args.head_dim, max_seq_len=args.seq)
     model = build_model(config, device)
     opt = ShardedOptimizer(model, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    autocast = autocast_for(device)
     x = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=device)
 
     def step():
@@ -126,11 +123,11 @@ def cmd_throughput(args) -> int:
 
     for _ in range(args.warmup):
         step()
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(args.steps):
         step()
-    _sync(device)
+    sync(device)
     seconds = (time.perf_counter() - t0) / args.steps
     tok_s = args.batch * args.seq / seconds
     flops = model.estimate_flops(args.seq) * tok_s
@@ -168,7 +165,8 @@ def cmd_speedrun(args) -> int:
     prepared = Prepared(Path(meta["prepared"]["dir"]), json.loads((Path(meta["prepared"]["dir"]) / "meta.json").read_text()))
     # The trainer's own eval, over every whole window of the val split.
     seq, n_val = model.config.max_seq_len, len(prepared.tokens("val"))
-    loss, _ = evaluate(model, prepared, seq, 16, n_val, Dist(0, 0, 1, torch.device("cpu")), contextlib.nullcontext())
+    loss, _ = evaluate(model, prepared, seq, 16, n_val, Dist(0, 0, 1, torch.device("cpu")),
+                       autocast_for(torch.device("cpu")))
     n = (n_val - 1) // seq * seq
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
@@ -180,7 +178,7 @@ def cmd_speedrun(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m experiment.bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="tokens/s with and without the KV cache")
@@ -222,22 +220,10 @@ def main(argv=None) -> int:
     sr.add_argument("--workspace", default=None, help="default: a new temp directory")
     sr.add_argument("train_args", nargs="*", help="extra experiment.train flags after --, e.g. -- --depth 6")
     gpucheck.add_arguments(sub.add_parser("gpucheck", help="prove a GPU box: every CUDA path, PASS/FAIL per item"))
-    args = parser.parse_args(argv)
-    if args.command == "gpucheck":
-        return gpucheck.main(args)
-    if args.command == "throughput":
-        if args.seq is None:
-            args.seq = 256
-        return cmd_throughput(args)
-    if args.command == "speedrun":
-        return cmd_speedrun(args)
-    if args.command == "plan":
-        return cmd_plan(args)
-    if args.command == "fitprobe":
-        args.device_batch_sizes = [int(b) for b in args.device_batch_sizes.split(",")]
-        args.activation_checkpointing = args.activation_checkpointing == "on"
-        return cmd_fitprobe(args)
+    return parser
 
+
+def cmd_generate(args) -> int:
     try:
         device = resolve_device(args.device)
         config = GPTConfig(vocab_size=128, depth=args.depth, max_seq_len=args.max_seq_len) if args.depth else None
@@ -248,7 +234,7 @@ def main(argv=None) -> int:
         model = build_model(config, device).eval()
         source, allowed = f"fresh d{args.depth}", 128
     else:
-        workspace = Path(args.workspace) if args.workspace else ckpt.default_workspace()
+        workspace = Path(args.workspace) if args.workspace else default_workspace()
         try:
             path = ckpt.resolve_serving_checkpoint(args.checkpoint, workspace)
             model, meta = ckpt.load_model(path, device)
@@ -269,6 +255,13 @@ def main(argv=None) -> int:
           f"same tokens while within the context: {same}")
     return 0
 
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    commands = {"generate": cmd_generate, "plan": cmd_plan, "fitprobe": cmd_fitprobe, "throughput": cmd_throughput,
+                "speedrun": cmd_speedrun, "gpucheck": gpucheck.main}
+    return commands[args.command](args)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,7 @@
-"""Everything that touches the persistent volume: workspace root, atomic writes, checkpoint files.
+"""Checkpoint files: names, retention, the trainer's save and load, the server's loader.
 
-One writer and one reader, shared by the trainer and the server: file primitives first, then the
-trainer's save (every rank's files, meta last) and load (any world size). Layout (design.md):
+One writer and one reader, shared by the trainer and the server (atomic file primitives live in
+experiment/files.py): names and retention first, then the trainer's save (every rank's files, meta last) and load (any world size). Layout (design.md):
     <workspace>/checkpoints/<model_tag>/model_<step>.pt (one process) or model_<step>_rank<r>.pt
     (world > 1: each rank writes the weights it owns, so no rank writes the whole model),
     optim_<step>_rank<r>.pt, meta_<step>.json, best.json. A step counts only once its meta file
@@ -11,31 +11,23 @@ trainer's save (every rank's files, meta last) and load (any world size). Layout
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from experiment.distributed import Dist, all_ranks_ok
+from experiment.files import atomic_torch_save, atomic_write_json
 from experiment.model import GPT, GPTConfig
+from experiment.optim import ShardedOptimizer
 
-if TYPE_CHECKING:  # annotations only: dataloader imports this module
-    from experiment.dataloader import Prepared
-    from experiment.optim import ShardedOptimizer
-    from experiment.train import RunLog, TrainConfig
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 META_RE = re.compile(r"^meta_(\d{6,})\.json$")
 MODEL_RE = re.compile(r"^model_(\d{6,})(?:_rank\d+)?\.pt$")  # the whole model or one rank's part
 STEP_FILE_RE = re.compile(r"^(?:model|optim)_(\d{6,})(?:_rank\d+)?\.pt$")
@@ -43,40 +35,6 @@ STEP_FILE_RE = re.compile(r"^(?:model|optim)_(\d{6,})(?:_rank\d+)?\.pt$")
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be used, with the path and the reason."""
-
-
-def default_workspace() -> Path:
-    """/workspace/<project> on a rented box with a persistent volume, else the repository itself."""
-    root = Path("/workspace")
-    if root.is_dir() and os.access(root, os.W_OK):
-        return root / REPO_ROOT.name
-    return REPO_ROOT
-
-
-def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())  # the data must be on disk before the rename makes it visible
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_json(path: Path, obj) -> None:
-    _atomic_write(Path(path), lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode()))
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    _atomic_write(Path(path), lambda f: f.write(data))
-
-
-def atomic_torch_save(path: Path, obj) -> None:
-    _atomic_write(Path(path), lambda f: torch.save(obj, f))
 
 
 def load_tensors(path: Path) -> dict:
@@ -271,14 +229,6 @@ def load_model(path: Path, device: str | torch.device = "cpu") -> tuple[GPT, dic
     return model.to(device).eval(), meta
 
 
-def publish_dir(tmp: Path, final: Path) -> None:
-    """Give a fully written directory its final name in one rename (an existing one wins)."""
-    if final.exists():
-        shutil.rmtree(tmp)
-        return
-    os.replace(tmp, final)
-
-
 # ---------------------------------------------------------------- the trainer's checkpoints
 
 
@@ -300,11 +250,18 @@ class RunState:
     nonfinite_steps: int = 0  # updates skipped because the loss or gradients were not finite
 
 
+@dataclass(frozen=True)
+class Retention:
+    keep_last: int  # complete checkpoints kept, plus the best
+    keep_best_optimizer: bool  # an old best keeps its optimizer shards (resumable), else only what serves
+
+
 def save_checkpoint(run_dir: Path, model: GPT, opt: ShardedOptimizer, data_state: dict, st: RunState,
-                    val_loss: float | None, cfg: TrainConfig, prepared: Prepared, budget_seconds: float,
-                    d: Dist, log: RunLog) -> bool:
+                    val_loss: float | None, run_meta: dict, retention: Retention, d: Dist,
+                    log: Callable[[str], None]) -> bool:
     """The model (one file with one process, else each rank's part), one optimizer shard per rank,
-    then meta last as the completion marker.
+    then meta last as the completion marker. `run_meta` is what the caller wants in every meta
+    besides the run state (train config, tokenizer, prepared data, budget): plain data.
 
     Returns False on every rank if any rank failed to write (disk full, say): the step stays
     incomplete, its files are removed, and the checkpoints before it are untouched.
@@ -338,7 +295,9 @@ def save_checkpoint(run_dir: Path, model: GPT, opt: ShardedOptimizer, data_state
     ok = True
     if d.master:
         try:
-            ok = _write_meta(run_dir, model, st, val_loss, cfg, prepared, budget_seconds, positions, d, log)
+            _write_meta(run_dir, model, st, val_loss, run_meta, positions, d.world_size)
+            log(f"saved step {st.step:06d} -> {run_dir}" + (" (best)" if st.best_step == st.step else "")
+                + _retain(run_dir, retention, log))
         except OSError as e:
             ok = False
             remove_incomplete(run_dir)
@@ -346,35 +305,29 @@ def save_checkpoint(run_dir: Path, model: GPT, opt: ShardedOptimizer, data_state
     return all_ranks_ok(ok, d)
 
 
-def _write_meta(run_dir, model, st, val_loss, cfg, prepared, budget_seconds, positions, d, log) -> bool:
-    improved = st.best_step == st.step
+def _write_meta(run_dir: Path, model: GPT, st: RunState, val_loss: float | None, run_meta: dict,
+                positions: list, world_size: int) -> None:
     meta = {
-        "step": st.step, "tokens_seen": st.tokens_seen, "used_seconds": st.used_seconds,
-        "budget_seconds": budget_seconds, "val_loss": val_loss,
+        "step": st.step, "tokens_seen": st.tokens_seen, "used_seconds": st.used_seconds, "val_loss": val_loss,
         "best_val_loss": st.best_val, "best_step": st.best_step, "evals_since_best": st.evals_since_best,
         "eval_seconds": st.eval_seconds, "save_seconds": st.save_seconds, "step_seconds": st.step_seconds,
-        "model_config": model.config.to_dict(), "train_config": dataclasses.asdict(cfg),
-        "world_size": d.world_size, "data_positions": positions, "nonfinite_steps": st.nonfinite_steps,
-        "model_parts": d.world_size,  # model_<step>.pt alone, or one model_<step>_rank<r>.pt per rank
+        "model_config": model.config.to_dict(), "world_size": world_size, "data_positions": positions,
+        "nonfinite_steps": st.nonfinite_steps,
+        "model_parts": world_size,  # model_<step>.pt alone, or one model_<step>_rank<r>.pt per rank
         "weights_dtype": str(model.wte.weight.dtype).removeprefix("torch."),
-        "activation_checkpointing": model.activation_checkpointing,
-        "tokenizer": {k: prepared.meta[k] for k in ("tokenizer", "encoding", "chars", "bos_id", "vocab_size", "vocab_used")},
-        "prepared": {"dir": str(prepared.dir), "hash": prepared.meta["hash"]},
-        "saved_at": time.time(),
+        "activation_checkpointing": model.activation_checkpointing, **run_meta, "saved_at": time.time(),
     }
     atomic_write_json(meta_path(run_dir, st.step), meta)
-    if improved:
+    if st.best_step == st.step:
         atomic_write_json(run_dir / "best.json", {"step": st.step, "val_loss": val_loss})
-    log(f"saved step {st.step:06d} -> {run_dir}" + (" (best)" if improved else "") + _retain(run_dir, cfg, log))
-    return True
 
 
-def _retain(run_dir: Path, cfg: TrainConfig, log) -> str:
+def _retain(run_dir: Path, retention: Retention, log: Callable[[str], None]) -> str:
     """Keep-last-k plus the best (without its optimizer shards unless keep_best_optimizer); returns
     what was deleted, for the "saved step" line."""
     try:
-        deleted = prune(run_dir, cfg.keep_last)
-        dropped = None if cfg.keep_best_optimizer else drop_old_best_optimizer(run_dir, cfg.keep_last)
+        deleted = prune(run_dir, retention.keep_last)
+        dropped = None if retention.keep_best_optimizer else drop_old_best_optimizer(run_dir, retention.keep_last)
     except OSError as e:  # the new checkpoint is complete; old ones linger until the next prune
         log(f"warning: pruning old checkpoints failed: {e}")
         return ""

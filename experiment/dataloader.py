@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from experiment.checkpoint import atomic_write_bytes, atomic_write_json, default_workspace, publish_dir
+from experiment.files import atomic_write_bytes, atomic_write_json, default_workspace, publish_dir
 
 VOCAB_MULTIPLE = 64  # padded vocab: matmul-friendly head shape, room for BOS
 DEMO_FILE = "arithmetic.txt"

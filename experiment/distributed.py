@@ -41,6 +41,18 @@ def resolve_device(flag: str) -> torch.device:
     return torch.device("cuda" if flag == "cuda" or (flag == "auto" and torch.cuda.is_available()) else "cpu")
 
 
+def autocast_for(device: torch.device):
+    """The trainer's precision context: bf16 autocast on CUDA (fp32 logits and loss in the model),
+    plain fp32 on CPU. One object may be entered again and again."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work: timings must end with it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def setup_distributed(cuda: bool) -> Dist:
     """torchrun sets RANK/WORLD_SIZE; plain `python -m` runs as a world of one with no process group."""
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from experiment import gpucheck_items
-from experiment.checkpoint import atomic_write_bytes, atomic_write_json, default_workspace
+from experiment.files import atomic_write_bytes, atomic_write_json, default_workspace
 from experiment.gpucheck_items import CPU_SIZES, GPU_FULL, GPU_QUICK, ITEMS, Ctx, Item
 
 class Report:

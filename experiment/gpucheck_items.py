@@ -3,7 +3,6 @@ the trainer's CUDA path for real and reports what it measured."""
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import signal
@@ -18,15 +17,14 @@ from pathlib import Path
 import torch
 
 from experiment import checkpoint as ckpt
-from experiment.checkpoint import RunState, load_checkpoint, save_checkpoint
+from experiment.checkpoint import Retention, RunState, load_checkpoint, save_checkpoint
 from experiment.dataloader import prepare, write_demo_corpus
-from experiment.distributed import Dist
-from experiment.memory import choose_mode, param_shapes, plan_memory
+from experiment.distributed import Dist, autocast_for, sync
+from experiment.memory import checkpoint_bytes_per_rank, choose_mode, plan_memory
 from experiment.model import GPTConfig
-from experiment.optim import ShardedOptimizer, partition, uses_muon
-from experiment.probes import LRS, autocast_for, cpu_matmul_peak, free_memory, measure_speed, probe_peak_memory, \
-    profile_step, sync
-from experiment.train import TrainConfig, build_model, peak_flops, resolve
+from experiment.optim import ShardedOptimizer
+from experiment.probes import LRS, cpu_matmul_peak, free_memory, measure_speed, probe_peak_memory, profile_step
+from experiment.train import TrainConfig, build_model, checkpoint_meta, peak_flops, resolve
 
 REPO = Path(__file__).resolve().parent.parent
 ITEMS = ("env", "correctness", "speed", "memory", "checkpoints", "e2e")
@@ -382,8 +380,8 @@ def _time_save_load(ctx: Ctx, depth: int, prepared) -> dict:
     try:
         sync(ctx.device)
         t0 = time.perf_counter()
-        if not save_checkpoint(run_dir, model, opt, {"epoch": 0, "cursor": 0}, st, 9.0, cfg, prepared, 3600.0, d,
-                               log=lambda msg: None):
+        if not save_checkpoint(run_dir, model, opt, {"epoch": 0, "cursor": 0}, st, 9.0,
+                               checkpoint_meta(cfg, prepared, 3600.0), Retention(1, False), d, log=lambda msg: None):
             raise RuntimeError(f"save_checkpoint of d{depth} failed")
         save_s = time.perf_counter() - t0
         nbytes = sum(p.stat().st_size for p in run_dir.glob("*_000001*.pt"))
@@ -398,20 +396,6 @@ def _time_save_load(ctx: Ctx, depth: int, prepared) -> dict:
         shutil.rmtree(run_dir, ignore_errors=True)
     return {"depth": depth, "precision": precision, "bytes": nbytes, "save_s": save_s, "load_s": load_s,
             "save_gb_s": nbytes / save_s / 1e9, "load_gb_s": nbytes / load_s / 1e9, "cold_load": cold}
-
-
-def checkpoint_bytes_per_rank(config: GPTConfig, world: int, precision: str) -> list[tuple[int, int]]:
-    """(model part, optimizer shard) bytes each rank writes per checkpoint when the model is saved in
-    per-rank parts: its parameters in the weights' dtype; fp32 master + Muon momentum or AdamW moments."""
-    shapes = param_shapes(config)
-    sizes = {n: math.prod(sh) for n, sh in shapes.items()}
-    owner = partition(sizes, world)
-    weight = 2 if precision == "bf16" else 4
-    part, shard = [0] * world, [0] * world
-    for n, size in sizes.items():
-        part[owner[n]] += size * weight
-        shard[owner[n]] += size * (4 + (4 if uses_muon(n, shapes[n]) else 8))
-    return list(zip(part, shard))
 
 
 def check_checkpoints(ctx: Ctx) -> Item:

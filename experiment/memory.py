@@ -86,6 +86,20 @@ def plan_memory(config: GPTConfig, world_size: int, batch: int, seq: int, precis
     return MemoryPlan(precision, checkpointing, rows)
 
 
+def checkpoint_bytes_per_rank(config: GPTConfig, world: int, precision: str) -> list[tuple[int, int]]:
+    """(model part, optimizer shard) bytes each rank writes per checkpoint when the model is saved in
+    per-rank parts: its parameters in the weights' dtype; fp32 master + Muon momentum or AdamW moments."""
+    shapes = param_shapes(config)
+    sizes = {n: math.prod(sh) for n, sh in shapes.items()}
+    owner = partition(sizes, world)
+    weight = 2 if precision == "bf16" else 4
+    part, shard = [0] * world, [0] * world
+    for n, size in sizes.items():
+        part[owner[n]] += size * weight
+        shard[owner[n]] += size * (4 + (4 if uses_muon(n, shapes[n]) else 8))
+    return list(zip(part, shard))
+
+
 def choose_mode(config: GPTConfig, world_size: int, batch: int, seq: int, gpu_bytes: int,
                 precision: str = "auto", checkpointing: str = "auto") -> MemoryPlan | None:
     """The cheapest mode (fp32 before bf16, no recompute before recompute) that fits, honouring

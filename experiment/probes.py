@@ -12,21 +12,12 @@ import time
 
 import torch
 
+from experiment.distributed import autocast_for, sync
 from experiment.model import GPTConfig
 from experiment.optim import ShardedOptimizer
 from experiment.train import build_model, gradients_finite
 
 LRS = dict(matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004)  # the values do not change the cost
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def autocast_for(device: torch.device):
-    """bf16 autocast on CUDA as the trainer uses it; fp32 on CPU."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
 def free_memory(device: torch.device) -> None:
@@ -78,6 +69,28 @@ def cpu_matmul_peak(n: int = 1024, reps: int = 20) -> float:
 
 
 
+def mean_seconds(device: torch.device, n: int, fn, *args) -> float:
+    """Seconds per call of n calls queued back to back, the device drained before and after."""
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn(*args)
+    sync(device)
+    return (time.perf_counter() - t0) / n
+
+
+def compose_step(micro_tokens: int, tokens_per_step: int, first: float, micro_s: float, steady: float,
+                 queued: float) -> dict:
+    """A step of tokens_per_step tokens from measured parts: grad_accum micro-steps, then the
+    optimizer and its host syncs (a synced one-micro-step step minus a micro-step)."""
+    accum = max(tokens_per_step // micro_tokens, 1)
+    optimizer_s = max(steady - micro_s, 0.0)
+    step_s = accum * micro_s + optimizer_s
+    return {"first_step_s": first, "micro_s": micro_s, "optimizer_s": optimizer_s,
+            "host_overhead_ms": 1000 * max(steady - queued, 0.0), "grad_accum": accum, "step_s": step_s,
+            "tok_per_s": accum * micro_tokens / step_s, "micro_tok_per_s": micro_tokens / micro_s}
+
+
 def measure_speed(config: GPTConfig, batch: int, precision: str, recompute: bool, device: torch.device,
                   steps: int, compile_model: bool, tokens_per_step: int) -> dict:
     """One rank's training step as the trainer runs it (autocast, Muon/AdamW, bf16 weights with fp32
@@ -109,27 +122,14 @@ def measure_speed(config: GPTConfig, batch: int, precision: str, recompute: bool
         if host_syncs:
             flags.tolist()  # the trainer's per-step decision flags: host sync 2
 
-    def timed(n: int, fn, *args) -> float:
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn(*args)
-        sync(device)
-        return (time.perf_counter() - t0) / n
-
     try:
-        first = timed(1, step, True)
-        timed(2, step, True)  # allocator and autotuning warm-up
-        micro_s = timed(steps, micro)
+        first = mean_seconds(device, 1, step, True)
+        mean_seconds(device, 2, step, True)  # allocator and autotuning warm-up
+        micro_s = mean_seconds(device, steps, micro)
         model.zero_grad(set_to_none=True)
-        steady, queued = timed(steps, step, True), timed(steps, step, False)
-        micro_tokens = batch * config.max_seq_len
-        accum = max(tokens_per_step // micro_tokens, 1)
-        step_s = accum * micro_s + max(steady - micro_s, 0.0)
-        out = {"first_step_s": first, "micro_s": micro_s, "optimizer_s": max(steady - micro_s, 0.0),
-               "host_overhead_ms": 1000 * max(steady - queued, 0.0), "grad_accum": accum, "step_s": step_s,
-               "tok_per_s": accum * micro_tokens / step_s, "micro_tok_per_s": micro_tokens / micro_s,
-               "flops_per_token": model.estimate_flops(config.max_seq_len), "params": model.num_params()}
+        steady, queued = mean_seconds(device, steps, step, True), mean_seconds(device, steps, step, False)
+        out = compose_step(batch * config.max_seq_len, tokens_per_step, first, micro_s, steady, queued)
+        out.update(flops_per_token=model.estimate_flops(config.max_seq_len), params=model.num_params())
         if device.type == "cuda":
             out.update(peak_allocated=torch.cuda.max_memory_allocated(device),
                        peak_reserved=torch.cuda.max_memory_reserved(device))

@@ -27,6 +27,7 @@ import torch
 from experiment import checkpoint as ckpt
 from experiment.dataloader import tokenizer_from_meta
 from experiment.distributed import resolve_device
+from experiment.files import default_workspace
 
 # Every request is bounded by these.
 MAX_BODY_BYTES = 64 * 1024
@@ -312,7 +313,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--workspace", default=None, help="where to look for runs (default as in run.sh)")
     args = parser.parse_args(argv)
-    workspace = Path(args.workspace) if args.workspace else ckpt.default_workspace()
+    workspace = Path(args.workspace) if args.workspace else default_workspace()
     try:
         engine = load_engine(args.checkpoint, workspace, args.device)
         server = make_server(engine, args.host, args.port)

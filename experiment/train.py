@@ -30,8 +30,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from experiment import checkpoint as ckpt
-from experiment.checkpoint import CheckpointError, RunState, load_checkpoint, pick_resume_step, save_checkpoint
-from experiment.distributed import Dist, StopSignal, broadcast_object, resolve_device, setup_distributed
+from experiment.checkpoint import (CheckpointError, Retention, RunState, load_checkpoint, pick_resume_step,
+                                   save_checkpoint)
+from experiment.files import default_workspace
+from experiment.distributed import (Dist, StopSignal, autocast_for, broadcast_object, resolve_device,
+                                    setup_distributed)
 from experiment.dataloader import (DEMO_FILE, DataError, Prepared, TokenBatches, demo_lines, prepare, val_batches,
                                    write_demo_corpus)
 from experiment.memory import MODES, MemoryPlan, choose_mode, format_plan, plan_memory
@@ -293,6 +296,57 @@ def demo_accuracy(model: GPT, prepared: Prepared, n: int = 50) -> tuple[int, int
     return correct, n
 
 
+def report_eval(step: int, val_loss: float, val_bpc: float, st: RunState, model: GPT, prepared: Prepared,
+                sample_tokens: int, master: bool, log: RunLog, writer, run_dir: Path) -> None:
+    """The eval line, TensorBoard, metrics.jsonl, a sample and (on the demo corpus) its accuracy."""
+    best = f"{st.best_val:.4f} @ {st.best_step:06d}" if st.best_step >= 0 else "- (step 0 is not saved)"
+    log(f"step {step:06d} | val_loss {val_loss:.4f} | val_bpc {val_bpc:.4f} | best {best}")
+    writer.add_scalar("val/loss", val_loss, step)
+    writer.add_scalar("val/bpc", val_bpc, step)
+    if master:  # machine-readable curve: val loss against the budget seconds used
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "used_seconds": round(st.used_seconds, 3), "tokens_seen": st.tokens_seen,
+                                "val_loss": val_loss, "val_bpc": val_bpc}) + "\n")
+    if master and sample_tokens > 0:
+        log(f"sample | {sample_text(model, prepared, sample_tokens)!r}")
+        if any(Path(s["path"]).name == DEMO_FILE for s in prepared.meta["sources"]):
+            ok, n = demo_accuracy(model, prepared)
+            log(f"demo | {ok}/{n} sums of a separate draw completed correctly (greedy)")
+            writer.add_scalar("val/demo_accuracy", ok / n, step)
+    writer.flush()
+
+
+def log_step(log: RunLog, writer, step: int, loss: float, lr: float, lr_mult: float, dt: float, tok_s: float,
+             mfu: float | None, mem_gib: float, used_h: float, budget_h: float) -> None:
+    """The step line and the same values to TensorBoard."""
+    log(f"step {step:06d} | loss {loss:.4f} | lr {lr:.2e} | dt {1000 * dt:.0f}ms | tok/s {tok_s:,.0f} | "
+        f"mfu {f'{100 * mfu:.1f}%' if mfu is not None else '-'} | mem {mem_gib:.1f}GiB | "
+        f"used {used_h:.2f}h/{budget_h:.2f}h | eta {max(budget_h - used_h, 0):.2f}h")
+    for name, value in (("train/loss", loss), ("train/lr_multiplier", lr_mult), ("perf/tok_per_s", tok_s),
+                        ("perf/mem_gib", mem_gib)):
+        writer.add_scalar(name, value, step)
+    if mfu is not None:
+        writer.add_scalar("perf/mfu", mfu, step)
+
+
+def planner_line(rate: float, seconds_left: float, step: int, tokens_seen: int, tokens_per_step: int,
+                 budget_h: float, train_tokens: int, n_params: int) -> str:
+    """From the measured tok/s: the steps, tokens, epochs and tokens per parameter the budget buys."""
+    total = tokens_seen + rate * seconds_left
+    return (f"planner | measured {rate:,.0f} tok/s | projected {int(step + rate * seconds_left / tokens_per_step):,} "
+            f"steps, {total:,.0f} tokens in the {budget_h:.3f}h budget | {total / train_tokens:.2f} epochs | "
+            f"{total / n_params:.1f} tokens/param")
+
+
+def checkpoint_meta(cfg: TrainConfig, prepared: Prepared, budget_seconds: float) -> dict:
+    """What every checkpoint's meta holds besides the run state: enough to rebuild the tokenizer and
+    to refuse a resume on other data."""
+    return {"budget_seconds": budget_seconds, "train_config": dataclasses.asdict(cfg),
+            "tokenizer": {k: prepared.meta[k] for k in ("tokenizer", "encoding", "chars", "bos_id", "vocab_size",
+                                                        "vocab_used")},
+            "prepared": {"dir": str(prepared.dir), "hash": prepared.meta["hash"]}}
+
+
 def largest_fitting_batch(try_batch, start: int) -> int:
     """Halves from `start` (a power of two) until try_batch(b) runs without running out of memory;
     0 if not even 1 fits."""
@@ -359,7 +413,7 @@ def choose_memory_mode(cfg: TrainConfig, model_config: GPTConfig, d: Dist) -> Me
 def train(cfg: TrainConfig, d: Dist) -> int:
     cuda = d.device.type == "cuda"
     cfg = resolve(cfg, cuda, d.world_size)
-    workspace = Path(cfg.workspace) if cfg.workspace else ckpt.default_workspace()
+    workspace = Path(cfg.workspace) if cfg.workspace else default_workspace()
     run_dir = workspace / "checkpoints" / cfg.model_tag
     log = RunLog(run_dir / "training.log" if d.master else None)
     log(f"config {json.dumps(dataclasses.asdict(cfg))}")
@@ -412,7 +466,7 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
     precision = plan.precision if plan else ("fp32" if cfg.precision == "auto" else cfg.precision)
     recompute = plan.checkpointing if plan else cfg.activation_checkpointing == "on"
     model = build_model(model_config, d.device, precision, recompute, cfg.seed)  # identical on every rank
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+    autocast = autocast_for(d.device)
     opt = ShardedOptimizer(model, d.rank, d.world_size, matrix_lr=cfg.matrix_lr, embedding_lr=cfg.embedding_lr,
                            unembedding_lr=cfg.unembedding_lr, master_weights=precision == "bf16")
     log(f"memory | weights {precision}" + (" with fp32 master shards" if precision == "bf16" else "")
@@ -449,6 +503,8 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
         writer = SummaryWriter(log_dir=str(workspace / "tensorboard" / cfg.model_tag))
 
     budget_seconds = cfg.training_hours * 3600
+    run_meta = checkpoint_meta(cfg, prepared, budget_seconds)
+    retention = Retention(cfg.keep_last, bool(cfg.keep_best_optimizer))
     flops_per_token = model.estimate_flops(cfg.max_seq_len)
     peak = peak_flops(torch.cuda.get_device_name(d.device)) if cuda else None
     tokens_per_step = cfg.total_batch_size
@@ -467,11 +523,13 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
     measured_tokens, measured_time, planned = 0, 0.0, False
     bad_in_a_row = 0
     loop_start, used_at_start = time.time(), st.used_seconds
+    def used() -> float:  # budget seconds, summed over restarts
+        return used_at_start + time.time() - loop_start
 
     with StopSignal(announce=d.master) as stop_signal:
         for step in range(st.step, max_steps + 1):
             st.step = step
-            st.used_seconds = used_at_start + time.time() - loop_start
+            st.used_seconds = used()
             reserve = st.eval_seconds + st.save_seconds + st.step_seconds  # measured: the final eval+save fits
             # Rank 0 decides the clock-driven flags; a stop signal may reach any rank. One all-reduce
             # (max) gives every rank the same decisions, so none is left waiting in a collective.
@@ -499,22 +557,8 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
                     st.best_val, st.best_step, st.evals_since_best = val_loss, step, 0
                 elif step > 0:
                     st.evals_since_best += 1
-                best = f"{st.best_val:.4f} @ {st.best_step:06d}" if st.best_step >= 0 else "- (step 0 is not saved)"
-                log(f"step {step:06d} | val_loss {val_loss:.4f} | val_bpc {val_bpc:.4f} | best {best}")
-                writer.add_scalar("val/loss", val_loss, step)
-                writer.add_scalar("val/bpc", val_bpc, step)
-                if d.master:  # machine-readable curve: val loss against the budget seconds used
-                    with open(run_dir / "metrics.jsonl", "a") as f:
-                        f.write(json.dumps({"step": step, "used_seconds": round(st.used_seconds, 3),
-                                            "tokens_seen": st.tokens_seen, "val_loss": val_loss,
-                                            "val_bpc": val_bpc}) + "\n")
-                if d.master and cfg.sample_tokens > 0:
-                    log(f"sample | {sample_text(model, prepared, cfg.sample_tokens)!r}")
-                    if any(Path(s["path"]).name == DEMO_FILE for s in prepared.meta["sources"]):
-                        ok, n = demo_accuracy(model, prepared)
-                        log(f"demo | {ok}/{n} sums of a separate draw completed correctly (greedy)")
-                        writer.add_scalar("val/demo_accuracy", ok / n, step)
-                writer.flush()
+                report_eval(step, val_loss, val_bpc, st, model, prepared, cfg.sample_tokens, d.master, log, writer,
+                            run_dir)
                 if cfg.early_stop_evals and st.evals_since_best >= cfg.early_stop_evals:
                     log(f"early stop: {st.evals_since_best} evals without improvement")
                     last_step = True  # every rank saw the same reduced val loss, so all agree
@@ -526,9 +570,9 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
             if ((save_due or last_step or st.best_step == step) and step != last_saved_step
                     and (last_step or not bad_in_a_row)):
                 t0 = time.time()
-                st.used_seconds = used_at_start + time.time() - loop_start
-                saved = save_checkpoint(run_dir, model, opt, data_state, st, None if signum else val_loss, cfg,
-                                        prepared, budget_seconds, d, log)
+                st.used_seconds = used()
+                saved = save_checkpoint(run_dir, model, opt, data_state, st, None if signum else val_loss,
+                                        run_meta, retention, d, log)
                 last_save_time = time.time()  # a failed save is retried at the next due time, not every step
                 st.save_seconds = max(st.save_seconds, time.time() - t0)
                 if saved:
@@ -588,34 +632,22 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
                 measured_time += dt
             tok_s = tokens_per_step / dt
             if (step + 1) % cfg.log_every_steps == 0:
-                used_h = (used_at_start + time.time() - loop_start) / 3600
-                mfu = f"{100 * flops_per_token * tok_s / (peak * d.world_size):.1f}%" if peak else "-"
-                log(f"step {step + 1:06d} | loss {train_loss:.4f} | lr {opt.matrix_lr():.2e} | dt {1000 * dt:.0f}ms | "
-                    f"tok/s {tok_s:,.0f} | mfu {mfu} | mem {memory_gib(d.device):.1f}GiB | "
-                    f"used {used_h:.2f}h/{cfg.training_hours:.2f}h | eta {max(cfg.training_hours - used_h, 0):.2f}h")
-                writer.add_scalar("train/loss", train_loss, step + 1)
-                writer.add_scalar("train/lr_multiplier", mult, step + 1)
-                writer.add_scalar("perf/tok_per_s", tok_s, step + 1)
-                writer.add_scalar("perf/mem_gib", memory_gib(d.device), step + 1)
-                if peak:
-                    writer.add_scalar("perf/mfu", flops_per_token * tok_s / (peak * d.world_size), step + 1)
+                mfu = flops_per_token * tok_s / (peak * d.world_size) if peak else None
+                log_step(log, writer, step + 1, train_loss, opt.matrix_lr(), mult, dt, tok_s, mfu,
+                         memory_gib(d.device), used() / 3600, cfg.training_hours)
             if not planned and measured_time > 0 and step - (resume_step or 0) >= 10:
                 planned = True
-                rate = measured_tokens / measured_time
                 left = max(budget_seconds - st.used_seconds - reserve, 0)
-                total_tokens = st.tokens_seen + rate * left
-                log(f"planner | measured {rate:,.0f} tok/s | projected {int(step + 1 + rate * left / tokens_per_step):,} "
-                    f"steps, {total_tokens:,.0f} tokens in the {cfg.training_hours:.3f}h budget | "
-                    f"{total_tokens / prepared.meta['split']['train_tokens']:.2f} epochs | "
-                    f"{total_tokens / model.num_params():.1f} tokens/param")
+                log(planner_line(measured_tokens / measured_time, left, step + 1, st.tokens_seen, tokens_per_step,
+                                 cfg.training_hours, prepared.meta["split"]["train_tokens"], model.num_params()))
 
     writer.close()
     best = ckpt.read_best(run_dir) if d.master else None
     if best is not None:
         path = ckpt.model_path(run_dir, best["step"])
-        used = used_at_start + time.time() - loop_start  # the final eval and save included
-        log(f"done: step {st.step:06d}, {used / 3600:.3f}h of {cfg.training_hours:.3f}h used "
-            f"({used:.1f}s of {budget_seconds:.1f}s) | "
+        spent = used()  # the final eval and save included
+        log(f"done: step {st.step:06d}, {spent / 3600:.3f}h of {cfg.training_hours:.3f}h used "
+            f"({spent:.1f}s of {budget_seconds:.1f}s) | "
             f"best checkpoint {path} (val_loss {best['val_loss']:.4f})")
         log(f"serve it: bash run.sh serve   (or: python -m experiment.server --checkpoint {path})")
     return 0

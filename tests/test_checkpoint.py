@@ -8,9 +8,9 @@ from experiment import checkpoint as ckpt
 from experiment.dataloader import prepare
 from experiment.model import GPT, GPTConfig
 from experiment.optim import ShardedOptimizer, partition
-from experiment.checkpoint import RunState, load_checkpoint, save_checkpoint
+from experiment.checkpoint import Retention, RunState, load_checkpoint, save_checkpoint
 from experiment.distributed import Dist
-from experiment.train import RunLog, TrainConfig
+from experiment.train import RunLog, TrainConfig, checkpoint_meta
 
 
 def _fake_step(run_dir, step, complete=True, world=1):
@@ -103,8 +103,10 @@ def saved_run(tmp_path, corpus):
 
 def _save(run, model, opt, prepared, step, val_loss, best, cfg=None, log=None):
     st = RunState(step=step, tokens_seen=64 * step, used_seconds=2.5 * step, best_val=best[0], best_step=best[1])
-    assert save_checkpoint(run, model, opt, {"epoch": 0, "cursor": 4 * step}, st, val_loss, cfg or TrainConfig(),
-                           prepared, 60.0, Dist(0, 0, 1, torch.device("cpu")), log or RunLog(None))
+    cfg = cfg or TrainConfig()
+    assert save_checkpoint(run, model, opt, {"epoch": 0, "cursor": 4 * step}, st, val_loss,
+                           checkpoint_meta(cfg, prepared, 60.0), Retention(cfg.keep_last, bool(cfg.keep_best_optimizer)),
+                           Dist(0, 0, 1, torch.device("cpu")), log or RunLog(None))
 
 
 def test_checkpoint_round_trip_gives_identical_logits_and_state(saved_run):

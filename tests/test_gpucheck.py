@@ -7,7 +7,8 @@ import sys
 
 from conftest import ENV, REPO
 from experiment.bench import main as bench_main
-from experiment.gpucheck_items import ITEMS, checkpoint_bytes_per_rank
+from experiment.gpucheck_items import ITEMS
+from experiment.memory import checkpoint_bytes_per_rank
 from experiment.model import GPT, GPTConfig
 from experiment.train import updated_step_seconds
 
