@@ -43,11 +43,11 @@ from experiment import gpucheck
 from experiment.dataloader import Prepared
 from experiment.distributed import Dist, autocast_for, resolve_device, sync
 from experiment.files import default_workspace
+from experiment.evaluation import evaluate
 from experiment.memory import MODES, format_plan, param_shapes, plan_memory
-from experiment.model import GPT, GPTConfig
-from experiment.optim import ShardedOptimizer
-from experiment.probes import cpu_matmul_peak, probe_peak_memory
-from experiment.train import build_model, evaluate, peak_flops
+from experiment.model import GPT, GPTConfig, build_model
+from experiment.optim import LRS, ShardedOptimizer
+from experiment.probes import cpu_matmul_peak, peak_flops, probe_peak_memory
 
 
 def bench_generate(model: GPT, n_tokens: int, device: torch.device, allowed_vocab: int) -> dict:
@@ -111,7 +111,7 @@ def cmd_throughput(args) -> int:
     config = GPTConfig(vocab_size=args.vocab_size, depth=args.depth, aspect_ratio=args.aspect_ratio,
                        head_dim=args.head_dim, max_seq_len=args.seq)
     model = build_model(config, device)
-    opt = ShardedOptimizer(model, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004)
+    opt = ShardedOptimizer(model, **LRS)
     autocast = autocast_for(device)
     x = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=device)
 
@@ -162,11 +162,10 @@ def cmd_speedrun(args) -> int:
     run_dir = ws / "checkpoints" / "speedrun"
     step = ckpt.complete_steps(run_dir)[-1]
     model, meta = ckpt.load_model(ckpt.model_path(run_dir, step))
-    prepared = Prepared(Path(meta["prepared"]["dir"]), json.loads((Path(meta["prepared"]["dir"]) / "meta.json").read_text()))
+    prepared = Prepared.load(meta["prepared"]["dir"])
     # The trainer's own eval, over every whole window of the val split.
     seq, n_val = model.config.max_seq_len, len(prepared.tokens("val"))
-    loss, _ = evaluate(model, prepared, seq, 16, n_val, Dist(0, 0, 1, torch.device("cpu")),
-                       autocast_for(torch.device("cpu")))
+    loss, _ = evaluate(model, prepared, seq, 16, n_val, Dist(0, 0, 1, torch.device("cpu")))
     n = (n_val - 1) // seq * seq
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
@@ -256,12 +255,12 @@ def cmd_generate(args) -> int:
     return 0
 
 
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"generate": cmd_generate, "plan": cmd_plan, "fitprobe": cmd_fitprobe, "throughput": cmd_throughput,
                 "speedrun": cmd_speedrun, "gpucheck": gpucheck.main}
     return commands[args.command](args)
+
 
 if __name__ == "__main__":
     sys.exit(main())

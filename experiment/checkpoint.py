@@ -1,7 +1,8 @@
 """Checkpoint files: names, retention, the trainer's save and load, the server's loader.
 
 One writer and one reader, shared by the trainer and the server (atomic file primitives live in
-experiment/files.py): names and retention first, then the trainer's save (every rank's files, meta last) and load (any world size). Layout (design.md):
+experiment/files.py): names and retention first, the server's loader, then the trainer's save (every
+rank's files, meta last) and load (any world size). Layout (design.md):
     <workspace>/checkpoints/<model_tag>/model_<step>.pt (one process) or model_<step>_rank<r>.pt
     (world > 1: each rank writes the weights it owns, so no rank writes the whole model),
     optim_<step>_rank<r>.pt, meta_<step>.json, best.json. A step counts only once its meta file
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from experiment.distributed import Dist, all_ranks_ok
 from experiment.files import atomic_torch_save, atomic_write_json
-from experiment.model import GPT, GPTConfig
+from experiment.model import GPT, GPTConfig, build_model
 from experiment.optim import ShardedOptimizer
 
 META_RE = re.compile(r"^meta_(\d{6,})\.json$")
@@ -210,8 +211,10 @@ def load_model_state(run_dir: Path, step: int) -> dict:
     return state
 
 
-def load_model(path: Path, device: str | torch.device = "cpu") -> tuple[GPT, dict]:
-    """Rebuild the model from its meta alone and load its weights; returns (model, meta)."""
+def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> tuple[GPT, dict]:
+    """Rebuild the model from its meta alone, its weights assigned straight from the (memory-mapped)
+    files in `dtype` (None: the dtype it was saved in) on `device`: a bf16 d64 serves from one GPU
+    without an fp32 copy anywhere. Returns (model in eval mode, meta)."""
     path = Path(path)
     m = MODEL_RE.match(path.name)
     if not m:
@@ -221,12 +224,16 @@ def load_model(path: Path, device: str | torch.device = "cpu") -> tuple[GPT, dic
     if not meta_file.exists():
         raise CheckpointError(f"{path}: incomplete checkpoint ({meta_file.name} missing)")
     meta = read_json(meta_file)
-    model = GPT(GPTConfig(**meta["model_config"]))
+    if dtype is None:
+        name = meta.get("weights_dtype", "float32")  # metas from before the field: fp32
+        if name not in ("float32", "bfloat16", "float16"):
+            raise CheckpointError(f"{meta_file}: weights_dtype {name!r} is not float32, bfloat16 or float16")
+        dtype = getattr(torch, name)
     try:
-        model.load_state_dict(load_model_state(path.parent, step))
+        model = build_model(GPTConfig(**meta["model_config"]), device, dtype, load_model_state(path.parent, step))
     except (RuntimeError, OSError, KeyError) as e:
         raise CheckpointError(f"{path}: cannot load weights ({e})") from e
-    return model.to(device).eval(), meta
+    return model.eval(), meta
 
 
 # ---------------------------------------------------------------- the trainer's checkpoints

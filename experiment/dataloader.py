@@ -152,6 +152,12 @@ class Prepared:
     dir: Path
     meta: dict
 
+    @classmethod
+    def load(cls, directory: str | Path) -> Prepared:
+        """A prepared directory as prepare() published it (meta.json beside the token files)."""
+        directory = Path(directory)
+        return cls(directory, json.loads((directory / "meta.json").read_text()))
+
     def tokens(self, split: str) -> np.memmap:
         return np.memmap(self.dir / f"{split}.bin", dtype=self.meta["dtype"], mode="r")
 
@@ -195,7 +201,7 @@ def prepare(
     key = hashlib.sha256(json.dumps([settings, [p.name for p in files], digests]).encode()).hexdigest()[:16]
     final = Path(workspace) / "prepared" / key
     if (final / "meta.json").exists():
-        prepared = Prepared(final, json.loads((final / "meta.json").read_text()))
+        prepared = Prepared.load(final)
         check_seq_len(prepared.meta, max_seq_len, str(data_dir))
         return prepared
 
@@ -280,10 +286,6 @@ class TokenBatches:
 
     def state(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor}
-
-    def progress(self) -> float:
-        """Epochs completed, fractional."""
-        return self.epoch + self.cursor / self.n_windows
 
     def __iter__(self):
         return self

@@ -27,9 +27,18 @@ class Dist:
     def master(self) -> bool:
         return self.rank == 0
 
-    def barrier(self):
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In place over all ranks (sum, min or max); a world of one has nothing to reduce."""
         if self.world_size > 1:
-            dist.barrier()
+            dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
+                                        "max": dist.ReduceOp.MAX}[op])
+        return tensor
+
+    def close(self) -> None:
+        """The teardown of setup_distributed: destroy the process group, then let go of our store."""
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+        self.store = None  # only now: the group's threads may use the store until they are gone
 
 
 def resolve_device(flag: str) -> torch.device:
@@ -80,9 +89,7 @@ def all_ranks_ok(ok: bool, d: Dist) -> bool:
     """True on every rank iff ok on every rank (one tiny all-reduce; also a barrier)."""
     if d.world_size == 1:
         return ok
-    flag = torch.tensor([int(ok)], device=d.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return bool(d.all_reduce(torch.tensor([int(ok)], device=d.device), "min").item())
 
 
 def broadcast_object(obj, d: Dist):

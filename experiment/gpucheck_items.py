@@ -18,13 +18,14 @@ import torch
 
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import Retention, RunState, load_checkpoint, save_checkpoint
+from experiment.config import TrainConfig, checkpoint_meta, resolve
 from experiment.dataloader import prepare, write_demo_corpus
 from experiment.distributed import Dist, autocast_for, sync
 from experiment.memory import checkpoint_bytes_per_rank, choose_mode, plan_memory
-from experiment.model import GPTConfig
-from experiment.optim import ShardedOptimizer
-from experiment.probes import LRS, cpu_matmul_peak, free_memory, measure_speed, probe_peak_memory, profile_step
-from experiment.train import TrainConfig, build_model, checkpoint_meta, peak_flops, resolve
+from experiment.model import DTYPES, GPTConfig, build_model
+from experiment.optim import LRS, ShardedOptimizer
+from experiment.probes import (cpu_matmul_peak, free_memory, measure_speed, peak_flops, probe_peak_memory,
+                               profile_step)
 
 REPO = Path(__file__).resolve().parent.parent
 ITEMS = ("env", "correctness", "speed", "memory", "checkpoints", "e2e")
@@ -102,11 +103,10 @@ def _setup_that_fits(ctx: Ctx, config: GPTConfig):
     if mode is None:
         raise RuntimeError(f"d{config.depth} does not fit one GPU at device batch 1 in any mode")
     batch = 1
-    while batch * 2 <= cap and plan_memory(config, 1, batch * 2, seq, mode.precision, mode.checkpointing).fits(
-            _gpu_bytes(ctx)):
+    ckpt_on = mode.activation_checkpointing
+    while batch * 2 <= cap and plan_memory(config, 1, batch * 2, seq, mode.precision, ckpt_on).fits(_gpu_bytes(ctx)):
         batch *= 2
-    return mode.precision, mode.checkpointing, batch, plan_memory(config, 1, batch, seq, mode.precision,
-                                                                  mode.checkpointing)
+    return mode.precision, ckpt_on, batch, plan_memory(config, 1, batch, seq, mode.precision, ckpt_on)
 
 
 def _peak_flops(ctx: Ctx) -> tuple[float | None, str]:
@@ -222,7 +222,7 @@ def check_correctness(ctx: Ctx) -> Item:
 
 def _speed_row(r: dict, seq: int) -> list:
     return [f"d{r['depth']}", f"{r['params'] / 1e6:,.0f}M", f"{r['batch']} x {seq} x {r['grad_accum']}",
-            r["precision"] + (" +ckpt" if r["recompute"] else ""), f"{r['micro_tok_per_s']:,.0f}",
+            r["precision"] + (" +ckpt" if r["activation_checkpointing"] else ""), f"{r['micro_tok_per_s']:,.0f}",
             f"{1000 * r['micro_s']:.1f}", f"{1000 * r['optimizer_s']:.1f}", f"{r['host_overhead_ms']:.1f}",
             f"{r['tok_per_s']:,.0f}", f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-", f"{r['first_step_s']:.1f}"]
 
@@ -248,11 +248,12 @@ def check_speed(ctx: Ctx) -> Item:
     results = {}
     for depth in ctx.sizes.speed_depths:
         config = _config(ctx, depth)
-        precision, recompute, batch, plan = _setup_that_fits(ctx, config)
-        r = measure_speed(config, batch, precision, recompute, ctx.device, ctx.sizes.speed_steps,
+        precision, activation_checkpointing, batch, plan = _setup_that_fits(ctx, config)
+        r = measure_speed(config, batch, precision, activation_checkpointing, ctx.device, ctx.sizes.speed_steps,
                           compile_model=ctx.cuda, tokens_per_step=tokens_per_step)
-        r.update(depth=depth, batch=batch, precision=precision, recompute=recompute, planned=plan.total,
-                 planned_rows=plan.rows, mfu=r["flops_per_token"] * r["tok_per_s"] / peak if peak else None)
+        r.update(depth=depth, batch=batch, precision=precision, activation_checkpointing=activation_checkpointing,
+                 planned=plan.total, planned_rows=plan.rows,
+                 mfu=r["flops_per_token"] * r["tok_per_s"] / peak if peak else None)
         results[depth] = r
         print(f"gpucheck | speed d{depth}: {r['tok_per_s']:,.0f} tok/s, first step {r['first_step_s']:.1f}s", flush=True)
     ctx.found["speed"] = results
@@ -362,14 +363,15 @@ def _drop_page_cache() -> bool:
 def _time_save_load(ctx: Ctx, depth: int, prepared) -> dict:
     """The trainer's own save and resume load of one step of a model with optimizer state."""
     config = _config(ctx, depth)
-    precision, recompute, _, _ = _setup_that_fits(ctx, config)
+    precision, activation_checkpointing, _, _ = _setup_that_fits(ctx, config)
     tag = f"gpucheck-d{depth}"
     cfg = resolve(TrainConfig(depth=depth, aspect_ratio=config.aspect_ratio, head_dim=config.head_dim,
                               max_seq_len=config.max_seq_len, total_batch_size=config.max_seq_len, device_batch_size=1,
                               workspace=str(ctx.workspace), model_tag=tag), ctx.cuda, 1)
     run_dir = ctx.workspace / "checkpoints" / tag
     shutil.rmtree(run_dir, ignore_errors=True)
-    model = build_model(config, ctx.device, precision, recompute, draw_on_device=True)
+    model = build_model(config, ctx.device, DTYPES[precision], draw_on_device=True,
+                        activation_checkpointing=activation_checkpointing)
     opt = ShardedOptimizer(model, **LRS, master_weights=precision == "bf16")
     x = torch.randint(0, VOCAB, (1, config.max_seq_len), device=ctx.device)
     with autocast_for(ctx.device):

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from experiment.config import ConfigError
+from experiment.distributed import Dist, autocast_for
 from experiment.model import GPT, GPTConfig
 from experiment.optim import partition, uses_muon
 
@@ -33,7 +35,7 @@ MODES = (("fp32", False), ("bf16", False), ("fp32", True), ("bf16", True))  # ch
 @dataclass(frozen=True)
 class MemoryPlan:
     precision: str  # "fp32": fp32 weights and grads; "bf16": bf16 weights and grads + fp32 masters
-    checkpointing: bool
+    activation_checkpointing: bool
     rows: dict[str, int]  # bytes per GPU: weights, grads, fp32 masters, optimizer state, activations, overhead
 
     @property
@@ -49,19 +51,19 @@ def param_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
         return {n: tuple(p.shape) for n, p in GPT(config).named_parameters()}
 
 
-def activation_bytes(config: GPTConfig, batch: int, seq: int, checkpointing: bool, elem_bytes: int) -> int:
-    """Saved activations of one micro-batch. With checkpointing, a block keeps only its input and
+def activation_bytes(config: GPTConfig, batch: int, seq: int, activation_checkpointing: bool, elem_bytes: int) -> int:
+    """Saved activations of one micro-batch. With activation checkpointing, a block keeps only its input and
     one block at a time is recomputed in backward. Logits and the loss are fp32 (4 bytes)."""
     bt, d, heads, layers = batch * seq, config.n_embd, config.n_head, config.n_layer
     block = (ACT_LAYER_BTD * bt * d + ACT_LAYER_BHT * batch * heads * seq) * elem_bytes
     outside = ACT_OUTSIDE_BTD * bt * d * elem_bytes + ACT_HEAD_BTV * bt * config.vocab_size * 4 + ACT_BT * bt * 8
-    if checkpointing:
+    if activation_checkpointing:
         return layers * bt * d * elem_bytes + block + outside
     return layers * block + outside
 
 
 def plan_memory(config: GPTConfig, world_size: int, batch: int, seq: int, precision: str,
-                checkpointing: bool, cuda: bool = True) -> MemoryPlan:
+                activation_checkpointing: bool, cuda: bool = True) -> MemoryPlan:
     shapes = param_shapes(config)
     sizes = {n: math.prod(s) for n, s in shapes.items()}
     owner = partition(sizes, world_size)
@@ -80,10 +82,10 @@ def plan_memory(config: GPTConfig, world_size: int, batch: int, seq: int, precis
         # Muon: one fp32 momentum buffer; AdamW: two fp32 moments
         "optimizer state": 4 * n_muon + 8 * (n_owned - n_muon),
         # on CUDA, autocast keeps activations in bf16 in both modes; CPU training is fp32
-        "activations": activation_bytes(config, batch, seq, checkpointing, 2 if cuda else 4),
+        "activations": activation_bytes(config, batch, seq, activation_checkpointing, 2 if cuda else 4),
     }
     rows["overhead"] = (OVERHEAD_FIXED_BYTES if cuda else 0) + int(OVERHEAD_FRACTION * sum(rows.values()))
-    return MemoryPlan(precision, checkpointing, rows)
+    return MemoryPlan(precision, activation_checkpointing, rows)
 
 
 def checkpoint_bytes_per_rank(config: GPTConfig, world: int, precision: str) -> list[tuple[int, int]]:
@@ -101,11 +103,11 @@ def checkpoint_bytes_per_rank(config: GPTConfig, world: int, precision: str) -> 
 
 
 def choose_mode(config: GPTConfig, world_size: int, batch: int, seq: int, gpu_bytes: int,
-                precision: str = "auto", checkpointing: str = "auto") -> MemoryPlan | None:
+                precision: str = "auto", activation_checkpointing: str = "auto") -> MemoryPlan | None:
     """The cheapest mode (fp32 before bf16, no recompute before recompute) that fits, honouring
     any setting that is not "auto"; None if nothing fits."""
     for p, c in MODES:
-        if precision not in ("auto", p) or checkpointing not in ("auto", "on" if c else "off"):
+        if precision not in ("auto", p) or activation_checkpointing not in ("auto", "on" if c else "off"):
             continue
         plan = plan_memory(config, world_size, batch, seq, p, c)
         if plan.fits(gpu_bytes):
@@ -115,7 +117,8 @@ def choose_mode(config: GPTConfig, world_size: int, batch: int, seq: int, gpu_by
 
 def format_plan(plans: list[MemoryPlan], gpu_bytes: int) -> str:
     gib = 2**30
-    head = f"{'':18s}" + "".join(f"{p.precision + (' +ckpt' if p.checkpointing else ''):>14s}" for p in plans)
+    names = [p.precision + (" +ckpt" if p.activation_checkpointing else "") for p in plans]
+    head = f"{'':18s}" + "".join(f"{name:>14s}" for name in names)
     lines = [head]
     for row in plans[0].rows:
         lines.append(f"{row:18s}" + "".join(f"{p.rows[row] / gib:13.1f}G" for p in plans))
@@ -123,3 +126,60 @@ def format_plan(plans: list[MemoryPlan], gpu_bytes: int) -> str:
     lines.append(f"{'fits ' + f'{gpu_bytes / gib:.0f}G':18s}"
                  + "".join(f"{'yes' if p.fits(gpu_bytes) else 'NO':>14s}" for p in plans))
     return "\n".join(lines)
+
+
+def largest_fitting_batch(try_batch, start: int) -> int:
+    """Halves from `start` (a power of two) until try_batch(b) runs without running out of memory;
+    0 if not even 1 fits."""
+    b = start
+    while b >= 1:
+        try:
+            try_batch(b)
+            return b
+        except torch.OutOfMemoryError:
+            b //= 2
+    return 0
+
+
+def find_device_batch(model: GPT, seq_len: int, per_rank: int, d: Dist, reserve_bytes: int) -> int:
+    """Largest power-of-two micro-batch whose forward+backward fits next to `reserve_bytes` (the
+    optimizer state and fp32 master gradients, allocated only at the first step), agreed across
+    ranks (min), and dividing `per_rank`, the sequences per rank per optimizer step."""
+    autocast = autocast_for(d.device)
+
+    def try_batch(b: int) -> None:
+        reserve = None
+        try:
+            reserve = torch.empty(reserve_bytes, dtype=torch.uint8, device=d.device)
+            x = torch.zeros(b, seq_len, dtype=torch.long, device=d.device)
+            with autocast:
+                model(x, x).backward()
+        finally:
+            del reserve
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+
+    b = largest_fitting_batch(try_batch, 1 << (min(per_rank, 256).bit_length() - 1))
+    b = int(d.all_reduce(torch.tensor([b], device=d.device), "min").item())
+    if b < 1:
+        raise ConfigError("not even device_batch_size 1 fits in GPU memory; lower --depth or --max_seq_len "
+                          "(python -m experiment.bench plan shows where the memory goes)")
+    while per_rank % b:
+        b //= 2
+    return b
+
+
+def choose_memory_mode(model_config: GPTConfig, batch: int, precision: str, activation_checkpointing: str,
+                       d: Dist) -> MemoryPlan | None:
+    """On CUDA, "auto" settings take the cheapest mode the memory plan says fits this GPU at device
+    batch `batch`; on CPU, "auto" is fp32 without recompute (returns None: no plan)."""
+    if d.device.type != "cuda":
+        return None
+    gpu_bytes = torch.cuda.get_device_properties(d.device).total_memory
+    seq = model_config.max_seq_len
+    plan = choose_mode(model_config, d.world_size, batch, seq, gpu_bytes, precision, activation_checkpointing)
+    if plan is None:
+        plans = [plan_memory(model_config, d.world_size, batch, seq, p, c) for p, c in MODES]
+        raise ConfigError(f"d{model_config.depth} with device batch {batch} does not fit {gpu_bytes / 2**30:.0f} GiB "
+                          f"per GPU on {d.world_size} ranks in any mode allowed:\n{format_plan(plans, gpu_bytes)}")
+    return plan

@@ -288,3 +288,32 @@ def sample_next(
         logits = logits.masked_fill(logits < kth, -float("inf"))
     probs = F.softmax(logits, dim=-1)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+# The trainer's and memory planner's names for the weights' dtype.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def build_model(config: GPTConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                state_dict: dict | None = None, seed: int = 0, draw_on_device: bool = False,
+                activation_checkpointing: bool = False) -> GPT:
+    """The one way a GPT comes into being: on the meta device, then either given `state_dict`'s
+    tensors (assign=True: no init, no second copy; cast to `dtype` on `device`) or materialized in
+    place and initialized from `seed`. Never a full fp32 copy in host memory first: d64 in fp32 is
+    51 GB. Same seed, CPU generator: same weights anywhere (`draw_on_device`: a fast draw on the
+    device instead, other numbers, for probes whose weights are thrown away).
+
+    A state_dict with a missing, unexpected or misshaped entry raises RuntimeError (strict load).
+    """
+    with torch.device("meta"):
+        model = GPT(config)
+    if state_dict is None:
+        model.to(dtype)  # cast while still on meta: materializing fp32 first would cost 2x
+        model.to_empty(device=device)
+        model.init_weights(seed=seed, draw_on_device=draw_on_device)
+    else:
+        model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()},
+                              strict=True, assign=True)
+        model._set_rope()  # the RoPE tables are derived, not saved: compute them on the weights' device
+    model.activation_checkpointing = activation_checkpointing
+    return model

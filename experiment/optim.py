@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 EMBEDDING, UNEMBEDDING = "wte.weight", "lm_head.weight"
+# The trainer's CUDA defaults (TrainConfig); probes and tests use them where the values do not matter.
+LRS = dict(matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004)
 
 
 def partition(sizes: dict[str, int], world_size: int) -> dict[str, int]:
@@ -153,3 +155,19 @@ class ShardedOptimizer:
                     loaded += 1
         self._broadcast_owned()
         return loaded
+
+
+def lr_multiplier(progress: float, warmup_frac: float, warmdown_frac: float, final_lr_frac: float) -> float:
+    """LR multiplier at a fraction `progress` of the budget: linear warmup, constant, linear warmdown."""
+    p = min(max(progress, 0.0), 1.0)
+    if warmup_frac > 0 and p < warmup_frac:
+        return p / warmup_frac
+    if warmdown_frac > 0 and p > 1 - warmdown_frac:
+        return final_lr_frac + (1 - final_lr_frac) * (1 - p) / warmdown_frac
+    return 1.0
+
+
+def gradients_finite(model: torch.nn.Module) -> bool:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()).item())  # syncs the device
+

@@ -8,16 +8,32 @@ from __future__ import annotations
 
 import gc
 import math
+import resource
 import time
 
 import torch
 
 from experiment.distributed import autocast_for, sync
-from experiment.model import GPTConfig
-from experiment.optim import ShardedOptimizer
-from experiment.train import build_model, gradients_finite
+from experiment.model import DTYPES, GPTConfig, build_model
+from experiment.optim import LRS, ShardedOptimizer, gradients_finite
 
-LRS = dict(matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004)  # the values do not change the cost
+# Dense bf16 peak FLOP/s by device-name fragment, most specific first (design.md). An unknown device
+# reports no MFU rather than a wrong one.
+PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 SXM", 989e12), ("H100 80GB HBM3", 989e12),
+              ("H200", 989e12), ("A100", 312e12))
+
+
+def peak_flops(device_name: str) -> float | None:
+    for fragment, flops in PEAK_FLOPS:
+        if fragment in device_name:
+            return flops
+    return None
+
+
+def memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
 
 def free_memory(device: torch.device) -> None:
@@ -26,15 +42,16 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def probe_peak_memory(config: GPTConfig, world: int, batch: int, seq: int, precision: str, recompute: bool,
-                      device: torch.device, steps: int = 3) -> dict | None:
+def probe_peak_memory(config: GPTConfig, world: int, batch: int, seq: int, precision: str,
+                      activation_checkpointing: bool, device: torch.device, steps: int = 3) -> dict | None:
     """Peak bytes on the GPU ({"allocated", "reserved"} by the caching allocator) of `steps` training
     steps of rank 0 in a simulated world; None on CPU."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    model = build_model(config, device, precision, recompute, draw_on_device=True)
+    model = build_model(config, device, DTYPES[precision], draw_on_device=True,
+                        activation_checkpointing=activation_checkpointing)
     opt = ShardedOptimizer(model, 0, world, **LRS, master_weights=precision == "bf16", communicate=False)
     autocast = autocast_for(device)
     try:
@@ -91,7 +108,7 @@ def compose_step(micro_tokens: int, tokens_per_step: int, first: float, micro_s:
             "tok_per_s": accum * micro_tokens / step_s, "micro_tok_per_s": micro_tokens / micro_s}
 
 
-def measure_speed(config: GPTConfig, batch: int, precision: str, recompute: bool, device: torch.device,
+def measure_speed(config: GPTConfig, batch: int, precision: str, activation_checkpointing: bool, device: torch.device,
                   steps: int, compile_model: bool, tokens_per_step: int) -> dict:
     """One rank's training step as the trainer runs it (autocast, Muon/AdamW, bf16 weights with fp32
     masters if asked), on random tokens, measured in parts: the first step (compile included); a
@@ -102,7 +119,8 @@ def measure_speed(config: GPTConfig, batch: int, precision: str, recompute: bool
     from those measured parts. Peak memory (allocated, reserved) on CUDA."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model = build_model(config, device, precision, recompute, draw_on_device=True)
+    model = build_model(config, device, DTYPES[precision], draw_on_device=True,
+                        activation_checkpointing=activation_checkpointing)
     opt = ShardedOptimizer(model, **LRS, master_weights=precision == "bf16")
     run = torch.compile(model) if compile_model else model
     x = torch.randint(0, config.vocab_size, (batch, config.max_seq_len), device=device)
@@ -144,7 +162,7 @@ def profile_step(config: GPTConfig, batch: int, precision: str, device: torch.de
     """torch.profiler table of one eager training step after a warm-up step (kernels by self time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    model = build_model(config, device, precision, draw_on_device=True)
+    model = build_model(config, device, DTYPES[precision], draw_on_device=True)
     opt = ShardedOptimizer(model, **LRS, master_weights=precision == "bf16")
     x = torch.randint(0, config.vocab_size, (batch, config.max_seq_len), device=device)
 

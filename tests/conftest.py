@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from experiment import checkpoint as ckpt
 from experiment.dataloader import demo_lines
+from experiment.model import GPTConfig
 
 REPO = Path(__file__).resolve().parent.parent
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -16,6 +18,16 @@ SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 TINY = ["--depth", "2", "--aspect_ratio", "32", "--head_dim", "32", "--max_seq_len", "32",
         "--device_batch_size", "4", "--sample_tokens", "0", "--log_every_steps", "1",
         "--training_hours", "1", "--eval_tokens", "512"]
+
+
+def tiny_config(vocab_size: int = 64, max_seq_len: int = 32) -> GPTConfig:
+    """The model TINY trains: 2 layers x 64 dims, 2 heads of 32."""
+    return GPTConfig(vocab_size=vocab_size, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=max_seq_len)
+
+
+def run_meta(workspace: Path, step: int, tag: str = "d2") -> dict:
+    """meta_<step>.json of run `tag` under `workspace` (d2: the model tag TINY trains under)."""
+    return ckpt.read_meta(Path(workspace) / "checkpoints" / tag, step)
 
 
 def write_corpus(parent: Path) -> Path:

@@ -5,10 +5,9 @@ import pytest
 import torch
 
 from conftest import REPO
-from experiment.memory import activation_bytes, choose_mode, plan_memory
+from experiment.memory import activation_bytes, choose_mode, largest_fitting_batch, plan_memory
 from experiment.model import GPT, GPTConfig
-from experiment.optim import ShardedOptimizer, partition
-from experiment.train import largest_fitting_batch
+from experiment.optim import LRS, ShardedOptimizer, partition
 
 CONFIG = GPTConfig(vocab_size=128, depth=3, aspect_ratio=32, head_dim=32, max_seq_len=64)
 
@@ -29,8 +28,7 @@ def test_plan_matches_measured_tensor_sizes(precision):
     model = GPT(CONFIG)
     model.init_weights(seed=0)
     rank = _most_loaded_rank(model, world)
-    opt = ShardedOptimizer(model, rank, world, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004,
-                           master_weights=precision == "bf16", communicate=False)
+    opt = ShardedOptimizer(model, rank, world, **LRS, master_weights=precision == "bf16", communicate=False)
     if precision == "bf16":
         model.to(torch.bfloat16)
     params = {p.data_ptr() for p in model.parameters()} | {b.data_ptr() for b in model.buffers()}
@@ -46,7 +44,7 @@ def test_plan_matches_measured_tensor_sizes(precision):
         loss = model(x, x)
     loss.backward()
     opt.step()
-    plan = plan_memory(CONFIG, world, batch, seq, precision, checkpointing=False, cuda=False)
+    plan = plan_memory(CONFIG, world, batch, seq, precision, activation_checkpointing=False, cuda=False)
     assert plan.rows["weights"] == _bytes(model.parameters())
     assert plan.rows["grads"] == _bytes(p.grad for p in model.parameters())
     assert plan.rows["fp32 masters"] == 2 * _bytes(opt.master.values())  # masters + their fp32 grads
@@ -80,12 +78,12 @@ def test_mode_choice_prefers_cheap_compute_and_honours_settings():
     gib = 2**30
     d64 = GPTConfig(vocab_size=128, depth=64, max_seq_len=2048)
     plan = choose_mode(d64, 8, 2, 2048, 80 * gib)
-    assert (plan.precision, plan.checkpointing) == ("bf16", True)  # the only mode that fits 80 GB
+    assert (plan.precision, plan.activation_checkpointing) == ("bf16", True)  # the only mode that fits 80 GB
     assert choose_mode(d64, 8, 2, 2048, 80 * gib, precision="fp32") is None
     d12 = GPTConfig(vocab_size=128, depth=12, max_seq_len=2048)
     plan = choose_mode(d12, 8, 8, 2048, 80 * gib)
-    assert (plan.precision, plan.checkpointing) == ("fp32", False)
-    assert choose_mode(d12, 8, 8, 2048, 80 * gib, checkpointing="on").checkpointing
+    assert (plan.precision, plan.activation_checkpointing) == ("fp32", False)
+    assert choose_mode(d12, 8, 8, 2048, 80 * gib, activation_checkpointing="on").activation_checkpointing
 
 
 def test_device_batch_halves_until_it_fits():

@@ -4,13 +4,14 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from conftest import tiny_config
 from experiment.model import GPT, GPTConfig
-from experiment.optim import ShardedOptimizer
+from experiment.optim import LRS, ShardedOptimizer
 
 
 def tiny(seq=32, vocab=64, perturb=True) -> GPT:
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=vocab, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=seq))
+    model = GPT(tiny_config(vocab, seq))
     model.init_weights(seed=0)
     if perturb:  # zero-init residual projections make every block the identity; give them weight
         with torch.no_grad():
@@ -94,9 +95,9 @@ def test_estimate_flops_matches_flop_counter():
 
 def test_one_batch_overfits():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=32))
+    model = GPT(tiny_config())
     model.init_weights(seed=0)
-    opt = ShardedOptimizer(model, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004)
+    opt = ShardedOptimizer(model, **LRS)
     x = torch.randint(1, 64, (4, 32))
     y = torch.roll(x, -1, dims=1)
     first = None

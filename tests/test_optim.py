@@ -5,14 +5,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from experiment.model import GPT, GPTConfig
-from experiment.optim import ShardedOptimizer, partition
+from conftest import tiny_config
+from experiment.model import GPT
+from experiment.optim import LRS, ShardedOptimizer, partition
 
-LRS = dict(matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004)
 
 
 def make_model() -> GPT:
-    model = GPT(GPTConfig(vocab_size=64, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=16))
+    model = GPT(tiny_config(max_seq_len=16))
     model.init_weights(seed=0)
     return model
 

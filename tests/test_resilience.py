@@ -12,19 +12,15 @@ import time
 import pytest
 import torch
 
-from conftest import ENV, REPO, TINY, run_train, train_cmd, write_corpus
+from conftest import ENV, REPO, TINY, run_meta, run_train, train_cmd, write_corpus
 from experiment import checkpoint as ckpt
 from experiment.model import GPT, GPTConfig
-from experiment.optim import ShardedOptimizer
+from experiment.optim import LRS, ShardedOptimizer
 from experiment.checkpoint import load_checkpoint
 from experiment.distributed import Dist
 
 def _state(ws, step, tag="d2"):
     return ckpt.load_model_state(ws / "checkpoints" / tag, step)
-
-
-def _meta(ws, step, tag="d2"):
-    return ckpt.read_meta(ws / "checkpoints" / tag, step)
 
 
 def _wait_for(predicate, timeout=120, what="condition"):
@@ -61,7 +57,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path, corpus):
     assert proc.returncode == 0, err[-2000:]
     steps = ckpt.complete_steps(tmp_path / "checkpoints/d2")
     assert len(steps) == 1 and steps[0] >= 8 and f"received SIGTERM: saving step {steps[0]:06d}" in out
-    assert _meta(tmp_path, steps[0])["val_loss"] is None  # no eval spent in the grace period
+    assert run_meta(tmp_path, steps[0])["val_loss"] is None  # no eval spent in the grace period
     again = run_train([*args, "--max_steps", steps[0] + 2])
     assert f"resumed from {ckpt.model_path(tmp_path / 'checkpoints/d2', steps[0])}" in again.stdout
 
@@ -76,7 +72,7 @@ def test_signal_on_one_rank_stops_all_ranks_with_a_complete_checkpoint(tmp_path,
     out, err = agent.communicate(timeout=120)
     assert agent.returncode == 0, err[-2000:]  # every worker saved and exited 0
     step = ckpt.complete_steps(tmp_path / "checkpoints/d2")[-1]
-    assert "received SIGINT" in out and _meta(tmp_path, step)["world_size"] == 2
+    assert "received SIGINT" in out and run_meta(tmp_path, step)["world_size"] == 2
     assert all(ckpt.optim_path(tmp_path / "checkpoints/d2", step, r).exists() for r in range(2))
 
 
@@ -140,7 +136,7 @@ def test_kill9_at_random_points_and_during_saves_then_resume_equals_uninterrupte
     ref, got = _state(tmp_path / "ref", steps), _state(ws, steps)
     for name in ref:
         assert torch.equal(ref[name], got[name]), name
-    assert _meta(ws, steps)["data_positions"] == _meta(tmp_path / "ref", steps)["data_positions"]
+    assert run_meta(ws, steps)["data_positions"] == run_meta(tmp_path / "ref", steps)["data_positions"]
 
 
 def test_torchrun_restarts_a_dead_worker_and_the_run_resumes(tmp_path, corpus):
@@ -197,8 +193,7 @@ def test_resume_on_another_world_size(elastic_runs, world_from, world_to, batch)
     meta = ckpt.read_meta(src, 3)
     for rank in range(world_to):
         model = GPT(GPTConfig(**meta["model_config"]))
-        opt = ShardedOptimizer(model, rank, world_to, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004,
-                               communicate=False)
+        opt = ShardedOptimizer(model, rank, world_to, **LRS, communicate=False)
         load_checkpoint(run_dir, 3, model, opt, Dist(rank, rank, world_to, torch.device("cpu")))
         mine = opt.shard_state()["state"]
         assert restored.keys().isdisjoint(mine.keys())
@@ -210,13 +205,13 @@ def test_resume_on_another_world_size(elastic_runs, world_from, world_to, batch)
     reference = root / f"b{batch}_w{world_to}"  # the same world size, never interrupted
     ref, got = _state(reference, 6), _state(ws, 6)
     # The same windows were read, none skipped or repeated: the global data position matches.
-    assert _meta(ws, 6)["data_positions"] == _meta(reference, 6)["data_positions"]
+    assert run_meta(ws, 6)["data_positions"] == run_meta(reference, 6)["data_positions"]
     if batch == 256:
         assert all(torch.equal(ref[n], got[n]) for n in ref)
     else:
         # Muon orthogonalizes in bf16 and lifts every small singular direction to unit size, so
         # the different rounding of 3 vs 2 ranks shows in the weights; the model is as good.
-        assert _meta(ws, 6)["val_loss"] == pytest.approx(_meta(reference, 6)["val_loss"], abs=0.02)
+        assert run_meta(ws, 6)["val_loss"] == pytest.approx(run_meta(reference, 6)["val_loss"], abs=0.02)
 
 
 # ---------------------------------------------------------------- several nodes
@@ -237,7 +232,7 @@ def test_two_nodes_of_one_process_equal_one_node_of_two(tmp_path, corpus):
         assert node.returncode == 0, err[-2000:]
     one, two = _state(tmp_path / "one_node", 4), _state(tmp_path / "two_nodes", 4)
     assert all(torch.equal(one[n], two[n]) for n in one)
-    assert _meta(tmp_path / "two_nodes", 4)["world_size"] == 2
+    assert run_meta(tmp_path / "two_nodes", 4)["world_size"] == 2
 
 
 # ---------------------------------------------------------------- faults in the run itself
@@ -282,7 +277,7 @@ def test_nonfinite_losses_skip_updates_and_a_streak_stops_the_run(tmp_path, corp
     code = train.main([*base, "--max_steps", "6"])
     out = capsys.readouterr().out
     assert code == 0 and "update skipped (2 in a row, 2 in all)" in out
-    meta = _meta(tmp_path, 6)
+    meta = run_meta(tmp_path, 6)
     assert meta["nonfinite_steps"] == 2
     assert all(torch.isfinite(t).all() for t in _state(tmp_path, 6).values())
 
@@ -303,7 +298,7 @@ def test_bf16_with_master_shards_resumes_exactly_and_recompute_changes_nothing(t
     a, b = _state(tmp_path / "a", 6), _state(tmp_path / "b", 6)
     assert all(v.dtype == torch.bfloat16 for v in a.values())
     assert all(torch.equal(a[n], b[n]) for n in a)  # recomputing blocks gives the same gradients
-    meta = _meta(tmp_path / "a", 6)
+    meta = run_meta(tmp_path / "a", 6)
     assert meta["weights_dtype"] == "bfloat16" and meta["activation_checkpointing"] is True
     # fp32 masters live only in the owner's shard, and a resume restores them exactly.
     run_dir = tmp_path / "a/checkpoints/d2"

@@ -5,20 +5,17 @@ import shutil
 import pytest
 import torch
 
-from conftest import TINY, run_train
+from conftest import TINY, run_meta, run_train, tiny_config
 from experiment import checkpoint as ckpt
-from experiment.model import GPT, GPTConfig
-from experiment.optim import partition
-from experiment.train import ConfigError, TrainConfig, lr_multiplier, peak_flops, resolve
+from experiment.config import ConfigError, TrainConfig, resolve
+from experiment.model import GPT
+from experiment.optim import lr_multiplier, partition
+from experiment.probes import peak_flops
 
 
 def _params(run_dir, step):
     """The step's weights, whichever layout (one file, or one part per rank) holds them."""
     return ckpt.load_model_state(run_dir, step)
-
-
-def _meta(ws, tag, step):
-    return json.loads(ckpt.meta_path(ws / "checkpoints" / tag, step).read_text())
 
 
 def test_lr_multiplier_follows_the_budget_fraction():
@@ -52,7 +49,7 @@ def test_two_ranks_equal_one_rank_and_shards_name_owned_params(tmp_path, corpus)
     run_train([*common, "--workspace", tmp_path / "two"], nproc=2)
     one = _params(tmp_path / "one/checkpoints/d2", 3)
     two = _params(tmp_path / "two/checkpoints/d2", 3)
-    initial = GPT(GPTConfig(vocab_size=64, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=32))
+    initial = GPT(tiny_config())
     initial.init_weights(seed=1337)
     for name, p in one.items():
         torch.testing.assert_close(two[name], p, atol=2e-5, rtol=1e-4, msg=name)
@@ -68,10 +65,10 @@ def test_two_ranks_equal_one_rank_and_shards_name_owned_params(tmp_path, corpus)
     assert not ckpt.model_path(run_dir, 3).exists()
     assert ckpt.model_path(tmp_path / "one/checkpoints/d2", 3).exists()
     assert not list((tmp_path / "one/checkpoints/d2").glob("model_*_rank*.pt"))
-    meta = _meta(tmp_path / "two", "d2", 3)
+    meta = run_meta(tmp_path / "two", 3)
     assert meta["world_size"] == meta["model_parts"] == 2 and len(meta["data_positions"]) == 2
-    assert _meta(tmp_path / "one", "d2", 3)["model_parts"] == 1
-    assert meta["val_loss"] == pytest.approx(_meta(tmp_path / "one", "d2", 3)["val_loss"], abs=1e-4)
+    assert run_meta(tmp_path / "one", 3)["model_parts"] == 1
+    assert meta["val_loss"] == pytest.approx(run_meta(tmp_path / "one", 3)["val_loss"], abs=1e-4)
     # The server's path: the run directory resolves to model_<step>.pt, naming the step in parts.
     served = ckpt.resolve_serving_checkpoint(run_dir, tmp_path)
     assert served == ckpt.model_path(run_dir, 3)
@@ -93,7 +90,7 @@ def test_resume_after_a_crash_equals_the_uninterrupted_run(tmp_path, corpus):
         assert torch.equal(a[name], b[name]), name
     sa, sb = (ckpt.load_tensors(ckpt.optim_path(d, 6, 0))["state"] for d in (a_dir, b_dir))
     assert all(torch.equal(sa[n][k], sb[n][k]) for n in sa for k in sa[n])
-    assert _meta(tmp_path / "a", "d2", 6)["data_positions"] == _meta(tmp_path / "b", "d2", 6)["data_positions"]
+    assert run_meta(tmp_path / "a", 6)["data_positions"] == run_meta(tmp_path / "b", 6)["data_positions"]
 
 
 def test_budget_stop_two_ranks_then_second_launch_resumes(tmp_path, corpus):
@@ -103,7 +100,7 @@ def test_budget_stop_two_ranks_then_second_launch_resumes(tmp_path, corpus):
     proc = run_train(args, nproc=2, timeout=180)
     run_dir = tmp_path / "checkpoints/d2"
     final = ckpt.complete_steps(run_dir)[-1]
-    meta = _meta(tmp_path, "d2", final)
+    meta = run_meta(tmp_path, final)
     step_ms = [int(m) for m in re.findall(r"dt (\d+)ms", proc.stdout)]
     assert meta["used_seconds"] <= budget  # the hard limit holds, final eval and save included
     assert budget - meta["used_seconds"] < 1.0 + 3 * max(step_ms) / 1000  # and little of it is wasted
@@ -119,7 +116,7 @@ def test_budget_stop_two_ranks_then_second_launch_resumes(tmp_path, corpus):
     assert ckpt.complete_steps(run_dir)[-1] == final
     more = run_train([*args[:-6], "--training_hours", (budget + 2) / 3600, *args[-4:]], nproc=2, timeout=180)
     assert "resumed from" in more.stdout and ckpt.complete_steps(run_dir)[-1] > final
-    assert _meta(tmp_path, "d2", ckpt.complete_steps(run_dir)[-1])["used_seconds"] <= budget + 2
+    assert run_meta(tmp_path, ckpt.complete_steps(run_dir)[-1])["used_seconds"] <= budget + 2
 
 
 def test_early_stop_after_evals_without_improvement(tmp_path, corpus):

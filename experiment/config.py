@@ -1,0 +1,140 @@
+"""The trainer's one config: TrainConfig, its flags, its device defaults and the checks that the
+settings can work together. Also what every checkpoint's meta records of the run.
+
+The flags are generated from the dataclass fields (`python -m experiment.train --help`);
+experiment/run.sh maps an env override onto each, and the README's table lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+from experiment.dataloader import Prepared
+from experiment.optim import LRS
+
+# CPU defaults are the recommended small-budget settings: the best of the speedruns in the README's
+# Performance table (Tiny Shakespeare, 180 s on 2 cores); a narrow model that sees many tokens wins.
+CUDA_DEFAULTS = dict(depth=64, aspect_ratio=64, head_dim=128, matrix_lr=0.02, warmdown_frac=0.2,
+                     max_seq_len=2048, total_batch_size=524288, training_hours=31.0,
+                     save_every_minutes=60.0, eval_every_minutes=30.0, eval_tokens=1 << 20)
+CPU_DEFAULTS = dict(depth=4, aspect_ratio=32, head_dim=64, matrix_lr=0.04, warmdown_frac=0.4,
+                    max_seq_len=256, total_batch_size=4096, training_hours=0.05,
+                    save_every_minutes=1.0, eval_every_minutes=0.5, eval_tokens=1 << 16)
+CPU_DEVICE_BATCH = 16
+
+
+class ConfigError(Exception):
+    """A setting that cannot work; the message names the flag."""
+
+
+def _opt(help_text: str, default=None):
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass
+class TrainConfig:
+    depth: int | None = _opt("layers; model_dim = depth * aspect_ratio (default 64 with CUDA, 4 without)")
+    aspect_ratio: int | None = _opt("model_dim per layer (default 64 with CUDA, 32 without)")
+    head_dim: int | None = _opt("attention head size (default 128 with CUDA, 64 without)")
+    max_seq_len: int | None = _opt("context length (default 2048 with CUDA, 256 without)")
+    device_batch_size: int | None = _opt("sequences per micro-batch per rank (default: largest that fits "
+                                         "on CUDA, 16 on CPU)")
+    total_batch_size: int | None = _opt("tokens per optimizer step (default 524288 with CUDA, 4096 without)")
+    training_hours: float | None = _opt("wall-clock budget in hours (default 31 with CUDA, 0.05 without)")
+    budget_usd: float | None = _opt("if set: hours = budget_usd / (gpu_hourly_usd x world size)")
+    gpu_hourly_usd: float = _opt("price of one GPU-hour, for budget_usd", 4.0)
+    max_steps: int = _opt("stop after this many optimizer steps (0: budget only); for tests and benchmarks", 0)
+    data_dir: str | None = _opt("directory of *.txt (or one .txt); default $WORKSPACE/data, demo if empty")
+    workspace: str | None = _opt("root of data, prepared, checkpoints, tensorboard "
+                                 "(default /workspace/<project> if writable, else the repo)")
+    tokenizer: str = _opt("char, or a tiktoken encoding name", "char")
+    alphabet: str | None = _opt("allowed characters; data with any other one is rejected")
+    val_fraction: float = _opt("last fraction of the tokens held out for validation", 0.05)
+    model_tag: str | None = _opt("run directory name (default d<depth>)")
+    resume: str = _opt("auto: latest complete checkpoint; never; or a step number", "auto")
+    save_every_minutes: float | None = _opt("checkpoint cadence (default 60 with CUDA, 1 without)")
+    save_every_steps: int = _opt("also checkpoint every N steps (0: off)", 0)
+    keep_last: int = _opt("complete checkpoints kept, plus the best", 3)
+    keep_best_optimizer: int = _opt("1: a best checkpoint older than the last keep_last keeps its optimizer "
+                                    "shards (resumable); 0: only its model and meta (servable)", 0)
+    eval_every_minutes: float | None = _opt("eval cadence (default 30 with CUDA, 0.5 without)")
+    eval_every_steps: int = _opt("also eval every N steps (0: off)", 0)
+    eval_tokens: int | None = _opt("size of the fixed val slice (default 1048576 with CUDA, 65536 without)")
+    early_stop_evals: int = _opt("stop after N evals without improvement (0: off)", 0)
+    sample_tokens: int = _opt("tokens sampled at each eval", 64)
+    log_every_steps: int = _opt("step-line cadence", 10)
+    matrix_lr: float | None = _opt("Muon learning rate, hidden matrices (default 0.02 with CUDA, 0.04 without)")
+    embedding_lr: float = _opt("AdamW learning rate, embedding (scaled by (768/model_dim)^0.5)",
+                               LRS["embedding_lr"])
+    unembedding_lr: float = _opt("AdamW learning rate, lm_head (scaled likewise)", LRS["unembedding_lr"])
+    warmup_frac: float = _opt("fraction of the budget with linear LR warmup", 0.0)
+    warmdown_frac: float | None = _opt("final fraction of the budget with linear LR warmdown "
+                                       "(default 0.2 with CUDA, 0.4 without)")
+    final_lr_frac: float = _opt("LR multiplier at the end of warmdown", 0.0)
+    seed: int = _opt("init and data-order seed", 1337)
+    compile: str = _opt("torch.compile: auto (on with CUDA), on, off", "auto")
+    precision: str = _opt("weights: auto (fp32 unless only bf16 fits), fp32, or bf16 (bf16 weights and grads, "
+                          "fp32 master shards)", "auto")
+    activation_checkpointing: str = _opt("recompute blocks in backward: auto (when needed to fit), on, off", "auto")
+    device: str = _opt("auto, cpu or cuda", "auto")
+
+
+def parse_args(argv=None) -> TrainConfig:
+    parser = argparse.ArgumentParser(prog="python -m experiment.train", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(TrainConfig):
+        kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+        if f.default is None and kind is not str:  # optional numbers: "auto" means the device default
+            kind = _auto_or(kind)
+        parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=f.metadata["help"])
+    return TrainConfig(**vars(parser.parse_args(argv)))
+
+
+def _auto_or(kind):
+    def convert(text: str):
+        return None if text in ("auto", "") else kind(text)
+    convert.__name__ = kind.__name__  # argparse names the type in its error message
+    return convert
+
+
+def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
+    """Fill device-dependent defaults and check that the settings can work together."""
+    defaults = CUDA_DEFAULTS if cuda else CPU_DEFAULTS
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in defaults.items() if getattr(cfg, k) is None})
+    if cfg.model_tag is None:
+        cfg.model_tag = f"d{cfg.depth}"
+    if cfg.budget_usd is not None:
+        cfg.training_hours = cfg.budget_usd / (cfg.gpu_hourly_usd * world_size)
+    if cfg.training_hours <= 0:
+        raise ConfigError(f"--training_hours must be > 0, got {cfg.training_hours}")
+    for name, allowed in (("compile", ("auto", "on", "off")), ("precision", ("auto", "fp32", "bf16")),
+                          ("activation_checkpointing", ("auto", "on", "off"))):
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}")
+    if cfg.resume not in ("auto", "never") and not cfg.resume.isdigit():
+        raise ConfigError(f"--resume must be auto, never or a step number, got {cfg.resume!r}")
+    per_rank = cfg.max_seq_len * world_size
+    if cfg.total_batch_size % per_rank:
+        raise ConfigError(f"--total_batch_size {cfg.total_batch_size} is not a multiple of max_seq_len "
+                          f"{cfg.max_seq_len} x world size {world_size} = {per_rank}")
+    if cfg.device_batch_size is None and not cuda:
+        cfg.device_batch_size = min(CPU_DEVICE_BATCH, cfg.total_batch_size // per_rank)
+    if cfg.device_batch_size is not None and (cfg.total_batch_size // per_rank) % cfg.device_batch_size:
+        raise ConfigError(
+            f"--total_batch_size {cfg.total_batch_size} is not divisible by device_batch_size "
+            f"{cfg.device_batch_size} x max_seq_len {cfg.max_seq_len} x world size {world_size}")
+    if not 0 <= cfg.warmup_frac + cfg.warmdown_frac <= 1:
+        raise ConfigError("--warmup_frac + --warmdown_frac must lie in [0, 1]")
+    return cfg
+
+
+def checkpoint_meta(cfg: TrainConfig, prepared: Prepared, budget_seconds: float) -> dict:
+    """What every checkpoint's meta holds besides the run state: enough to rebuild the tokenizer and
+    to refuse a resume on other data."""
+    return {"budget_seconds": budget_seconds, "train_config": dataclasses.asdict(cfg),
+            "tokenizer": {k: prepared.meta[k] for k in ("tokenizer", "encoding", "chars", "bos_id", "vocab_size",
+                                                        "vocab_used")},
+            "prepared": {"dir": str(prepared.dir), "hash": prepared.meta["hash"]}}
+

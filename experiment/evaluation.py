@@ -1,0 +1,56 @@
+"""What the trainer (and the bench) measure of a model: the val loss summed over ranks, a sample,
+and on the built-in demo corpus the fraction of held-out sums it completes."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from experiment.dataloader import Prepared, demo_lines, val_batches
+from experiment.distributed import Dist, autocast_for
+from experiment.model import GPT
+
+
+@torch.no_grad()
+def evaluate(model: GPT, prepared: Prepared, seq_len: int, batch_size: int, max_tokens: int,
+             d: Dist) -> tuple[float, float]:
+    """(val loss in nats/token, bits per character) over the first max_tokens of val, summed over all
+    ranks, in the trainer's precision."""
+    autocast = autocast_for(d.device)
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=d.device)  # [sum of losses, tokens]
+    for x, y in val_batches(prepared.tokens("val"), seq_len, batch_size, max_tokens, d.rank, d.world_size):
+        x, y = x.to(d.device), y.to(d.device)
+        with autocast:
+            total[0] += model(x, y, reduction="sum").double()
+        total[1] += y.numel()
+    d.all_reduce(total)
+    model.train()
+    loss = (total[0] / total[1]).item()
+    split = prepared.meta["split"]
+    chars_per_token = split["val_chars"] / split["val_tokens"]
+    return loss, loss / math.log(2) / chars_per_token
+
+
+def sample_text(model: GPT, prepared: Prepared, n_tokens: int) -> str:
+    """A short sample from the start of a document (BOS)."""
+    tok = prepared.tokenizer()
+    gen = torch.Generator().manual_seed(0)  # a private generator: sampling never shifts training RNG
+    out = model.generate([tok.bos_id], n_tokens, temperature=0.8, top_k=None, generator=gen,
+                         allowed_vocab=tok.n_real)
+    return tok.decode(list(out))
+
+
+def demo_accuracy(model: GPT, prepared: Prepared, n: int = 50) -> tuple[int, int]:
+    """For the built-in arithmetic corpus: how many of n held-out sums the model completes exactly."""
+    tok = prepared.tokenizer()
+    correct = 0
+    for line in demo_lines(n, seed=99):
+        prompt, answer = line.split("=")
+        # In the corpus a line follows a newline (BOS only opens the file), so the prompt does too.
+        ids = tok.encode("\n" + prompt + "=")
+        out = model.generate(ids, len(answer) + 1, temperature=0, allowed_vocab=tok.n_real)
+        correct += tok.decode(list(out)).split("\n")[0] == answer.strip()
+    return correct, n
+

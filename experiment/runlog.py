@@ -1,0 +1,91 @@
+"""Rank 0's record of a run: the human lines (stdout and training.log), TensorBoard, metrics.jsonl.
+
+Off rank 0 the log is a no-op and the writer a null sink, so callers never branch on the rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import traceback
+from pathlib import Path
+
+from experiment.checkpoint import RunState
+from experiment.dataloader import DEMO_FILE, Prepared
+from experiment.evaluation import demo_accuracy, sample_text
+from experiment.model import GPT
+
+
+class RunLog:
+    """Rank 0's human lines: stdout and the run's training.log. Off rank 0 every call is a no-op."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, msg: str) -> None:
+        if self.path is None:
+            return
+        print(msg, flush=True)
+        with open(self.path, "a") as f:
+            f.write(msg + "\n")
+
+
+def log_crash(log_path: Path, rank: int) -> None:
+    """Every rank appends its traceback to training.log: a run that died overnight says why."""
+    with contextlib.suppress(OSError):
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a") as f:
+            f.write(f"[rank {rank}] crashed at {time.strftime('%Y-%m-%d %H:%M:%S')}:\n{traceback.format_exc()}")
+
+
+class NullWriter:
+    def add_scalar(self, *args, **kwargs): ...
+    def flush(self): ...
+    def close(self): ...
+
+
+
+def report_eval(step: int, val_loss: float, val_bpc: float, st: RunState, model: GPT, prepared: Prepared,
+                sample_tokens: int, master: bool, log: RunLog, writer, run_dir: Path) -> None:
+    """The eval line, TensorBoard, metrics.jsonl, a sample and (on the demo corpus) its accuracy."""
+    best = f"{st.best_val:.4f} @ {st.best_step:06d}" if st.best_step >= 0 else "- (step 0 is not saved)"
+    log(f"step {step:06d} | val_loss {val_loss:.4f} | val_bpc {val_bpc:.4f} | best {best}")
+    writer.add_scalar("val/loss", val_loss, step)
+    writer.add_scalar("val/bpc", val_bpc, step)
+    if master:  # machine-readable curve: val loss against the budget seconds used
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "used_seconds": round(st.used_seconds, 3), "tokens_seen": st.tokens_seen,
+                                "val_loss": val_loss, "val_bpc": val_bpc}) + "\n")
+    if master and sample_tokens > 0:
+        log(f"sample | {sample_text(model, prepared, sample_tokens)!r}")
+        if any(Path(s["path"]).name == DEMO_FILE for s in prepared.meta["sources"]):
+            ok, n = demo_accuracy(model, prepared)
+            log(f"demo | {ok}/{n} sums of a separate draw completed correctly (greedy)")
+            writer.add_scalar("val/demo_accuracy", ok / n, step)
+    writer.flush()
+
+
+def log_step(log: RunLog, writer, step: int, loss: float, lr: float, lr_mult: float, dt: float, tok_s: float,
+             mfu: float | None, mem_gib: float, used_h: float, budget_h: float) -> None:
+    """The step line and the same values to TensorBoard."""
+    log(f"step {step:06d} | loss {loss:.4f} | lr {lr:.2e} | dt {1000 * dt:.0f}ms | tok/s {tok_s:,.0f} | "
+        f"mfu {f'{100 * mfu:.1f}%' if mfu is not None else '-'} | mem {mem_gib:.1f}GiB | "
+        f"used {used_h:.2f}h/{budget_h:.2f}h | eta {max(budget_h - used_h, 0):.2f}h")
+    for name, value in (("train/loss", loss), ("train/lr_multiplier", lr_mult), ("perf/tok_per_s", tok_s),
+                        ("perf/mem_gib", mem_gib)):
+        writer.add_scalar(name, value, step)
+    if mfu is not None:
+        writer.add_scalar("perf/mfu", mfu, step)
+
+
+def planner_line(rate: float, seconds_left: float, step: int, tokens_seen: int, tokens_per_step: int,
+                 budget_h: float, train_tokens: int, n_params: int) -> str:
+    """From the measured tok/s: the steps, tokens, epochs and tokens per parameter the budget buys."""
+    total = tokens_seen + rate * seconds_left
+    return (f"planner | measured {rate:,.0f} tok/s | projected {int(step + rate * seconds_left / tokens_per_step):,} "
+            f"steps, {total:,.0f} tokens in the {budget_h:.3f}h budget | {total / train_tokens:.2f} epochs | "
+            f"{total / n_params:.1f} tokens/param")
+
