@@ -85,6 +85,45 @@ class KVCache:
         end = self.pos + t
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
+    @classmethod
+    def over(cls, k: torch.Tensor, v: torch.Tensor) -> KVCache:
+        """An empty cache writing into existing storage (L, B, H, S, D): one slot of a KVSlots."""
+        cache = cls.__new__(cls)
+        cache.k, cache.v, cache.pos = k, v, 0
+        return cache
+
+
+class KVSlots:
+    """Keys/values of `slots` independent sequences (the server's batch), each with its own length.
+
+    Allocated once, so the serving batch has a fixed memory cost (bytes_per_slot each). A slot is
+    filled by GPT.forward through `slot(i)`, a batch-1 KVCache view, exactly as generate fills its
+    own cache; GPT.decode_step then appends one token per slot at that slot's own position.
+    """
+
+    def __init__(self, config: GPTConfig, slots: int, device, dtype):
+        shape = (config.n_layer, slots, config.n_head, config.max_seq_len, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    @staticmethod
+    def bytes_per_slot(config: GPTConfig, dtype: torch.dtype) -> int:
+        return 2 * config.n_layer * config.n_head * config.max_seq_len * config.head_dim * dtype.itemsize
+
+    def slot(self, i: int) -> KVCache:
+        return KVCache.over(self.k[:, i : i + 1], self.v[:, i : i + 1])
+
+
+def rowwise_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """layer(x) for x (B, 1, K), each row multiplied alone: bit-identical to layer(x[b:b+1]).
+
+    Batched decoding must give each request exactly the tokens it would get alone, but the CPU GEMM
+    (MKL) for M > 1 rows sums in another order than its M = 1 path, so layer(x) differs from the
+    one-row result in the last bits. bmm over the weight expanded (not copied) along the batch runs
+    B one-row products: the batch still shares one call, the rows never share a reduction.
+    """
+    return torch.bmm(x, layer.weight.t().expand(x.size(0), -1, -1))  # (B, 1, K) @ (B, K, N) -> (B, 1, N)
+
 
 class Attention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
@@ -118,6 +157,25 @@ class Attention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
+    def decode(self, x, cos, sin, cache: KVSlots, slots: list[int], positions: list[int], where: tuple):
+        """One token per row, row b at positions[b] of slot slots[b] (`where`: both as tensors):
+        x (B, 1, C); cos/sin (B, 1, 1, D/2)."""
+        B, _, C = x.shape
+        q = rowwise_linear(x, self.c_q).view(B, 1, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, 1, D)
+        k = rowwise_linear(x, self.c_k).view(B, 1, self.n_head, self.head_dim).transpose(1, 2)
+        v = rowwise_linear(x, self.c_v).view(B, 1, self.n_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(rms_norm(q), cos, sin), apply_rope(rms_norm(k), cos, sin)
+        cache.k[self.layer, where[0], :, where[1]] = k[:, :, 0]  # (B, H, D) into each row's slot at its position
+        cache.v[self.layer, where[0], :, where[1]] = v[:, :, 0]
+        # Each row attends alone to its own prefix, as a batch-1 decode does: a padding mask over the
+        # longest prefix would change the softmax sums in the last bits.
+        y = torch.cat([
+            F.scaled_dot_product_attention(q[b : b + 1], cache.k[self.layer, s : s + 1, :, : p + 1],
+                                           cache.v[self.layer, s : s + 1, :, : p + 1])
+            for b, (s, p) in enumerate(zip(slots, positions))
+        ])  # (B, H, 1, D)
+        return rowwise_linear(y.transpose(1, 2).reshape(B, 1, C), self.c_proj)
+
 
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
@@ -129,6 +187,9 @@ class MLP(nn.Module):
         # ReLU^2 (Primer, So et al. 2021): cheaper than GELU and at least as good at this scale.
         return self.c_proj(F.relu(self.c_fc(x)).square())
 
+    def decode(self, x):  # forward, one row at a time (see rowwise_linear)
+        return rowwise_linear(F.relu(rowwise_linear(x, self.c_fc)).square(), self.c_proj)
+
 
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
@@ -139,6 +200,10 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, cache):
         x = x + self.attn(rms_norm(x), cos, sin, cache)
         return x + self.mlp(rms_norm(x))
+
+    def decode(self, x, cos, sin, cache: KVSlots, slots: list[int], positions: list[int], where: tuple):
+        x = x + self.attn.decode(rms_norm(x), cos, sin, cache, slots, positions, where)
+        return x + self.mlp.decode(rms_norm(x))
 
 
 class GPT(nn.Module):
@@ -239,6 +304,7 @@ class GPT(nn.Module):
         generator: torch.Generator | None = None,
         use_cache: bool = True,
         allowed_vocab: int | None = None,
+        top_p: float | None = None,
     ):
         """Yields new token ids one at a time (so callers can stop early, e.g. at a stop string).
 
@@ -246,7 +312,8 @@ class GPT(nn.Module):
         context fills, the cache is rebuilt from the last half of the context (RoPE positions are
         absolute, so a sliding cache would not be equivalent). `use_cache=False` is the naive path
         (full forward over the last max_seq_len tokens per step); both give the same tokens while the
-        total length fits in max_seq_len. `allowed_vocab` masks padded vocabulary ids.
+        total length fits in max_seq_len. `allowed_vocab` masks padded vocabulary ids; top_k and
+        top_p restrict sampling (see sample_next).
         """
         if not idx:
             raise ValueError("generate needs at least one prompt token")
@@ -259,14 +326,109 @@ class GPT(nn.Module):
                 window = tokens[-ctx:]
                 logits = self(torch.tensor([window], device=device))[:, -1]
             elif cache is None or cache.pos >= ctx:
-                keep = tokens[-ctx:] if cache is None else tokens[-(ctx // 2) :]
+                keep = context_window(tokens, ctx, rebuild=cache is not None)
                 cache = KVCache(self.config, 1, device, self.wte.weight.dtype)
                 logits = self(torch.tensor([keep], device=device), cache=cache)[:, -1]
             else:
                 logits = self(torch.tensor([[tokens[-1]]], device=device), cache=cache)[:, -1]
-            nxt = sample_next(logits, temperature, top_k, generator, allowed_vocab)
+            nxt = sample_next(logits, temperature, top_k, generator, allowed_vocab, top_p)
             tokens.append(nxt)
             yield nxt
+
+    @torch.no_grad()
+    def decode_step(self, tokens: list[int], slots: list[int], positions: list[int], cache: KVSlots) -> torch.Tensor:
+        """Logits (B, V) of one new token per row: tokens[b] at position positions[b] of slot slots[b],
+        whose earlier positions are in `cache`. Row b's logits are bit-identical to a batch-1 cached
+        forward of the same sequence (what generate computes), whatever the other rows hold.
+        """
+        if max(positions) >= self.config.max_seq_len:
+            raise ValueError(f"position {max(positions)} is past max_seq_len {self.config.max_seq_len}")
+        device = self.wte.weight.device
+        pos = torch.tensor(positions, device=device)
+        where = (torch.tensor(slots, device=device), pos)
+        cos, sin = self.rope_cos[pos][:, None, None], self.rope_sin[pos][:, None, None]  # (B, 1, 1, D/2)
+        x = rms_norm(self.wte(torch.tensor(tokens, device=device)[:, None]))  # (B, 1, C)
+        for block in self.blocks:
+            x = block.decode(x, cos, sin, cache, slots, positions, where)
+        return rowwise_linear(rms_norm(x), self.lm_head).float()[:, 0]  # fp32 logits, as forward
+
+
+def context_window(tokens: list[int], ctx: int, rebuild: bool) -> list[int]:
+    """What a fresh cache is filled with: the prompt's last ctx tokens or, when a full cache is
+    rebuilt, the last half of the context (RoPE positions are absolute, so a sliding cache would not
+    be equivalent; half leaves ctx/2 one-token steps before the next rebuild)."""
+    return tokens[-(ctx // 2) :] if rebuild else tokens[-ctx:]
+
+
+@dataclass
+class _Member:
+    tokens: list[int]  # prompt and generated so far
+    pos: int  # how many of this slot's positions the cache holds
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    generator: torch.Generator | None
+    allowed_vocab: int | None
+
+
+class Batch:
+    """Generations sharing decode steps: the batched GPT.generate. Each member gets exactly the tokens
+    generate would give it alone with the same arguments and generator (same prefill and context
+    rebuild, bit-identical logits, its own generator), whoever else is in the batch and whenever it
+    joined. join() prefills a prompt into a free slot and returns (slot, first token); step() returns
+    every member's next token; leave() frees a slot. No threads, no I/O: the caller schedules.
+    """
+
+    def __init__(self, model: GPT, slots: int):
+        self.model = model
+        self.cache = KVSlots(model.config, slots, model.wte.weight.device, model.wte.weight.dtype)
+        self.free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self.members: dict[int, _Member] = {}
+
+    @torch.no_grad()
+    def join(self, idx: list[int], temperature: float = 1.0, top_k: int | None = None,
+             generator: torch.Generator | None = None, allowed_vocab: int | None = None,
+             top_p: float | None = None) -> tuple[int, int]:
+        if not idx:
+            raise ValueError("a generation needs at least one prompt token")
+        if not self.free:
+            raise RuntimeError("every slot of the batch is taken")
+        slot = self.free.pop()
+        member = _Member(list(idx), 0, temperature, top_k, top_p, generator, allowed_vocab)
+        self.members[slot] = member
+        return slot, self._prefill(slot, context_window(member.tokens, self.model.config.max_seq_len, rebuild=False))
+
+    def leave(self, slot: int) -> None:
+        del self.members[slot]
+        self.free.append(slot)
+
+    @torch.no_grad()
+    def step(self) -> dict[int, int]:
+        """The next token of every member, by slot."""
+        ctx = self.model.config.max_seq_len
+        decoding = [s for s, m in self.members.items() if m.pos < ctx]
+        out = {}
+        if decoding:
+            ms = [self.members[s] for s in decoding]
+            logits = self.model.decode_step([m.tokens[-1] for m in ms], decoding, [m.pos for m in ms], self.cache)
+            for row, (slot, m) in enumerate(zip(decoding, ms)):
+                m.pos += 1
+                out[slot] = self._sample(m, logits[row : row + 1])
+        for slot, m in self.members.items():
+            if slot not in out:  # its cache is full: rebuilt alone, as generate does
+                out[slot] = self._prefill(slot, context_window(m.tokens, ctx, rebuild=True))
+        return out
+
+    def _prefill(self, slot: int, keep: list[int]) -> int:
+        cache = self.cache.slot(slot)
+        logits = self.model(torch.tensor([keep], device=self.model.wte.weight.device), cache=cache)[:, -1]
+        self.members[slot].pos = cache.pos
+        return self._sample(self.members[slot], logits)
+
+    def _sample(self, m: _Member, logits: torch.Tensor) -> int:
+        token = sample_next(logits, m.temperature, m.top_k, m.generator, m.allowed_vocab, m.top_p)
+        m.tokens.append(token)
+        return token
 
 
 def sample_next(
@@ -275,7 +437,11 @@ def sample_next(
     top_k: int | None,
     generator: torch.Generator | None,
     allowed_vocab: int | None = None,
+    top_p: float | None = None,
 ) -> int:
+    """One token id from logits (1, V): greedy at temperature 0, else sampled from the softmax at
+    `temperature`, restricted to the top_k most likely ids and then to the smallest set of them whose
+    probability reaches top_p (nucleus sampling, Holtzman et al. 2019)."""
     logits = logits[0].float()  # (V,)
     if allowed_vocab is not None:
         logits[allowed_vocab:] = -float("inf")
@@ -287,6 +453,10 @@ def sample_next(
         kth = torch.topk(logits, k).values[-1]
         logits = logits.masked_fill(logits < kth, -float("inf"))
     probs = F.softmax(logits, dim=-1)
+    if top_p is not None and top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        outside = sorted_probs.cumsum(0) - sorted_probs >= top_p  # the mass before it already reaches top_p
+        probs = probs.index_fill(0, order[outside], 0.0)  # multinomial renormalizes
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
