@@ -1,5 +1,6 @@
 """Real HTTP on 127.0.0.1 against a tiny checkpoint trained by the real trainer."""
 
+import contextlib
 import http.client
 import json
 import os
@@ -17,7 +18,7 @@ import pytest
 from conftest import REPO, TINY, run_train, write_corpus
 from experiment import checkpoint as ckpt
 from experiment.dataloader import demo_lines
-from experiment.server import MAX_BODY_BYTES, MAX_NEW_TOKENS, load_engine, make_server
+from experiment.server import MAX_BODY_BYTES, MAX_NEW_TOKENS, ServeConfig, load_engine, make_server
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +31,23 @@ def workspace(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(workspace):
-    engine = load_engine(None, workspace, "cpu")
+    with serving(workspace, max_batch=4) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def serving(workspace, **config):
+    """(engine, port) of an in-process server on a free port, torn down after."""
+    engine = load_engine(ServeConfig(workspace=str(workspace), device="cpu", **config))
     srv = make_server(engine, "127.0.0.1", 0)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
-    yield engine, srv.server_address[1]
-    srv.shutdown()
-    srv.server_close()
+    try:
+        yield engine, srv.server_address[1]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        engine.close()
 
 
 def request(port, method, path, body=None, raw: bytes | None = None, headers=None):
@@ -172,35 +183,199 @@ def test_concurrent_clients_are_all_answered_while_health_stays_responsive(serve
         latencies = [h.result() for h in healths]
     assert all(code == 200 and out["tokens"] == 120 for code, out in results)
     assert len({out["text"] for _, out in results}) > 1
-    # Health never waits behind the queue of generations (they run one at a time, for seconds).
+    # Health never waits behind the generations (the engine thread runs them; handlers only wait).
     assert max(latencies) < 5.0
 
 
-def test_client_leaving_mid_stream_stops_the_generation(server, monkeypatch):
+def submitted_jobs(engine, monkeypatch) -> list:
+    """The Job of every request the engine accepts from now on."""
+    jobs, original = [], engine.submit
+    monkeypatch.setattr(engine, "submit", lambda req: jobs.append(original(req)) or jobs[-1])
+    return jobs
+
+
+def wait_until_idle(engine, timeout=30.0) -> None:
+    deadline = time.time() + timeout
+    while engine.scheduler.load() != {"running": 0, "waiting": 0}:
+        assert time.time() < deadline, f"the engine is still busy: {engine.scheduler.load()}"
+        time.sleep(0.02)
+
+
+def raw_post(port, path, body: dict) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    data = json.dumps(body).encode()
+    s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (path.encode(), len(data), data))
+    return s
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_leaving_stops_its_generation(server, monkeypatch, stream):
     engine, port = server
-    produced = []
-    original = engine.generate
-
-    def counting(req):
-        pieces = original(req)
-        while True:
-            try:
-                piece = next(pieces)
-            except StopIteration as done:
-                return done.value
-            produced.append(piece)
-            yield piece
-
-    monkeypatch.setattr(engine, "generate", counting)
-    body = json.dumps({"prompt": "1+", "max_tokens": MAX_NEW_TOKENS, "stream": True}).encode()
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-        received = b""
-        while b"data: " not in received:  # the headers may come in a packet of their own
-            received += s.recv(4096)
-    code, out = request(port, "POST", "/generate", {"prompt": "1+", "max_tokens": 3})  # waits for the lock
+    jobs = submitted_jobs(engine, monkeypatch)
+    with raw_post(port, "/generate", {"prompt": "1+", "max_tokens": MAX_NEW_TOKENS, "stream": stream}) as s:
+        if stream:
+            received = b""
+            while b"data: " not in received:  # the headers may come in a packet of their own
+                received += s.recv(4096)
+        else:
+            while not jobs or not jobs[0].out:  # running: a non-streaming client leaves without a byte read
+                time.sleep(0.01)
+    wait_until_idle(engine)
+    assert len(jobs[0].out) < MAX_NEW_TOKENS // 2  # abandoned soon after the client left, not run to the end
+    code, out = request(port, "POST", "/generate", {"prompt": "1+", "max_tokens": 3})
     assert code == 200 and out["tokens"] == 3
-    assert len(produced) < MAX_NEW_TOKENS // 2  # abandoned soon after the client left, not run to the end
+
+
+def test_concurrent_requests_get_exactly_what_they_get_alone(server, monkeypatch):
+    """More requests than batch slots, joining at different steps: each one's output equals serving it
+    alone, token for token (greedy, seeded sampling with top_k / top_p, stop strings, context rebuilds)."""
+    engine, port = server
+    bodies = [{"prompt": p, "max_tokens": n, "temperature": t, "seed": i, **extra}
+              for i, (p, n, t, extra) in enumerate([
+                  ("12+34=", 40, 0, {}), ("5+5=", 70, 1.0, {"top_k": 10}), ("1+", 25, 0.8, {"stop": "\n"}),
+                  ("", 30, 1.2, {}), ("7+8=15\n9+", 90, 0.9, {"top_p": 0.8}),  # 90 > context 64: a rebuild
+                  ("3", 12, 0, {"stop": "+"}), ("44+", 55, 1.0, {"top_k": 3, "top_p": 0.95}), ("8+1=", 33, 0.5, {}),
+              ])]
+    alone = [request(port, "POST", "/generate", b)[1] for b in bodies]
+    assert {a["finish_reason"] for a in alone} == {"length", "stop"}
+    jobs = submitted_jobs(engine, monkeypatch)
+
+    def late(i):  # staggered, so requests join a batch that is already decoding
+        time.sleep(0.02 * i)
+        return request(port, "POST", "/generate", bodies[i])[1]
+
+    with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
+        together = list(pool.map(late, range(len(bodies))))
+    assert together == alone
+    assert max(len(j.out) for j in jobs) == 90 and engine.max_batch < len(bodies)
+
+
+def test_greedy_batched_equals_generate_token_for_token(server):
+    engine, port = server
+    prompts = ["1+2=", "99+1=", "\n", "6+"]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        outs = list(pool.map(lambda p: request(port, "POST", "/generate", {"prompt": p, "max_tokens": 80,
+                                                                           "temperature": 0})[1], prompts))
+    for p, out in zip(prompts, outs):
+        alone = engine.model.generate(engine.tok.encode(p), 80, temperature=0, allowed_vocab=engine.tok.n_real)
+        assert out["text"] == engine.tok.decode(list(alone))
+
+
+def test_a_burst_of_64_clients_all_get_an_http_answer(workspace):
+    """64 connections at the same instant against 2 slots and a queue of 4: every client gets an HTTP
+    status (200, or 503 with Retry-After), never a refused or reset connection."""
+    n = 64
+    with serving(workspace, max_batch=2, max_queue=4) as (engine, port):
+        barrier = threading.Barrier(n)
+
+        def client(i):
+            barrier.wait()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            conn.request("POST", "/generate", body=json.dumps({"prompt": "1+", "max_tokens": 4, "seed": i}))
+            resp = conn.getresponse()
+            out = resp.status, resp.getheader("Retry-After"), json.loads(resp.read())
+            conn.close()
+            return out
+
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            answers = list(pool.map(client, range(n)))  # a reset would raise here
+    codes = [code for code, _, _ in answers]
+    assert set(codes) <= {200, 503} and codes.count(200) >= 6  # at least the batch and the queue
+    assert all(retry and int(retry) > 0 and "retry" in out["error"] for code, retry, out in answers if code == 503)
+    assert all(out["tokens"] == 4 for code, _, out in answers if code == 200)
+
+
+def test_kv_cache_cap_sets_the_batch(workspace):
+    slot = 2 * 2 * 2 * 64 * 32 * 4  # layers x (k, v) x heads x positions x head_dim x fp32 bytes
+    with serving(workspace, max_batch=32, kv_cache_gib=2.5 * slot / 2**30) as (engine, port):
+        info = request(port, "GET", "/info")[1]["batching"]
+    assert engine.slot_bytes == slot and info["max_batch"] == 2 and info["kv_cache_bytes"] == 2 * slot
+    with pytest.raises(ValueError, match="holds no KV-cache slot"):
+        load_engine(ServeConfig(workspace=str(workspace), device="cpu", kv_cache_gib=1e-6))
+
+
+# ---------------------------------------------------------------- OpenAI-style API
+
+
+def openai_post(port, body, path="/v1/completions"):
+    """POST the way the openai client does: base_url .../v1, JSON body, bearer key, JSON or SSE back."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", "Accept": "application/json",
+                                          "Authorization": "Bearer sk-unused", "User-Agent": "OpenAI/Python 1.0"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            raw = r.read().decode()
+            if r.headers.get_content_type() == "text/event-stream":
+                return r.status, [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
+            return r.status, json.loads(raw)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_openai_models_and_completions(server):
+    engine, port = server
+    status, models = request(port, "GET", "/v1/models")
+    assert status == 200 and models["object"] == "list"
+    model = models["data"][0]["id"]
+    assert model == "d2" and models["data"][0]["object"] == "model"
+    body = {"model": model, "prompt": "5+5=", "max_tokens": 30, "temperature": 1.0, "top_p": 0.9, "seed": 7,
+            "stop": ["\n\n", "+9"], "n": 1, "user": "test"}
+    status, out = openai_post(port, body)
+    assert status == 200 and out["object"] == "text_completion" and out["model"] == model
+    assert out["id"].startswith("cmpl-") and isinstance(out["created"], int)
+    (choice,) = out["choices"]
+    assert choice["index"] == 0 and choice["logprobs"] is None and choice["finish_reason"] in ("stop", "length")
+    usage = out["usage"]
+    assert usage["prompt_tokens"] == 4 and usage["total_tokens"] == 4 + usage["completion_tokens"]
+    # The same request through /generate gives the same text (stop: the earliest of either string).
+    native = request(port, "POST", "/generate", {"prompt": "5+5=", "max_tokens": 30, "temperature": 1.0,
+                                                 "top_p": 0.9, "seed": 7})[1]["text"]
+    cuts = [i for i in (native.find("\n\n"), native.find("+9")) if i >= 0]
+    assert choice["text"] == (native[: min(cuts)] if cuts else native)
+    # Streaming: chunks of the same text, the finish reason last, a usage chunk on request, then [DONE].
+    status, events = openai_post(port, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" and c["model"] == model for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == choice["text"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == choice["finish_reason"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == usage
+    # Defaults: OpenAI's max_tokens 16.
+    status, out = openai_post(port, {"model": model, "prompt": "1+"})
+    assert status == 200 and out["usage"]["completion_tokens"] == 16 and out["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("body,status,param,code", [
+    ({"model": "gpt-4", "prompt": "1+"}, 404, "model", "model_not_found"),
+    ({"prompt": "1+"}, 400, "model", None),
+    ({"model": "d2"}, 400, "prompt", None),
+    ({"model": "d2", "prompt": ["1+", "2+"]}, 400, "prompt", None),
+    ({"model": "d2", "prompt": "1+", "max_tokens": 0}, 400, "max_tokens", None),
+    ({"model": "d2", "prompt": "1+", "temperature": 9}, 400, "temperature", None),
+    ({"model": "d2", "prompt": "1+", "top_p": 0}, 400, "top_p", None),
+    ({"model": "d2", "prompt": "1+", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
+    ({"model": "d2", "prompt": "1+", "stop": [""]}, 400, "stop", None),
+    ({"model": "d2", "prompt": "1+", "n": 2}, 400, "n", None),
+    ({"model": "d2", "prompt": "1+", "logprobs": 3}, 400, "logprobs", None),
+    ({"model": "d2", "prompt": "1+", "stream_options": {"include_usage": True}}, 400, "stream_options", None),
+    ({"model": "d2", "prompt": "1+", "frobnicate": 1}, 400, "frobnicate", None),
+    ({"model": "d2", "prompt": "héllo"}, 400, "prompt", None),
+])
+def test_openai_errors_have_openai_shape(server, body, status, param, code):
+    got, out = openai_post(server[1], body)
+    err = out["error"]
+    assert got == status and set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["code"] == code
+    assert param in err["message"] or param == "model"
+
+
+def test_openai_transport_errors_have_openai_shape(server):
+    port = server[1]
+    for method, path, raw, status in (("GET", "/v1/completions", None, 405), ("POST", "/v1/nope", b"{}", 404),
+                                      ("POST", "/v1/completions", b"{nope", 400),
+                                      ("POST", "/v1/models", b"{}", 405)):
+        code, out = request(port, method, path, raw=raw)
+        assert code == status and out["error"]["type"] == "invalid_request_error", (method, path)
 
 
 def test_cli_fails_fast_without_a_model_and_serves_with_one(tmp_path, workspace):
@@ -210,13 +385,18 @@ def test_cli_fails_fast_without_a_model_and_serves_with_one(tmp_path, workspace)
     proc = subprocess.run([*cmd, "--checkpoint", tmp_path / "model_000001.pt"], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "no such checkpoint file" in proc.stderr
-    srv = subprocess.Popen([*cmd, "--checkpoint", workspace / "checkpoints/d2"], cwd=REPO, stdout=subprocess.PIPE,
-                           stderr=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    srv = subprocess.Popen([*cmd, "--checkpoint", workspace / "checkpoints/d2", "--dtype", "bf16", "--max_batch", "3"],
+                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         line = srv.stdout.readline()
         assert line.startswith("serving ") and "127.0.0.1" in line
         port = int(line.rsplit(":", 1)[1].strip(" /\n"))
         assert request(port, "GET", "/health")[0] == 200
+        info = request(port, "GET", "/info")[1]
+        assert info["dtype"] == "bfloat16" and info["batching"]["max_batch"] == 3  # the checkpoint is fp32
+        code, out = request(port, "POST", "/generate", {"prompt": "1+", "max_tokens": 5, "seed": 0})
+        assert code == 200 and out["tokens"] == 5
     finally:
         srv.terminate()
         srv.wait(timeout=30)
