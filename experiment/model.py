@@ -94,11 +94,13 @@ class KVCache:
 
 
 class KVSlots:
-    """Keys/values of `slots` independent sequences (the server's batch), each with its own length.
+    """Keys/values of up to `slots` sequences (the server's batch), each with its own length.
 
     Allocated once, so the serving batch has a fixed memory cost (bytes_per_slot each). A slot is
-    filled by GPT.forward through `slot(i)`, a batch-1 KVCache view, exactly as generate fills its
-    own cache; GPT.decode_step then appends one token per slot at that slot's own position.
+    filled by GPT.forward through `slot(i)`, a batch-1 KVCache view, as generate fills its own
+    cache; GPT.decode_step then appends one token to each of the first n slots, each at its own
+    position. Batch keeps its sequences in slots 0..n-1 (move() closes the gap one leaves), so
+    decoding reads the cache through views, never a gathered copy.
     """
 
     def __init__(self, config: GPTConfig, slots: int, device, dtype):
@@ -113,14 +115,19 @@ class KVSlots:
     def slot(self, i: int) -> KVCache:
         return KVCache.over(self.k[:, i : i + 1], self.v[:, i : i + 1])
 
+    def move(self, src: int, dst: int) -> None:
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
 
 def rowwise_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """layer(x) for x (B, 1, K), each row multiplied alone: bit-identical to layer(x[b:b+1]).
+    """layer(x) for x (B, 1, K), each row multiplied alone: row b's result does not depend on B.
 
     Batched decoding must give each request exactly the tokens it would get alone, but the CPU GEMM
-    (MKL) for M > 1 rows sums in another order than its M = 1 path, so layer(x) differs from the
-    one-row result in the last bits. bmm over the weight expanded (not copied) along the batch runs
-    B one-row products: the batch still shares one call, the rows never share a reduction.
+    (MKL) for M > 1 rows sums in another order than for M = 1, and another again for another M, so
+    layer(x)[b] changes in the last bits with the batch size. bmm over the weight expanded (not
+    copied) along the batch runs B one-row products (bit-identical to layer(x[b:b+1])): the batch
+    still shares one call, the rows never share a reduction.
     """
     return torch.bmm(x, layer.weight.t().expand(x.size(0), -1, -1))  # (B, 1, K) @ (B, K, N) -> (B, 1, N)
 
@@ -157,23 +164,28 @@ class Attention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
-    def decode(self, x, cos, sin, cache: KVSlots, slots: list[int], positions: list[int], where: tuple):
-        """One token per row, row b at positions[b] of slot slots[b] (`where`: both as tensors):
-        x (B, 1, C); cos/sin (B, 1, 1, D/2)."""
+    def decode(self, x, cos, sin, cache: KVSlots, pos: torch.Tensor, hidden: torch.Tensor):
+        """One new token for each of the cache's first B slots: x (B, 1, C), row b at position pos[b];
+        cos/sin (B, 1, 1, D/2); hidden (B, 1, 1, S) masks the positions after each row's own."""
         B, _, C = x.shape
-        q = rowwise_linear(x, self.c_q).view(B, 1, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, 1, D)
-        k = rowwise_linear(x, self.c_k).view(B, 1, self.n_head, self.head_dim).transpose(1, 2)
-        v = rowwise_linear(x, self.c_v).view(B, 1, self.n_head, self.head_dim).transpose(1, 2)
+        H, D, S = self.n_head, self.head_dim, cache.k.size(3)
+        q = rowwise_linear(x, self.c_q).view(B, 1, H, D).transpose(1, 2)  # (B, H, 1, D)
+        k = rowwise_linear(x, self.c_k).view(B, 1, H, D).transpose(1, 2)
+        v = rowwise_linear(x, self.c_v).view(B, 1, H, D).transpose(1, 2)
         q, k = apply_rope(rms_norm(q), cos, sin), apply_rope(rms_norm(k), cos, sin)
-        cache.k[self.layer, where[0], :, where[1]] = k[:, :, 0]  # (B, H, D) into each row's slot at its position
-        cache.v[self.layer, where[0], :, where[1]] = v[:, :, 0]
-        # Each row attends alone to its own prefix, as a batch-1 decode does: a padding mask over the
-        # longest prefix would change the softmax sums in the last bits.
-        y = torch.cat([
-            F.scaled_dot_product_attention(q[b : b + 1], cache.k[self.layer, s : s + 1, :, : p + 1],
-                                           cache.v[self.layer, s : s + 1, :, : p + 1])
-            for b, (s, p) in enumerate(zip(slots, positions))
-        ])  # (B, H, 1, D)
+        rows = torch.arange(B, device=x.device)
+        cache.k[self.layer, rows, :, pos] = k[:, :, 0]  # (B, H, D): each row's slot at its own position
+        cache.v[self.layer, rows, :, pos] = v[:, :, 0]
+        keys = cache.k[self.layer, :B].flatten(0, 1)  # (B*H, S, D), a view
+        values = cache.v[self.layer, :B].flatten(0, 1)
+        # Every (row, head) attends over the whole context S, the positions after its own masked out,
+        # with bmm (one product per row and head): its sums have one length and one order whatever
+        # the batch, so a row's output never depends on the others. (SDPA per row over its own
+        # prefix is as exact but costs a kernel launch per row; a padding mask over the longest
+        # prefix in the batch changes the reduction with the batch.)
+        scores = torch.bmm(q.reshape(B * H, 1, D), keys.transpose(1, 2)).view(B, H, 1, S)
+        scores = (scores * D**-0.5).masked_fill(hidden, -float("inf")).softmax(dim=-1)
+        y = torch.bmm(scores.view(B * H, 1, S), values).view(B, H, 1, D)
         return rowwise_linear(y.transpose(1, 2).reshape(B, 1, C), self.c_proj)
 
 
@@ -201,8 +213,8 @@ class Block(nn.Module):
         x = x + self.attn(rms_norm(x), cos, sin, cache)
         return x + self.mlp(rms_norm(x))
 
-    def decode(self, x, cos, sin, cache: KVSlots, slots: list[int], positions: list[int], where: tuple):
-        x = x + self.attn.decode(rms_norm(x), cos, sin, cache, slots, positions, where)
+    def decode(self, x, cos, sin, cache: KVSlots, pos: torch.Tensor, hidden: torch.Tensor):
+        x = x + self.attn.decode(rms_norm(x), cos, sin, cache, pos, hidden)
         return x + self.mlp.decode(rms_norm(x))
 
 
@@ -336,20 +348,21 @@ class GPT(nn.Module):
             yield nxt
 
     @torch.no_grad()
-    def decode_step(self, tokens: list[int], slots: list[int], positions: list[int], cache: KVSlots) -> torch.Tensor:
-        """Logits (B, V) of one new token per row: tokens[b] at position positions[b] of slot slots[b],
-        whose earlier positions are in `cache`. Row b's logits are bit-identical to a batch-1 cached
-        forward of the same sequence (what generate computes), whatever the other rows hold.
+    def decode_step(self, tokens: list[int], positions: list[int], cache: KVSlots) -> torch.Tensor:
+        """Logits (B, V) of one new token for each of the cache's first B slots: tokens[b] at position
+        positions[b] of slot b, whose earlier positions are in the cache. Batch-invariant: row b's
+        logits are bit-identical whatever the other rows hold and however many there are (they
+        agree with forward's to float rounding, not bit for bit).
         """
         if max(positions) >= self.config.max_seq_len:
             raise ValueError(f"position {max(positions)} is past max_seq_len {self.config.max_seq_len}")
         device = self.wte.weight.device
         pos = torch.tensor(positions, device=device)
-        where = (torch.tensor(slots, device=device), pos)
+        hidden = (torch.arange(self.config.max_seq_len, device=device) > pos[:, None])[:, None, None]  # (B, 1, 1, S)
         cos, sin = self.rope_cos[pos][:, None, None], self.rope_sin[pos][:, None, None]  # (B, 1, 1, D/2)
         x = rms_norm(self.wte(torch.tensor(tokens, device=device)[:, None]))  # (B, 1, C)
         for block in self.blocks:
-            x = block.decode(x, cos, sin, cache, slots, positions, where)
+            x = block.decode(x, cos, sin, cache, pos, hidden)
         return rowwise_linear(rms_norm(x), self.lm_head).float()[:, 0]  # fp32 logits, as forward
 
 
@@ -362,8 +375,9 @@ def context_window(tokens: list[int], ctx: int, rebuild: bool) -> list[int]:
 
 @dataclass
 class _Member:
+    id: int
     tokens: list[int]  # prompt and generated so far
-    pos: int  # how many of this slot's positions the cache holds
+    pos: int  # how many positions of its slot the cache holds
     temperature: float
     top_k: int | None
     top_p: float | None
@@ -372,18 +386,26 @@ class _Member:
 
 
 class Batch:
-    """Generations sharing decode steps: the batched GPT.generate. Each member gets exactly the tokens
-    generate would give it alone with the same arguments and generator (same prefill and context
-    rebuild, bit-identical logits, its own generator), whoever else is in the batch and whenever it
-    joined. join() prefills a prompt into a free slot and returns (slot, first token); step() returns
-    every member's next token; leave() frees a slot. No threads, no I/O: the caller schedules.
+    """Generations sharing decode steps: the server's batched counterpart of GPT.generate.
+
+    join() prefills a prompt into the next free slot and returns (member id, first token); step()
+    returns every member's next token by id; leave() frees a member's slot. A member's tokens are
+    exactly those it gets in a Batch of its own, whoever else is in the batch and whenever it joined:
+    the same prefill and context rebuild as generate (forward over its own tokens, alone), then
+    batch-invariant decode steps (GPT.decode_step) and its own generator for sampling. No threads,
+    no I/O: the caller schedules.
     """
 
     def __init__(self, model: GPT, slots: int):
         self.model = model
         self.cache = KVSlots(model.config, slots, model.wte.weight.device, model.wte.weight.dtype)
-        self.free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
-        self.members: dict[int, _Member] = {}
+        self.slots = slots
+        self.rows: list[_Member] = []  # members[i] lives in slot i
+        self._next_id = 0
+
+    @property
+    def free(self) -> int:
+        return self.slots - len(self.rows)
 
     @torch.no_grad()
     def join(self, idx: list[int], temperature: float = 1.0, top_k: int | None = None,
@@ -393,37 +415,44 @@ class Batch:
             raise ValueError("a generation needs at least one prompt token")
         if not self.free:
             raise RuntimeError("every slot of the batch is taken")
-        slot = self.free.pop()
-        member = _Member(list(idx), 0, temperature, top_k, top_p, generator, allowed_vocab)
-        self.members[slot] = member
-        return slot, self._prefill(slot, context_window(member.tokens, self.model.config.max_seq_len, rebuild=False))
+        member = _Member(self._next_id, list(idx), 0, temperature, top_k, top_p, generator, allowed_vocab)
+        self._next_id += 1
+        self.rows.append(member)
+        ctx = self.model.config.max_seq_len
+        return member.id, self._prefill(len(self.rows) - 1, context_window(member.tokens, ctx, rebuild=False))
 
-    def leave(self, slot: int) -> None:
-        del self.members[slot]
-        self.free.append(slot)
+    def leave(self, member_id: int) -> None:
+        row = next(i for i, m in enumerate(self.rows) if m.id == member_id)
+        last = len(self.rows) - 1
+        if row != last:  # the last member moves into the gap: slots 0..n-1 stay the members'
+            self.cache.move(last, row)
+            self.rows[row] = self.rows[last]
+        self.rows.pop()
 
     @torch.no_grad()
     def step(self) -> dict[int, int]:
-        """The next token of every member, by slot."""
+        """The next token of every member, by id."""
+        if not self.rows:
+            return {}
         ctx = self.model.config.max_seq_len
-        decoding = [s for s, m in self.members.items() if m.pos < ctx]
         out = {}
-        if decoding:
-            ms = [self.members[s] for s in decoding]
-            logits = self.model.decode_step([m.tokens[-1] for m in ms], decoding, [m.pos for m in ms], self.cache)
-            for row, (slot, m) in enumerate(zip(decoding, ms)):
+        for row, m in enumerate(self.rows):
+            if m.pos >= ctx:  # its cache is full: rebuilt alone, as generate does
+                out[m.id] = self._prefill(row, context_window(m.tokens, ctx, rebuild=True))
+        logits = self.model.decode_step([m.tokens[-1] for m in self.rows], [m.pos for m in self.rows], self.cache)
+        for row, m in enumerate(self.rows):
+            # A member rebuilt above has its token; the decode of it just done (at the position its
+            # next step writes again) is discarded.
+            if m.id not in out:
                 m.pos += 1
-                out[slot] = self._sample(m, logits[row : row + 1])
-        for slot, m in self.members.items():
-            if slot not in out:  # its cache is full: rebuilt alone, as generate does
-                out[slot] = self._prefill(slot, context_window(m.tokens, ctx, rebuild=True))
+                out[m.id] = self._sample(m, logits[row : row + 1])
         return out
 
-    def _prefill(self, slot: int, keep: list[int]) -> int:
-        cache = self.cache.slot(slot)
+    def _prefill(self, row: int, keep: list[int]) -> int:
+        cache = self.cache.slot(row)
         logits = self.model(torch.tensor([keep], device=self.model.wte.weight.device), cache=cache)[:, -1]
-        self.members[slot].pos = cache.pos
-        return self._sample(self.members[slot], logits)
+        self.rows[row].pos = cache.pos
+        return self._sample(self.rows[row], logits)
 
     def _sample(self, m: _Member, logits: torch.Tensor) -> int:
         token = sample_next(logits, m.temperature, m.top_k, m.generator, m.allowed_vocab, m.top_p)

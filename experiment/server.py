@@ -84,6 +84,8 @@ class ServeConfig:
     max_queue: int = _opt("requests waiting for a slot; more get 503 with Retry-After", 256)
     kv_cache_gib: float | None = _opt("KV-cache memory cap in GiB: the batch is the most slots that fit, at "
                                       "most max_batch (default: no cap)")
+    threads: int = _opt("torch CPU threads (0: 1 on CPU, where a decode step's ops are too small to split "
+                        "across cores; torch's default with CUDA)", 0)
 
 
 def parse_config(argv=None) -> ServeConfig:
@@ -197,7 +199,7 @@ class Scheduler:
         self.max_queue, self.allowed_vocab = max_queue, allowed_vocab
         self.waiting: deque[Job] = deque()
         self.idle = slots  # slots neither running nor promised to a job taken from the queue
-        self.running: dict[int, Job] = {}  # slot -> job; only the engine thread touches it
+        self.running: dict[int, Job] = {}  # Batch member id -> job; only the engine thread touches it
         self.cond = threading.Condition()
         self.closed = False
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -251,22 +253,23 @@ class Scheduler:
                 self._release(1)
                 continue
             r = job.req
-            slot, token = self.batch.join(job.ids, r.temperature, r.top_k, job.generator, self.allowed_vocab, r.top_p)
-            self.running[slot] = job
-            self._deliver(slot, token)
-        for slot in [s for s, job in self.running.items() if job.cancelled.is_set()]:
-            self._leave(slot)
+            member, token = self.batch.join(job.ids, r.temperature, r.top_k, job.generator, self.allowed_vocab,
+                                            r.top_p)
+            self.running[member] = job
+            self._deliver(member, token)
+        for member in [m for m, job in self.running.items() if job.cancelled.is_set()]:
+            self._leave(member)
         if self.running:
-            for slot, token in self.batch.step().items():
-                self._deliver(slot, token)
+            for member, token in self.batch.step().items():
+                self._deliver(member, token)
 
-    def _deliver(self, slot: int, token: int) -> None:
-        if self.running[slot].add(token):
-            self._leave(slot)
+    def _deliver(self, member: int, token: int) -> None:
+        if self.running[member].add(token):
+            self._leave(member)
 
-    def _leave(self, slot: int) -> None:
-        self.batch.leave(slot)
-        del self.running[slot]
+    def _leave(self, member: int) -> None:
+        self.batch.leave(member)
+        del self.running[member]
         self._release(1)
 
     def _release(self, n: int) -> None:
@@ -277,10 +280,10 @@ class Scheduler:
         for job in jobs:
             job.events.put(("error", message))
         self.running.clear()
-        for slot in list(self.batch.members):
-            self.batch.leave(slot)
+        for member in list(self.batch.rows):
+            self.batch.leave(member.id)
         with self.cond:
-            self.idle = len(self.batch.free)
+            self.idle = self.batch.free
 
 
 class Engine:
@@ -660,10 +663,13 @@ def load_engine(cfg: ServeConfig) -> Engine:
 def main(argv=None) -> int:
     cfg = parse_config(argv)
     print(f"config {json.dumps(dataclasses.asdict(cfg))}", file=sys.stderr, flush=True)
-    if cfg.max_batch < 1:
-        print(f"error: --max_batch must be >= 1, got {cfg.max_batch}", file=sys.stderr)
+    if cfg.max_batch < 1 or cfg.threads < 0:
+        print(f"error: --max_batch must be >= 1 and --threads >= 0, got {cfg.max_batch} and {cfg.threads}",
+              file=sys.stderr)
         return 2
     try:
+        threads = cfg.threads or (torch.get_num_threads() if resolve_device(cfg.device).type == "cuda" else 1)
+        torch.set_num_threads(threads)  # process-wide: set here, never by load_engine (tests share a process)
         engine = load_engine(cfg)
         server = make_server(engine, cfg.host, cfg.port)
     except (ckpt.CheckpointError, OSError, RuntimeError, KeyError, ValueError) as e:
@@ -673,8 +679,8 @@ def main(argv=None) -> int:
     m = engine.meta
     val = "n/a (saved at a preemption, without an eval)" if m["val_loss"] is None else f"{m['val_loss']:.4f}"
     print(f"batch | {engine.max_batch} slots x {engine.slot_bytes / 2**20:.1f} MiB KV cache "
-          f"({str(engine.model.wte.weight.dtype).removeprefix('torch.')}) | queue {engine.max_queue}",
-          file=sys.stderr, flush=True)
+          f"({str(engine.model.wte.weight.dtype).removeprefix('torch.')}) | queue {engine.max_queue} | "
+          f"threads {torch.get_num_threads()}", file=sys.stderr, flush=True)
     print(f"serving {engine.path} (step {m['step']}, val_loss {val}) at http://{host}:{port}/", flush=True)
     try:
         server.serve_forever()
