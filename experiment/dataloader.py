@@ -11,22 +11,32 @@ the tokenizer settings, so a second prepare of the same data is a cache hit.
 from __future__ import annotations
 
 import argparse
+import codecs
 import hashlib
 import json
+import os
 import random
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from experiment import chunks
 from experiment.files import atomic_write_bytes, atomic_write_json, default_workspace, publish_dir
 
 VOCAB_MULTIPLE = 64  # padded vocab: matmul-friendly head shape, room for BOS
 DEMO_FILE = "arithmetic.txt"
+# Per chunk: a worker holds a few times this (bytes, text, ids), and 2 chunks per worker are in flight.
+CHUNK_BYTES = 8 << 20
+PROGRESS_SECONDS = 5.0
+# A file whose mtime or ctime is this recent is not trusted to be identified by its stat (see _stat_trusted).
+STAT_TRUST_SECONDS = 2.0
+STAT_KEY_VERSION = 1
 
 
 class DataError(Exception):
@@ -48,7 +58,6 @@ class CharTokenizer:
         self.bos_id = 0
         self.vocab_size = pad_vocab(len(chars) + 1)
         self.n_real = len(chars) + 1
-        self._codes = np.frombuffer(chars.encode("utf-32-le"), dtype=np.uint32)
         self._index = {c: i + 1 for i, c in enumerate(chars)}
 
     def encode(self, text: str) -> list[int]:
@@ -56,10 +65,6 @@ class CharTokenizer:
         if unknown:
             raise ValueError(f"characters not in the vocabulary: {''.join(unknown)!r}")
         return [self._index[c] for c in text]
-
-    def encode_array(self, codes: np.ndarray) -> np.ndarray:
-        # codes: uint32 code points, all known (checked by the caller); vectorized for GB corpora.
-        return np.searchsorted(self._codes, codes).astype(np.int64) + 1
 
     def decode(self, ids) -> str:
         return "".join(self.chars[i - 1] for i in ids if 1 <= i <= len(self.chars))
@@ -116,32 +121,35 @@ def list_sources(data_dir: Path) -> list[Path]:
     return files
 
 
-def _line_col(text: str, index: int) -> tuple[int, int]:
-    line = text.count("\n", 0, index) + 1
-    return line, index - (text.rfind("\n", 0, index) + 1) + 1
+class _FileScan:
+    """A file's pass-1 results so far: characters, counts, and its first problem of each kind."""
 
+    def __init__(self, path: Path, size: int):
+        self.path, self.size, self.chunk_chars = path, size, []
+        self.ascii, self.codes, self.nul, self.outside = set(), [], None, None
+        self.sha = hashlib.sha256()
 
-def read_text(path: Path, alphabet: str | None) -> str:
-    """Reads one source; raises DataError naming file, line:column (or byte offset) and character."""
-    raw = path.read_bytes()
-    if not raw:
-        raise DataError(f"{path}: file is empty")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise DataError(f"{path}: invalid UTF-8 at byte offset {e.start} (line {line}): {e.reason}") from None
-    nul = text.find("\x00")
-    if nul >= 0:
-        line, col = _line_col(text, nul)
-        raise DataError(f"{path}:{line}:{col}: NUL byte (binary file?)")
-    if alphabet is not None and set(text) - set(alphabet):  # the slow scan only when one exists
-        allowed = set(alphabet)
-        for i, ch in enumerate(text):
-            if ch not in allowed:
-                line, col = _line_col(text, i)
-                raise DataError(f"{path}:{line}:{col}: character {ch!r} (U+{ord(ch):04X}) is not in --alphabet")
-    return text
+    def add(self, s: chunks.Scan) -> None:
+        if s.utf8:  # the whole file's first problem: the same check on the whole file stops here too
+            offset, reason = s.utf8
+            line = chunks.line_col(self.path, offset)[0]
+            raise DataError(f"{self.path}: invalid UTF-8 at byte offset {offset} (line {line}): {reason}")
+        self.chunk_chars.append(s.chars)
+        self.ascii.update(s.ascii)
+        self.codes.append(s.codes)
+        self.nul = self.nul if self.nul is not None else s.nul
+        self.outside = self.outside or s.outside
+
+    def check(self) -> None:
+        """Once every chunk is in: the problems in the order a whole-file check finds them."""
+        if self.size == 0:
+            raise DataError(f"{self.path}: file is empty")
+        if self.nul is not None:
+            line, col = chunks.line_col(self.path, self.nul)
+            raise DataError(f"{self.path}:{line}:{col}: NUL byte (binary file?)")
+        if self.outside:
+            (line, col), ch = chunks.line_col(self.path, self.outside[0]), self.outside[1]
+            raise DataError(f"{self.path}:{line}:{col}: character {ch!r} (U+{ord(ch):04X}) is not in --alphabet")
 
 
 # ---------------------------------------------------------------- prepare
@@ -184,6 +192,135 @@ def check_seq_len(meta: dict, max_seq_len: int, where: str) -> None:
             )
 
 
+class _Progress:
+    """A line every PROGRESS_SECONDS while a pass runs: MB done, MB/s, ETA of the pass."""
+
+    def __init__(self, what: str, total: int, log):
+        self.what, self.total, self.log, self.done = what, total, log, 0
+        self.started = self.last = time.monotonic()
+
+    def add(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_SECONDS and self.done < self.total:
+            self.last, rate = now, self.done / (now - self.started)
+            self.log(f"prepare | {self.what} {self.done / 1e6:,.0f}/{self.total / 1e6:,.0f} MB | "
+                     f"{rate / 1e6:.0f} MB/s | ETA {(self.total - self.done) / rate:.0f} s")
+
+
+def _stat_key(settings: dict, files: list[Path], stats: list[os.stat_result]) -> str:
+    # ctime and inode too: a copy that keeps the mtime (cp -p, rsync -a) changes them.
+    ids = [[str(p.resolve()), *_identity(s)] for p, s in zip(files, stats)]
+    return hashlib.sha256(json.dumps([STAT_KEY_VERSION, settings, ids]).encode()).hexdigest()[:16]
+
+
+def _stat_trusted(stats: list[os.stat_result], at_ns: int) -> bool:
+    """Stats taken at at_ns identify the contents only if no file changed within STAT_TRUST_SECONDS
+    before: a rewrite within the same timestamp tick would keep size and times (git's "racy" files)."""
+    return all(max(s.st_mtime_ns, s.st_ctime_ns) < at_ns - STAT_TRUST_SECONDS * 1e9 for s in stats)
+
+
+def _identity(s: os.stat_result) -> tuple:
+    return s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino
+
+
+def _check_unchanged(files: list[Path], stats: list[os.stat_result]) -> None:
+    for p, s in zip(files, stats):
+        if _identity(p.stat()) != _identity(s):
+            raise DataError(f"{p}: changed while being prepared; prepare again once it is written")
+
+
+def _scan(files: list[Path], stats, plans, alphabet: str | None, pool: chunks.Pool, log) -> list[_FileScan]:
+    """Pass 1: every file validated (the first problem raises, naming the place), its characters
+    collected and its sha256 taken, one chunk at a time; the workers scan while this process hashes."""
+    scans = [_FileScan(p, s.st_size) for p, s in zip(files, stats)]
+    progress = _Progress("validate", sum(s.st_size for s in stats), log)
+
+    def tasks():
+        for i, c in plans:
+            scans[i].sha.update(chunks.read(c))  # hashlib drops the GIL; the page cache serves the worker
+            yield c, alphabet
+
+    results = pool.ordered(chunks.scan, tasks())
+    checked = 0
+    try:
+        for (i, c), result in zip(plans, results):
+            for earlier in scans[checked:i]:  # files before this one are complete (in order, empty ones too)
+                earlier.check()
+            checked = i
+            scans[i].add(result)
+            progress.add(c.length)
+    finally:
+        results.close()
+    for rest in scans[checked:]:
+        rest.check()
+    return scans
+
+
+def _encode_chars(plans, chunk_chars, tok: CharTokenizer, dtype: str, n_train: int, tmp: Path, pool: chunks.Pool,
+                  progress: _Progress) -> list[int]:
+    """Pass 2, characters: the stream's length and each chunk's place in it are known from pass 1, so
+    each worker writes its chunk's ids straight into train.bin or val.bin; returns the tokens per file."""
+    codes = np.frombuffer(tok.chars.encode("utf-32-le"), dtype=np.uint32)
+    cc = chunks.CharCodes(bytes(codes[codes < 0x80].astype(np.uint8)), codes[codes >= 0x80], dtype)
+    places, counts, at = [], [0] * (plans[-1][0] + 1), 0
+    bos = np.array([tok.bos_id], dtype=dtype)
+    for (i, c), n in zip(plans, chunk_chars):
+        if c.offset == 0:  # BOS before every file: the model learns where documents start
+            chunks.write_at(bos, chunks.Target(str(tmp / "train.bin"), str(tmp / "val.bin"), n_train, at))
+            at, counts[i] = at + 1, counts[i] + 1
+        places.append(chunks.Target(str(tmp / "train.bin"), str(tmp / "val.bin"), n_train, at))
+        at, counts[i] = at + n, counts[i] + n
+    tasks = ((c, cc, place) for (_, c), place in zip(plans, places))
+    for (i, c), n, written in zip(plans, chunk_chars, pool.ordered(chunks.encode_chars_into, tasks)):
+        if written != n:
+            raise DataError(f"{c.path}: changed while being prepared; prepare again once it is written")
+        progress.add(c.length)
+    return counts
+
+
+def _encode_stream(plans, tok, dtype: str, out: Path, pool: chunks.Pool, progress: _Progress) -> list[int]:
+    """Pass 2, tiktoken: BOS then each file's tokens appended to `out` in order (how many, only the
+    encoder knows); returns the tokens per file."""
+    counts = [0] * (plans[-1][0] + 1)
+    bos = np.array([tok.bos_id], dtype=dtype)
+    tasks = ((c, tok.name, dtype) for _, c in plans)
+    with open(out, "wb") as f:
+        for (i, c), ids in zip(plans, pool.ordered(chunks.encode_tiktoken, tasks)):
+            if c.offset == 0:
+                f.write(bos)
+                counts[i] += 1
+            f.write(ids)
+            counts[i] += len(ids)
+            progress.add(c.length)
+    return counts
+
+
+def _split_off_val(train: Path, val: Path, n_val: int, itemsize: int, step: int = 1 << 26) -> None:
+    """Moves the last n_val tokens of `train` into `val` (validation = the tail of the stream)."""
+    cut = train.stat().st_size - n_val * itemsize
+    with open(train, "r+b") as src, open(val, "wb") as dst:
+        for start in range(cut, cut + n_val * itemsize, step):
+            dst.write(os.pread(src.fileno(), min(step, cut + n_val * itemsize - start), start))
+        src.truncate(cut)
+
+
+def _decoded_chars(tok, val: Path, dtype: str, step: int = 1 << 22) -> int:
+    """len(tok.decode(val tokens)), a piece at a time (an incremental decoder joins split characters)."""
+    ids = np.memmap(val, dtype=dtype, mode="r") if val.stat().st_size else np.zeros(0, dtype)
+    decoder, n = codecs.getincrementaldecoder("utf-8")(errors="replace"), 0
+    for start in range(0, len(ids), step):
+        piece = ids[start : start + step]
+        piece = piece[(piece < tok.n_real) & (piece != tok.bos_id)]
+        n += len(decoder.decode(tok.enc.decode_bytes(piece.tolist())))
+    return n + len(decoder.decode(b"", final=True))
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
 def prepare(
     data_dir: Path,
     workspace: Path,
@@ -191,60 +328,96 @@ def prepare(
     alphabet: str | None = None,
     val_fraction: float = 0.05,
     max_seq_len: int = 256,
+    *,
+    workers: int | None = None,
+    log=None,
 ) -> Prepared:
+    """Validates and tokenizes data_dir into <workspace>/prepared/<hash>/, or finds it there.
+    workers: processes for the chunks (default: every core this process may use); log: where the
+    progress lines go (default: stderr)."""
     if not 0 < val_fraction < 1:
         raise DataError(f"--val_fraction must be in (0, 1), got {val_fraction}")
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     files = list_sources(data_dir)
-    texts = [read_text(p, alphabet) for p in files]  # every error surfaces before any write
-    digests = [hashlib.sha256(t.encode("utf-8")).hexdigest() for t in texts]
+    root = Path(workspace) / "prepared"
     settings = {"tokenizer": tokenizer, "alphabet": alphabet, "val_fraction": val_fraction}
-    key = hashlib.sha256(json.dumps([settings, [p.name for p in files], digests]).encode()).hexdigest()[:16]
-    final = Path(workspace) / "prepared" / key
-    if (final / "meta.json").exists():
-        prepared = Prepared.load(final)
-        check_seq_len(prepared.meta, max_seq_len, str(data_dir))
-        return prepared
+    stats, stat_at = [p.stat() for p in files], time.time_ns()
+    remembered = root / ".stat" / f"{_stat_key(settings, files, stats)}.json"
+    if remembered.is_file():  # unchanged files: a hit without reading them
+        final = root / json.loads(remembered.read_text())["hash"]
+        if (final / "meta.json").is_file():
+            prepared = Prepared.load(final)
+            check_seq_len(prepared.meta, max_seq_len, str(data_dir))
+            return prepared
+    workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    plans = [(i, c) for i, p in enumerate(files) for c in chunks.plan(p, stats[i].st_size, CHUNK_BYTES)]
+    with chunks.Pool(min(workers, len(plans))) as pool:
+        scans = _scan(files, stats, plans, alphabet, pool, log)  # every error surfaces before any write
+        digests = [s.sha.hexdigest() for s in scans]
+        key = hashlib.sha256(json.dumps([settings, [p.name for p in files], digests]).encode()).hexdigest()[:16]
+        final = root / key
+        if (final / "meta.json").exists():
+            prepared = Prepared.load(final)
+        else:
+            prepared = _write(files, stats, plans, scans, settings, max_seq_len, final, pool, str(data_dir), log)
+    _check_unchanged(files, stats)
+    if _stat_trusted(stats, stat_at):
+        atomic_write_json(remembered, {"hash": key})
+    check_seq_len(prepared.meta, max_seq_len, str(data_dir))
+    return prepared
 
+
+def _write(files, stats, plans, scans, settings: dict, max_seq_len: int, final: Path, pool: chunks.Pool, where: str,
+           log) -> Prepared:
+    """Pass 2 into a temp directory next to `final`, renamed into place once complete."""
+    tokenizer, alphabet, val_fraction = settings["tokenizer"], settings["alphabet"], settings["val_fraction"]
     if tokenizer == "char":
-        codes = [np.frombuffer(t.encode("utf-32-le"), dtype=np.uint32) for t in texts]
-        chars = np.unique(np.concatenate([np.unique(c) for c in codes]))
-        tok = CharTokenizer(chars.astype("<u4").tobytes().decode("utf-32-le"))
-        streams = [tok.encode_array(c) for c in codes]
+        codes = sorted(set().union(*(s.ascii for s in scans)) | set(np.concatenate(
+            [c for s in scans for c in s.codes] + [chunks.NO_CODES]).tolist()))
+        tok = CharTokenizer("".join(map(chr, codes)))
     else:
         tok = TiktokenTokenizer(tokenizer)
-        streams = [np.asarray(tok.encode(t), dtype=np.int64) for t in texts]
-    # BOS before every file: the model learns where documents start and never mixes two mid-line.
-    ids = np.concatenate([np.concatenate([[tok.bos_id], s]) for s in streams])
-    n_val = int(len(ids) * val_fraction)
-    dtype = _dtype_for(tok.vocab_size)
-    val_chars = None
-    meta = {
-        "version": 1,
-        "hash": key,
-        "tokenizer": "char" if tokenizer == "char" else "tiktoken",
-        "encoding": None if tokenizer == "char" else tokenizer,
-        "chars": tok.chars if tokenizer == "char" else None,
-        "bos_id": int(tok.bos_id),
-        "vocab_size": tok.vocab_size,
-        "vocab_used": tok.n_real,
-        "dtype": dtype,
-        "alphabet": alphabet,
-        "sources": [
-            {"path": str(p.resolve()), "sha256": d, "bytes": p.stat().st_size, "tokens": len(s) + 1}
-            for p, d, s in zip(files, digests, streams)
-        ],
-        "split": {"val_fraction": val_fraction, "train_tokens": len(ids) - n_val, "val_tokens": n_val},
-    }
-    if tokenizer != "char":  # bits per character need the characters behind the val tokens
-        val_chars = len(tok.decode(ids[len(ids) - n_val :].tolist()))
-    meta["split"]["val_chars"] = val_chars if val_chars is not None else n_val
-    check_seq_len(meta, max_seq_len, str(data_dir))
-
+    dtype, itemsize = _dtype_for(tok.vocab_size), np.dtype(_dtype_for(tok.vocab_size)).itemsize
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    progress = _Progress("encode", sum(s.st_size for s in stats), log)
     try:
-        ids[: len(ids) - n_val].astype(dtype).tofile(tmp / "train.bin")
-        ids[len(ids) - n_val :].astype(dtype).tofile(tmp / "val.bin")
+        if tokenizer == "char":
+            chunk_chars = [n for s in scans for n in s.chunk_chars]
+            n = len(files) + sum(chunk_chars)
+            n_val = int(n * val_fraction)
+            for split, tokens in (("train", n - n_val), ("val", n_val)):
+                with open(tmp / f"{split}.bin", "wb") as f:
+                    f.truncate(tokens * itemsize)
+            counts = _encode_chars(plans, chunk_chars, tok, dtype, n - n_val, tmp, pool, progress)
+        else:
+            counts = _encode_stream(plans, tok, dtype, tmp / "train.bin", pool, progress)
+            n = sum(counts)
+            n_val = int(n * val_fraction)
+            _split_off_val(tmp / "train.bin", tmp / "val.bin", n_val, itemsize)
+        meta = {
+            "version": 1,
+            "hash": final.name,
+            "tokenizer": "char" if tokenizer == "char" else "tiktoken",
+            "encoding": None if tokenizer == "char" else tokenizer,
+            "chars": tok.chars if tokenizer == "char" else None,
+            "bos_id": int(tok.bos_id),
+            "vocab_size": tok.vocab_size,
+            "vocab_used": tok.n_real,
+            "dtype": dtype,
+            "alphabet": alphabet,
+            "sources": [
+                {"path": str(p.resolve()), "sha256": s.sha.hexdigest(), "bytes": st.st_size, "tokens": count}
+                for p, s, st, count in zip(files, scans, stats, counts)
+            ],
+            "split": {"val_fraction": val_fraction, "train_tokens": n - n_val, "val_tokens": n_val,
+                      # bits per character need the characters behind the val tokens
+                      "val_chars": n_val if tokenizer == "char" else _decoded_chars(tok, tmp / "val.bin", dtype)},
+        }
+        check_seq_len(meta, max_seq_len, where)
+        _check_unchanged(files, stats)
+        for split in ("train", "val"):
+            _fsync(tmp / f"{split}.bin")
         atomic_write_json(tmp / "meta.json", meta)
         publish_dir(tmp, final)
     except BaseException:
@@ -348,15 +521,18 @@ def main(argv=None) -> int:
     p.add_argument("--max_seq_len", type=int, default=256, help="each split must hold one sequence of this")
     args = parser.parse_args(argv)
     workspace = Path(args.workspace) if args.workspace else default_workspace()
+    started = time.perf_counter()
     try:
         prepared = prepare(Path(args.data_dir), workspace, args.tokenizer, args.alphabet,
                            args.val_fraction, args.max_seq_len)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    m = prepared.meta
+    seconds, m = time.perf_counter() - started, prepared.meta
+    size = sum(s["bytes"] for s in m["sources"])
     print(f"prepared {prepared.dir}: {m['split']['train_tokens']:,} train + {m['split']['val_tokens']:,} val "
-          f"tokens, vocab {m['vocab_size']} ({m['tokenizer']}), {len(m['sources'])} file(s)")
+          f"tokens, vocab {m['vocab_size']} ({m['tokenizer']}), {len(m['sources'])} file(s), {size / 1e6:,.1f} MB "
+          f"in {seconds:.2f} s ({size / 1e6 / seconds:,.0f} MB/s)")
     return 0
 
 
