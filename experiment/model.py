@@ -120,16 +120,28 @@ class KVSlots:
         self.v[:, dst] = self.v[:, src]
 
 
+def invariant_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.bmm (N, M, K) @ (N, K, P), each batch entry computed the same way whatever N.
+
+    A batch of one is run as two (the entry twice): the CPU BLAS runs a lone bf16 entry as a plain
+    GEMM that sums in another order than its batched kernel (11 rows in 4,096 differed in the last
+    bit); from two entries up each one is an independent product of fixed shape.
+    """
+    if a.size(0) == 1:
+        return torch.bmm(a.expand(2, -1, -1), b.expand(2, -1, -1))[:1]
+    return torch.bmm(a, b)
+
+
 def rowwise_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """layer(x) for x (B, 1, K), each row multiplied alone: row b's result does not depend on B.
 
     Batched decoding must give each request exactly the tokens it would get alone, but the CPU GEMM
     (MKL) for M > 1 rows sums in another order than for M = 1, and another again for another M, so
     layer(x)[b] changes in the last bits with the batch size. bmm over the weight expanded (not
-    copied) along the batch runs B one-row products (bit-identical to layer(x[b:b+1])): the batch
-    still shares one call, the rows never share a reduction.
+    copied) along the batch runs B one-row products: the batch still shares one call, the rows
+    never share a reduction.
     """
-    return torch.bmm(x, layer.weight.t().expand(x.size(0), -1, -1))  # (B, 1, K) @ (B, K, N) -> (B, 1, N)
+    return invariant_bmm(x, layer.weight.t().expand(x.size(0), -1, -1))  # (B, 1, K) @ (B, K, N) -> (B, 1, N)
 
 
 class Attention(nn.Module):
@@ -183,9 +195,10 @@ class Attention(nn.Module):
         # the batch, so a row's output never depends on the others. (SDPA per row over its own
         # prefix is as exact but costs a kernel launch per row; a padding mask over the longest
         # prefix in the batch changes the reduction with the batch.)
-        scores = torch.bmm(q.reshape(B * H, 1, D), keys.transpose(1, 2)).view(B, H, 1, S)
-        scores = (scores * D**-0.5).masked_fill(hidden, -float("inf")).softmax(dim=-1)
-        y = torch.bmm(scores.view(B * H, 1, S), values).view(B, H, 1, D)
+        scores = invariant_bmm(q.reshape(B * H, 1, D), keys.transpose(1, 2)).view(B, H, 1, S)
+        # fp32 softmax also under bf16 weights, as SDPA keeps its softmax in fp32
+        probs = (scores.float() * D**-0.5).masked_fill(hidden, -float("inf")).softmax(dim=-1).to(values.dtype)
+        y = invariant_bmm(probs.view(B * H, 1, S), values).view(B, H, 1, D)
         return rowwise_linear(y.transpose(1, 2).reshape(B, 1, C), self.c_proj)
 
 
