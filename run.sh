@@ -8,6 +8,14 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
+usage() { sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; }
+# Usage first: a typo must not wait for a venv and an install to learn it is one.
+case "${1:-train}" in
+    -h|--help|help) usage; exit 0 ;;
+    train|test|serve|gpucheck) ;;
+    *) echo "unknown command: $1" >&2; usage >&2; exit 2 ;;
+esac
+
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
@@ -26,5 +34,5 @@ case "$cmd" in
     test) exec python -m pytest tests "$@" ;;
     serve) exec python -m experiment.server "$@" ;;
     gpucheck) exec python -m experiment.bench gpucheck "$@" ;;
-    *) echo "usage: bash run.sh [train|test|serve|gpucheck] [args]" >&2; exit 2 ;;
 esac
+

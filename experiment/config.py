@@ -49,6 +49,8 @@ class TrainConfig:
     data_dir: str | None = _opt("directory of *.txt (or one .txt); default $WORKSPACE/data, demo if empty")
     workspace: str | None = _opt("root of data, prepared, checkpoints, tensorboard "
                                  "(default /workspace/<project> if writable, else the repo)")
+    prepared_dir: str | None = _opt("a directory that prepare made (the pre-flight passes it): opened as is, "
+                                    "DATA_DIR not read")
     tokenizer: str = _opt("char, or a tiktoken encoding name", "char")
     alphabet: str | None = _opt("allowed characters; data with any other one is rejected")
     val_fraction: float = _opt("last fraction of the tokens held out for validation", 0.05)

@@ -9,10 +9,21 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
+import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+# How long a rank waits in a collective for the others, by phase. A hang is a fault: the process
+# group aborts, the worker dies and torchrun restarts the run from its latest checkpoint. Setup and
+# saves wait on other ranks' disk reads and writes and on the first steps' torch.compile (minutes at
+# d64); a step or an eval does not (NCCL's own default is 10 minutes). Data preparation is no phase:
+# the pre-flight does it before any process group exists.
+PHASE_TIMEOUTS = {"setup": timedelta(minutes=30), "save": timedelta(minutes=30), "step": timedelta(minutes=10)}
 
 
 @dataclass
@@ -33,6 +44,12 @@ class Dist:
             dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
                                         "max": dist.ReduceOp.MAX}[op])
         return tensor
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """The collective timeout of the process group from now on (PHASE_TIMEOUTS)."""
+        setter = getattr(distributed_c10d, "_set_pg_timeout", None)  # private, but the one way short of a new group
+        if self.world_size > 1 and setter is not None:
+            setter(timeout)
 
     def close(self) -> None:
         """The teardown of setup_distributed: destroy the process group, then let go of our store."""
@@ -79,9 +96,9 @@ def setup_distributed(cuda: bool) -> Dist:
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                                   is_master=False)
             dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{restart}", store), rank=rank,
-                                    world_size=world_size, device_id=device_id)
+                                    world_size=world_size, device_id=device_id, timeout=PHASE_TIMEOUTS["setup"])
         else:
-            dist.init_process_group(backend, device_id=device_id)
+            dist.init_process_group(backend, device_id=device_id, timeout=PHASE_TIMEOUTS["setup"])
     return Dist(rank, local_rank, world_size, device, store)
 
 
@@ -123,3 +140,32 @@ class StopSignal:
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+class ParentWatch:
+    """Workers must not outlive torchrun's agent. Killed with SIGKILL (a closed tmux window, an OOM
+    kill), the agent cannot stop them: they live on, reparented, in process groups of their own,
+    holding their GPUs, and a collective with a dead peer hangs for its whole timeout. A daemon
+    thread polls the parent pid; once the agent is gone it sends its own process SIGTERM (the
+    preemption path: finish the step, save, exit) and, if the process still lives `grace_seconds`
+    later (stuck in a collective with a dead peer), exits at once. A save cut short that way leaves
+    an incomplete step, which resume never loads. Only under torchrun (TORCHELASTIC_RUN_ID set): a
+    plain `python -m` run belongs to its shell."""
+
+    def __init__(self, poll_seconds: float = 2.0, grace_seconds: float = 45.0):
+        self.poll_seconds, self.grace_seconds = poll_seconds, grace_seconds
+
+    def start(self) -> ParentWatch:
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            self.parent = os.getppid()
+            threading.Thread(target=self._watch, name="parent-watch", daemon=True).start()
+        return self
+
+    def _watch(self) -> None:
+        while os.getppid() == self.parent:
+            time.sleep(self.poll_seconds)
+        print(f"[rank {os.environ.get('RANK', '?')}] torchrun's agent (pid {self.parent}) is gone: saving and "
+              f"exiting (at once in {self.grace_seconds:.0f} s if that hangs)", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(self.grace_seconds)
+        os._exit(1)

@@ -4,6 +4,7 @@
 # with their defaults); unset means train.py's default for the device (CUDA or CPU).
 #   NPROC_PER_NODE   processes per node (default: visible GPUs, or 1 without CUDA)
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   multi-node torchrun (c10d rendezvous)
+#   PREFLIGHT_WAIT_MINUTES   how long a node other than 0 waits for node 0 to prepare the data (120)
 set -euo pipefail
 # Relative paths mean relative to where the user stands, not to the repo this script moves into.
 for var in DATA_DIR WORKSPACE; do
@@ -33,7 +34,7 @@ SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-300}
 
 # Map env overrides to flags; the flag list comes from TrainConfig itself, so the two never drift.
 flags=()
-for name in $("$PYTHON" -c "import dataclasses, experiment.train as t; print(*[f.name for f in dataclasses.fields(t.TrainConfig)])"); do
+for name in $("$PYTHON" -c "import dataclasses, experiment.config as c; print(*[f.name for f in dataclasses.fields(c.TrainConfig)])"); do
     var=${name^^}
     if [ -n "${!var+set}" ]; then
         flags+=("--$name=${!var}")
@@ -57,10 +58,20 @@ else
     echo "launcher | this torch's torchrun has no --shutdown_timeout: it waits its own default after a signal"
 fi
 
+# The pre-flight: config, data, resume target and plan in one plain process. A user's error exits 2
+# here, once, and torchrun never starts (it would restart the same mistake MAX_RESTARTS times).
+plan_file=$(mktemp)
+trap 'rm -f "$plan_file"' EXIT
+"$PYTHON" -m experiment.preflight --world_size=$((NPROC_PER_NODE * NNODES)) --node_rank="$NODE_RANK" \
+    --wait_minutes="${PREFLIGHT_WAIT_MINUTES:-120}" --plan_file="$plan_file" "${flags[@]}" || exit $?
+prepared=$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["prepared"])' "$plan_file")
+flags+=("--prepared_dir=$prepared")
+
 echo "launcher | gpus visible $n_gpu | nproc_per_node $NPROC_PER_NODE | nnodes $NNODES | node_rank $NODE_RANK |" \
      "max_restarts $MAX_RESTARTS | shutdown_timeout ${SHUTDOWN_TIMEOUT}s"
 echo "launcher | overrides: ${flags[*]:-(none: device defaults)}"
 echo "launcher | ${launch[*]} -m experiment.train ${flags[*]}"
 # train.py prints the fully resolved configuration next and appends its lines (and any crash's
 # traceback) to training.log in the run directory.
+rm -f "$plan_file"
 exec "${launch[@]}" -m experiment.train "${flags[@]}"

@@ -26,11 +26,13 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from experiment import checkpoint as ckpt
+from experiment import preflight
 from experiment.checkpoint import (CheckpointError, Retention, RunState, load_checkpoint, pick_resume_step,
                                    save_checkpoint)
 from experiment.config import ConfigError, TrainConfig, checkpoint_meta, parse_args, resolve
-from experiment.dataloader import DataError, Prepared, TokenBatches, prepare, write_demo_corpus
-from experiment.distributed import Dist, StopSignal, autocast_for, broadcast_object, resolve_device, setup_distributed
+from experiment.dataloader import DataError, Prepared, TokenBatches
+from experiment.distributed import (PHASE_TIMEOUTS, Dist, ParentWatch, StopSignal, autocast_for, broadcast_object,
+                                    resolve_device, setup_distributed)
 from experiment.evaluation import evaluate
 from experiment.files import default_workspace
 from experiment.memory import choose_memory_mode, find_device_batch
@@ -91,6 +93,12 @@ class Loop:
     measured_time: float = 0.0
     planned: bool = False
     bad_in_a_row: int = 0
+    phase: str = "setup"  # which of PHASE_TIMEOUTS the process group waits: setup until warmed up
+
+    def enter(self, phase: str, d: Dist) -> None:
+        if phase != self.phase:
+            d.set_timeout(PHASE_TIMEOUTS[phase])
+            self.phase = phase
 
     def used(self) -> float:
         """Budget seconds, summed over restarts."""
@@ -101,15 +109,13 @@ class Loop:
 
 
 def prepare_data(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) -> tuple[Prepared, int | None]:
-    """Rank 0 prepares the data and picks the resume step; a failure there reaches every rank."""
+    """Rank 0 opens the data and picks the resume step; a failure there reaches every rank. Under
+    experiment/run.sh the data is the pre-flight's prepared directory (--prepared_dir), so no rank
+    waits in this broadcast while another prepares; a bare torchrun prepares here."""
     setup = None
     if d.master:
         try:
-            data_dir = Path(cfg.data_dir) if cfg.data_dir else workspace / "data"
-            if cfg.data_dir is None and not (data_dir.is_dir() and any(data_dir.glob("*.txt"))):
-                data_dir = write_demo_corpus(workspace / "demo_data").parent
-                log(f"no *.txt in {workspace / 'data'}: training on the built-in arithmetic demo ({data_dir})")
-            prepared = prepare(data_dir, workspace, cfg.tokenizer, cfg.alphabet, cfg.val_fraction, cfg.max_seq_len)
+            prepared = preflight.prepare_data(cfg, workspace, log)
             setup = {"prepared": str(prepared.dir), "resume_step": pick_resume_step(run_dir, cfg.resume)}
         except (DataError, ConfigError, CheckpointError) as e:
             setup = {"error": str(e)}
@@ -117,17 +123,6 @@ def prepare_data(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log:
     if "error" in setup:
         raise ConfigError(setup["error"])
     return Prepared.load(setup["prepared"]), setup["resume_step"]
-
-
-def check_resume_target(run_dir: Path, step: int, model_config: GPTConfig, prepared: Prepared) -> None:
-    """A checkpoint resumes only the same model on the same data."""
-    meta = ckpt.read_meta(run_dir, step)
-    if meta["model_config"] != model_config.to_dict():
-        raise ConfigError(f"{ckpt.meta_path(run_dir, step)}: model config {meta['model_config']} differs "
-                          f"from the requested {model_config.to_dict()}; use another --model_tag")
-    if meta["prepared"]["hash"] != prepared.meta["hash"]:
-        raise ConfigError(f"{ckpt.meta_path(run_dir, step)}: trained on prepared data "
-                          f"{meta['prepared']['hash']}, but the data now hashes to {prepared.meta['hash']}")
 
 
 def build_model_and_optimizer(cfg: TrainConfig, d: Dist, model_config: GPTConfig,
@@ -161,10 +156,9 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     cuda = d.device.type == "cuda"
     log(f"world {d.world_size} x {torch.cuda.get_device_name(d.device) if cuda else 'cpu'} | torch {torch.__version__}")
     prepared, resume_step = prepare_data(cfg, d, workspace, run_dir, log)
-    model_config = GPTConfig(vocab_size=prepared.meta["vocab_size"], depth=cfg.depth, aspect_ratio=cfg.aspect_ratio,
-                             head_dim=cfg.head_dim, max_seq_len=cfg.max_seq_len)
+    model_config = preflight.model_config(cfg, prepared)
     if resume_step is not None:
-        check_resume_target(run_dir, resume_step, model_config, prepared)
+        preflight.check_resume_target(run_dir, resume_step, model_config, prepared)
     torch.manual_seed(cfg.seed)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast
@@ -286,8 +280,11 @@ def maybe_save(t: Trainer, loop: Loop, save_due: bool, last_step: bool, preempte
         return True
     t0 = time.time()
     st.used_seconds = loop.used()
+    phase = loop.phase
+    loop.enter("save", t.d)
     saved = save_checkpoint(t.run_dir, t.model, t.opt, loop.data_state, st, None if preempted else loop.val_loss,
                             t.run_meta, Retention(t.cfg.keep_last, bool(t.cfg.keep_best_optimizer)), t.d, t.log)
+    loop.enter(phase, t.d)
     loop.last_save_time = time.time()  # a failed save is retried at the next due time, not every step
     st.save_seconds = max(st.save_seconds, time.time() - t0)
     if saved:
@@ -367,6 +364,7 @@ def record_step(t: Trainer, loop: Loop, loss_sum: torch.Tensor, mult: float, t0:
     if warm:
         loop.measured_tokens += cfg.total_batch_size
         loop.measured_time += dt
+        loop.enter("step", d)  # compiled and warmed up: a collective that waits minutes now is a hang
     tok_s = cfg.total_batch_size / dt
     if logging:
         mfu = t.flops_per_token * tok_s / (t.peak * d.world_size) if t.peak else None
@@ -411,6 +409,7 @@ def train(cfg: TrainConfig, d: Dist) -> int:
 
 def main(argv=None) -> int:
     cfg = parse_args(argv)
+    ParentWatch().start()
     d = None
     try:
         try:

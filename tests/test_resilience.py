@@ -155,6 +155,35 @@ def test_torchrun_restarts_a_dead_worker_and_the_run_resumes(tmp_path, corpus):
     assert all(torch.equal(ref[n], got[n]) for n in ref)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()  # a zombie has exited; only its reaper is missing
+    except FileNotFoundError:
+        return False
+
+
+def test_workers_exit_on_their_own_when_the_agent_is_killed(tmp_path, corpus):
+    args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256]
+    with open(tmp_path / "agent.log", "w") as out:
+        agent = _launch_until_logged(args, 2, tmp_path, "step 000004 | loss", stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True,
+                                              text=True).stdout.split()]
+    assert len(workers) == 2
+    agent.kill()  # SIGKILL: the agent can neither forward a signal nor reap its workers
+    agent.wait()
+    deadline = time.time() + 60
+    while any(map(_alive, workers)) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not any(map(_alive, workers)), (tmp_path / "agent.log").read_text()[-3000:]
+    # They left the preemption way: a complete checkpoint, from which the run resumes.
+    steps = ckpt.complete_steps(tmp_path / "checkpoints/d2")
+    assert steps and "torchrun's agent" in (tmp_path / "agent.log").read_text()
+    again = run_train([*args, "--max_steps", steps[-1] + 2], nproc=2)
+    assert f"resumed from {ckpt.model_path(tmp_path / 'checkpoints/d2', steps[-1])}" in again.stdout
+
+
 # ---------------------------------------------------------------- another world size
 
 

@@ -172,3 +172,65 @@ def test_launcher_maps_env_overrides_to_flags(tmp_path, corpus):
     assert config["device_batch_size"] == 8  # "auto" -> the CPU default
     assert config["data_dir"] == str(tmp_path / "corpus")  # relative to where the user launched
     assert ckpt.complete_steps(tmp_path / "ws/checkpoints/envtag") == [1]
+    # The pre-flight prepared the data; the trainer opened that directory.
+    assert "preflight | data " in proc.stdout and config["prepared_dir"].startswith(str(tmp_path / "ws/prepared/"))
+
+
+def _launch(tmp_path, **env):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {**os.environ, "DEPTH": "2", "ASPECT_RATIO": "32", "HEAD_DIM": "32", "MAX_SEQ_LEN": "32",
+           "DEVICE_BATCH_SIZE": "4", "TOTAL_BATCH_SIZE": "256", "MAX_STEPS": "2", "SAMPLE_TOKENS": "0",
+           "WORKSPACE": str(tmp_path / "ws"), "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "2",
+           "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", **env}
+    return subprocess.run(["bash", str(REPO / "experiment/run.sh")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"DATA_DIR": "empty"}, "empty: no *.txt files"),
+    ({"TOTAL_BATCH_SIZE": "100"}, "--total_batch_size 100 is not a multiple of max_seq_len 32 x world size 2"),
+    ({"RESUME": "7"}, "--resume 7: no complete checkpoint at that step"),
+])
+def test_a_users_error_under_a_2_rank_launch_exits_2_before_torchrun(tmp_path, env, message):
+    (tmp_path / "empty").mkdir()
+    proc = _launch(tmp_path, **env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "torch.distributed" not in proc.stdout + proc.stderr
+    assert "config {" not in proc.stdout  # no worker ever started
+
+
+def test_a_resume_on_other_data_is_refused_by_the_preflight(tmp_path, corpus):
+    assert _launch(tmp_path, DATA_DIR=str(corpus)).returncode == 0
+    (corpus / "sums.txt").write_text((corpus / "sums.txt").read_text()[: 30000])
+    proc = _launch(tmp_path, DATA_DIR=str(corpus), MAX_STEPS="4")
+    assert proc.returncode == 2 and "trained on prepared data" in proc.stderr and "config {" not in proc.stdout
+
+
+def test_a_node_other_than_0_waits_for_node_0s_plan(tmp_path, capsys):
+    import threading
+    import time
+
+    from experiment import preflight
+    from experiment.files import atomic_write_json
+
+    args = ["--workspace", str(tmp_path), "--depth", "2"]
+    lines = []
+    assert preflight.main([*args, "--node_rank", "1", "--wait_minutes", "0.001"]) == 2
+    assert "node 0's pre-flight did not finish" in capsys.readouterr().err  # and says what to check
+    plan_file = tmp_path / "preflight/d2.json"
+    atomic_write_json(plan_file, {"prepared": "old", "written_at": time.time() - 3600})  # an earlier launch's
+    timer = threading.Timer(0.5, atomic_write_json, (plan_file, {"prepared": "new", "written_at": time.time()}))
+    timer.start()
+    try:
+        cfg = preflight.parse_args(args)
+        plan = preflight.preflight(cfg, world_size=2, node_rank=1, wait_minutes=1, log=lines.append)
+    finally:
+        timer.cancel()
+    assert plan["prepared"] == "new"

@@ -1,0 +1,148 @@
+"""The pre-flight: everything that can fail for a user's reason, checked in one plain process before
+torchrun starts any worker.
+
+    python -m experiment.preflight --world_size N [--node_rank R] [--plan_file F] [train flags]
+
+experiment/run.sh runs it first. It resolves the config for the launch's world size, validates and
+prepares the data, picks the resume step and checks that checkpoint against the model and the data,
+and prints the plan. A user error exits 2 here with one message, and torchrun is never started (so
+never restarted MAX_RESTARTS times over the same mistake). Under torchrun every rank then opens the
+prepared directory the pre-flight made (--prepared_dir): no rank prepares while the others wait in
+a collective, whose timeout (10 minutes with NCCL) a big corpus would outlast.
+
+Multi-node: the node with NODE_RANK=0 prepares into the shared workspace and writes
+<workspace>/preflight/<model_tag>.json last; the other nodes wait for a fresh one of those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from experiment import checkpoint as ckpt
+from experiment.checkpoint import CheckpointError
+from experiment.config import ConfigError, TrainConfig, parse_args, resolve
+from experiment.dataloader import DataError, Prepared, prepare, write_demo_corpus
+from experiment.distributed import resolve_device
+from experiment.files import atomic_write_json, default_workspace
+from experiment.model import GPTConfig
+
+# A node other than 0 accepts node 0's plan if it was written at most this long before the node
+# itself started: nodes of one launch start within minutes of each other (clocks of a shared file
+# system may differ by seconds), and an older plan belongs to an earlier launch.
+PLAN_FRESH_SECONDS = 600
+WAIT_POLL_SECONDS = 5
+
+
+def prepare_data(cfg: TrainConfig, workspace: Path, log) -> Prepared:
+    """The data the run trains on: --prepared_dir as given, else DATA_DIR (or <workspace>/data, or the
+    built-in demo when that holds no *.txt) prepared now (a cache hit when unchanged)."""
+    if cfg.prepared_dir:
+        directory = Path(cfg.prepared_dir)
+        if not (directory / "meta.json").is_file():
+            raise DataError(f"--prepared_dir {directory}: no prepared data there (meta.json missing); "
+                            "leave PREPARED_DIR unset to prepare DATA_DIR")
+        return Prepared.load(directory)
+    data_dir = Path(cfg.data_dir) if cfg.data_dir else workspace / "data"
+    if cfg.data_dir is None and not (data_dir.is_dir() and any(data_dir.glob("*.txt"))):
+        data_dir = write_demo_corpus(workspace / "demo_data").parent
+        log(f"no *.txt in {workspace / 'data'}: training on the built-in arithmetic demo ({data_dir})")
+    return prepare(data_dir, workspace, cfg.tokenizer, cfg.alphabet, cfg.val_fraction, cfg.max_seq_len)
+
+
+def model_config(cfg: TrainConfig, prepared: Prepared) -> GPTConfig:
+    return GPTConfig(vocab_size=prepared.meta["vocab_size"], depth=cfg.depth, aspect_ratio=cfg.aspect_ratio,
+                     head_dim=cfg.head_dim, max_seq_len=cfg.max_seq_len)
+
+
+def check_resume_target(run_dir: Path, step: int, config: GPTConfig, prepared: Prepared) -> None:
+    """A checkpoint resumes only the same model on the same data."""
+    meta = ckpt.read_meta(run_dir, step)
+    if meta["model_config"] != config.to_dict():
+        raise ConfigError(f"{ckpt.meta_path(run_dir, step)}: model config {meta['model_config']} differs "
+                          f"from the requested {config.to_dict()}; use another --model_tag")
+    if meta["prepared"]["hash"] != prepared.meta["hash"]:
+        raise ConfigError(f"{ckpt.meta_path(run_dir, step)}: trained on prepared data "
+                          f"{meta['prepared']['hash']}, but the data now hashes to {prepared.meta['hash']}")
+
+
+def plan_lines(cfg: TrainConfig, prepared: Prepared, config: GPTConfig, world_size: int, resume_step: int | None,
+               run_dir: Path) -> list[str]:
+    split = prepared.meta["split"]
+    resume = f"resumes step {resume_step:06d} of {run_dir}" if resume_step is not None else f"fresh run in {run_dir}"
+    return [
+        f"preflight | data {prepared.dir} | {split['train_tokens']:,} train tokens, {split['val_tokens']:,} val "
+        f"tokens | vocabulary {prepared.meta['vocab_size']}",
+        f"preflight | model d{cfg.depth} width {config.n_embd}, {config.n_head} heads, context {cfg.max_seq_len} | "
+        f"world {world_size} | {cfg.total_batch_size:,} tokens/step = "
+        f"{cfg.total_batch_size / split['train_tokens']:.4f} epochs/step | budget {cfg.training_hours:.3f}h",
+        f"preflight | {resume}",
+    ]
+
+
+def wait_for_node0(plan_file: Path, started: float, wait_minutes: float, log) -> dict:
+    """A node other than 0: wait until node 0's pre-flight has written a fresh plan."""
+    deadline = started + wait_minutes * 60
+    while True:
+        if plan_file.is_file():
+            plan = ckpt.read_json(plan_file)
+            if plan.get("written_at", 0) >= started - PLAN_FRESH_SECONDS:
+                return plan
+        if time.time() > deadline:
+            raise DataError(f"node 0's pre-flight did not finish within {wait_minutes:g} min ({plan_file} missing or "
+                            "older than this launch): check that node 0 runs, that WORKSPACE is the same shared "
+                            "directory on every node, and node 0's output")
+        log(f"preflight | waiting for node 0 to prepare the data ({plan_file}), "
+            f"{(time.time() - started) / 60:.1f} of {wait_minutes:g} min")
+        time.sleep(WAIT_POLL_SECONDS)
+
+
+def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: float, log) -> dict:
+    """Returns the plan ({"prepared": dir, "resume_step": step or None, ...}); raises ConfigError,
+    DataError or CheckpointError for a user's error."""
+    started = time.time()
+    try:
+        cuda = resolve_device(cfg.device).type == "cuda"
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    cfg = resolve(cfg, cuda, world_size)
+    workspace = Path(cfg.workspace) if cfg.workspace else default_workspace()
+    run_dir = workspace / "checkpoints" / cfg.model_tag
+    plan_file = workspace / "preflight" / f"{cfg.model_tag}.json"
+    if node_rank > 0:
+        return wait_for_node0(plan_file, started, wait_minutes, log)
+    prepared = prepare_data(cfg, workspace, log)
+    config = model_config(cfg, prepared)
+    resume_step = ckpt.pick_resume_step(run_dir, cfg.resume)
+    if resume_step is not None:
+        check_resume_target(run_dir, resume_step, config, prepared)
+    for line in plan_lines(cfg, prepared, config, world_size, resume_step, run_dir):
+        log(line)
+    plan = {"prepared": str(prepared.dir), "resume_step": resume_step, "world_size": world_size,
+            "written_at": time.time()}
+    atomic_write_json(plan_file, plan)
+    return plan
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiment.preflight", description=__doc__.split("\n")[0])
+    parser.add_argument("--world_size", type=int, default=1, help="ranks the launch will start, all nodes")
+    parser.add_argument("--node_rank", type=int, default=0, help="0 prepares; the others wait for its plan")
+    parser.add_argument("--wait_minutes", type=float, default=120, help="how long a node > 0 waits for node 0")
+    parser.add_argument("--plan_file", default=None, help="also write the plan (JSON) here, for the launcher")
+    args, train_argv = parser.parse_known_args(argv)
+    cfg = parse_args(train_argv)
+    try:
+        plan = preflight(cfg, args.world_size, args.node_rank, args.wait_minutes, lambda msg: print(msg, flush=True))
+    except (ConfigError, DataError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if args.plan_file:
+        atomic_write_json(Path(args.plan_file), plan)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
