@@ -5,8 +5,8 @@
 Starts `python -m experiment.server` on the checkpoint (default: the newest run's best) in a process of
 its own, so the clients' threads never hold the server's interpreter lock (or targets a running one
 with --url). For each client count, that many clients each send --requests sampled completions of
-exactly --tokens tokens to POST /generate, back to back on one keep-alive connection, all starting
-together. Per count: aggregate tok/s (completion tokens of every request / wall time from the first
+exactly --tokens tokens to POST /generate (more where the count's total would fall short of
+--min_requests), back to back on one keep-alive connection, all starting together. Per count: aggregate tok/s (completion tokens of every request / wall time from the first
 send to the last answer) and p50/p95 of the per-request latency (send to last byte), each also as a
 ratio to the first count's. Any answer other than 200 is counted and makes the exit status 1.
 """
@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", default="1,8,32", help="comma-separated concurrent client counts")
     parser.add_argument("--tokens", type=int, default=256, help="completion tokens per request")
     parser.add_argument("--requests", type=int, default=4, help="requests per client, sent one after another")
+    parser.add_argument("--min_requests", type=int, default=16, help="at least this many requests per client count "
+                        "(one client sends 16, not 4: its p95 is the baseline of the others')")
     parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0: greedy)")
     parser.add_argument("--prompt", default="\n", help="the prompt of every request (the demo corpus's lines "
                         "start after a newline)")
@@ -84,14 +86,15 @@ class Client:
 
 def run_clients(host: str, port: int, n_clients: int, args, seed0: int) -> dict:
     start = threading.Barrier(n_clients + 1)
+    per_client = max(args.requests, math.ceil(args.min_requests / n_clients))
 
     def client(c: int) -> list[tuple[int, int, float]]:
         conn = Client(host, port)
         start.wait()
         results = []
-        for r in range(args.requests):
+        for r in range(per_client):
             body = {"prompt": args.prompt, "max_tokens": args.tokens, "temperature": args.temperature,
-                    "seed": seed0 + c * args.requests + r}
+                    "seed": seed0 + c * per_client + r}
             results.append(conn.complete(body))
         conn.conn.close()
         return results
@@ -115,7 +118,7 @@ def main(args) -> int:
         counts = [int(c) for c in args.clients.split(",")]
     except ValueError:
         counts = []
-    if not counts or min(counts) < 1 or args.tokens < 1 or args.requests < 1:
+    if not counts or min(counts) < 1 or args.tokens < 1 or args.requests < 1 or args.min_requests < 0:
         print("error: --clients needs positive integers (e.g. 1,8,32); --tokens and --requests >= 1", file=sys.stderr)
         return 2
     proc = None
@@ -146,8 +149,8 @@ def _measure(host: str, port: int, counts: list[int], args) -> int:
     print(f"loadtest | {info['checkpoint']} | d{c['depth']} width {c['depth'] * c['aspect_ratio']} ctx "
           f"{c['max_seq_len']} | {info['num_params']:,} params | {info['device']} {info['dtype']} | max_batch "
           f"{info['batching']['max_batch']} | {args.tokens} tokens per request, temperature {args.temperature}, "
-          f"{args.requests} requests per client", flush=True)
-    Client(host, port).complete({"prompt": args.prompt, "max_tokens": 8, "seed": 0})  # warm-up
+          f"{args.requests} requests per client, at least {args.min_requests} per count", flush=True)
+    Client(host, port).complete({"prompt": args.prompt, "max_tokens": args.tokens, "seed": 0})  # warm-up
     rows, failed = [], 0
     for i, n in enumerate(counts):
         r = run_clients(host, port, n, args, seed0=i * 1_000_000)
