@@ -1,4 +1,7 @@
 import json
+import os
+import random
+import re
 import subprocess
 import sys
 
@@ -7,6 +10,7 @@ import pytest
 import torch
 
 from conftest import REPO, SHAKESPEARE
+from experiment import chunks, dataloader
 from experiment.dataloader import (CharTokenizer, DataError, TokenBatches, demo_lines, prepare, val_batches,
                                    write_demo_corpus)
 
@@ -163,3 +167,148 @@ def test_demo_corpus_is_correct_arithmetic_and_deterministic(tmp_path):
         lhs, rhs = line.split("=")
         a, b = lhs.split("+")
         assert int(a) + int(b) == int(rhs)
+
+
+# ---------------------------------------------------------------- prepare in chunks (issue 11)
+
+MIXED = "ab \n\tXyz" + "é日—😀"  # 1- to 4-byte UTF-8 characters
+
+
+def _random_text(rng, n):
+    return "".join(rng.choice(MIXED) for _ in range(n))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chunked_prepare_gives_the_whole_file_encoding(tmp_path, monkeypatch, seed):
+    rng = random.Random(seed)
+    texts = {f"{k}.txt": _random_text(rng, rng.randint(50, 3000)) for k in "abc"}
+    monkeypatch.setattr(dataloader, "CHUNK_BYTES", rng.choice([8, 13, 64, 500]))  # cuts land everywhere
+    p = prepare(_files(tmp_path, **texts), tmp_path / "ws", val_fraction=0.1, max_seq_len=4, workers=2)
+    chars = sorted(set("".join(texts.values())))
+    expected = [i for name in sorted(texts) for i in [0] + [chars.index(c) + 1 for c in texts[name]]]
+    assert p.meta["chars"] == "".join(chars) and p.meta["dtype"] == "uint8"
+    assert np.concatenate([p.tokens("train"), p.tokens("val")]).tolist() == expected
+    assert p.meta["split"]["val_tokens"] == len(p.tokens("val")) == int(len(expected) * 0.1)
+    assert [s["tokens"] for s in p.meta["sources"]] == [len(texts[n]) + 1 for n in sorted(texts)]
+
+
+def test_chunked_prepare_with_more_than_255_characters_writes_uint16(tmp_path, monkeypatch):
+    rng = random.Random(0)
+    text = "".join(rng.choice("abc\n" + "".join(map(chr, range(0x400, 0x500)))) for _ in range(5000))
+    monkeypatch.setattr(dataloader, "CHUNK_BYTES", 100)
+    p = prepare(_files(tmp_path, **{"a.txt": text}), tmp_path / "ws", max_seq_len=4, workers=2)
+    assert p.meta["dtype"] == "uint16" and p.meta["vocab_used"] == 4 + 256 + 1
+    ids = np.concatenate([p.tokens("train"), p.tokens("val")])
+    assert ids[0] == 0 and p.tokenizer().decode(ids[1:].tolist()) == text
+
+
+def _whole_file_error(path, raw: bytes, alphabet):
+    """The message of the checks made on the whole file at once (prepare before it read in chunks)."""
+    def line_col(text, i):
+        return text.count("\n", 0, i) + 1, i - (text.rfind("\n", 0, i) + 1) + 1
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        return f"{path}: invalid UTF-8 at byte offset {e.start} (line {line}): {e.reason}"
+    if "\x00" in text:
+        line, col = line_col(text, text.index("\x00"))
+        return f"{path}:{line}:{col}: NUL byte (binary file?)"
+    for i, ch in enumerate(text):
+        if alphabet is not None and ch not in alphabet:
+            line, col = line_col(text, i)
+            return f"{path}:{line}:{col}: character {ch!r} (U+{ord(ch):04X}) is not in --alphabet"
+    return None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_chunked_errors_name_the_place_a_whole_file_check_names(tmp_path, monkeypatch, seed):
+    rng = random.Random(seed)
+    monkeypatch.setattr(dataloader, "CHUNK_BYTES", rng.choice([8, 11, 32, 200]))
+    checked = 0
+    for case in range(15):
+        raw = bytearray(_random_text(rng, rng.randint(1, 400)).encode())
+        for _ in range(rng.randint(1, 3)):  # invalid UTF-8, a NUL, or a character outside the alphabet
+            raw[rng.randrange(len(raw))] = rng.choice([0xFF, 0x80, 0xC3, 0xE6, 0xF0, 0x00, ord("Q")])
+        alphabet = MIXED if rng.random() < 0.5 else None
+        data = tmp_path / f"case{case}"
+        data.mkdir()
+        (data / "a.txt").write_text("ab\n" * 40)
+        (data / "b.txt").write_bytes(bytes(raw))
+        expected = _whole_file_error(data / "b.txt", bytes(raw), alphabet)
+        if expected is None:
+            continue
+        with pytest.raises(DataError) as e:
+            prepare(data, tmp_path / "ws", alphabet=alphabet, max_seq_len=4, workers=rng.choice([1, 2]))
+        assert str(e.value) == expected
+        checked += 1
+    assert checked >= 5
+    _assert_nothing_written(tmp_path / "ws")
+
+
+def test_cache_hit_by_stat_reads_no_file_and_a_touch_keeps_the_hash(tmp_path, monkeypatch):
+    data = _files(tmp_path, **{"a.txt": GOOD, "b.txt": "xyz\n" * 200})
+    ws = tmp_path / "ws"
+    p = prepare(data, ws, max_seq_len=32)
+    assert not (ws / "prepared/.stat").exists()  # files written within STAT_TRUST_SECONDS: not trusted yet
+    monkeypatch.setattr(dataloader, "STAT_TRUST_SECONDS", 0)  # instead of waiting for them to age
+    assert prepare(data, ws, max_seq_len=32).dir == p.dir
+    assert len(list((ws / "prepared/.stat").iterdir())) == 1
+
+    def no_reading(*args):
+        raise AssertionError("a cache hit by stat reads no file")
+    with monkeypatch.context() as m:
+        m.setattr(chunks, "read", no_reading)
+        m.setattr(chunks, "plan", no_reading)
+        assert prepare(data, ws, max_seq_len=32).dir == p.dir
+
+    os.utime(data / "a.txt")  # same content, new mtime: read again, same hash and directory
+    again = prepare(data, ws, max_seq_len=32)
+    assert again.dir == p.dir and again.meta["hash"] == p.meta["hash"]
+    assert len(list((ws / "prepared/.stat").iterdir())) == 2
+
+    before = (data / "b.txt").stat()  # same size, mtime put back: ctime and content still tell
+    (data / "b.txt").write_text("xyw\n" * 200)
+    os.utime(data / "b.txt", ns=(before.st_atime_ns, before.st_mtime_ns))
+    changed = prepare(data, ws, max_seq_len=32)
+    assert changed.dir != p.dir and changed.meta["sources"][1]["sha256"] != p.meta["sources"][1]["sha256"]
+
+
+def test_progress_lines_give_mb_per_second_and_eta(tmp_path, monkeypatch):
+    monkeypatch.setattr(dataloader, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(dataloader, "PROGRESS_SECONDS", 0)
+    lines = []
+    prepare(_files(tmp_path, **{"a.txt": GOOD * 3}), tmp_path / "ws", max_seq_len=32, log=lines.append)
+    for what in ("validate", "encode"):
+        assert any(re.fullmatch(rf"prepare \| {what} [\d,]+/[\d,]+ MB \| \d+ MB/s \| ETA \d+ s", l) for l in lines)
+
+
+# The pre-tokenizer patterns of r50k/gpt2 and of cl100k (as tiktoken defines them); the encoding is
+# byte-level with a few merges, built here: the real ones download their files on first use.
+CL100K_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|"""
+                  r"""\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
+
+
+@pytest.mark.parametrize("pattern", ["r50k", "cl100k"])
+def test_tiktoken_chunks_encode_as_the_whole_file(tmp_path, monkeypatch, pattern):
+    tiktoken = pytest.importorskip("tiktoken")
+    from tiktoken_ext.openai_public import r50k_pat_str
+    ranks = {bytes([i]): i for i in range(256)}
+    for piece in (b"th", b"he", b"the", b" t", b" the", b"at", b" c", b"\n\n", b"in", b"  "):
+        ranks[piece] = len(ranks)
+    enc = tiktoken.Encoding("testbpe", pat_str=r50k_pat_str if pattern == "r50k" else CL100K_PATTERN,
+                            mergeable_ranks=ranks, special_tokens={"<|endoftext|>": len(ranks)})
+    real = tiktoken.get_encoding
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: enc if name == "testbpe" else real(name))
+    rng = random.Random(1)
+    words = ["the", "cat", "sat", "on", "mat.", "  ", "42", "café", "<|endoftext|>", "it's", "\n\n", "x"]
+    lines = ["w" + " ".join(rng.choice(words) for _ in range(rng.randint(1, 12))) + "z" for _ in range(400)]
+    texts = {"a.txt": "\n".join(lines[:250]) + "\n", "b.txt": "\n".join(lines[250:])}
+    monkeypatch.setattr(dataloader, "CHUNK_BYTES", 256)
+    p = prepare(_files(tmp_path, **texts), tmp_path / "ws", tokenizer="testbpe", val_fraction=0.2, max_seq_len=8,
+                workers=2)
+    eot = enc.eot_token
+    expected = [i for name in sorted(texts) for i in [eot] + enc.encode_ordinary(texts[name])]
+    ids = np.concatenate([p.tokens("train"), p.tokens("val")]).tolist()
+    assert ids == expected and p.meta["split"]["val_tokens"] == int(len(expected) * 0.2)
+    assert p.meta["split"]["val_chars"] == len(p.tokenizer().decode(p.tokens("val").tolist()))

@@ -1,0 +1,56 @@
+"""prepare's memory is bounded by its chunk size, not by the corpus (issue 11): a corpus twice the
+memory prepare may add is prepared under that limit, on two worker processes.
+
+The limit is RLIMIT_DATA (the process's private writable memory: heap, anonymous maps, thread
+stacks), set after the imports (torch maps far more address space than RLIMIT_AS would allow). The
+workers are forked, so they inherit it. The code before issue 11 held the corpus as bytes, str,
+UTF-32 and int64 (about 30x its size) and fails here with MemoryError.
+"""
+
+import json
+import subprocess
+import sys
+
+from conftest import REPO
+from experiment.dataloader import demo_lines
+
+CORPUS_MB = 72
+LIMIT_MB = 32  # what prepare may add to the data segment it starts with
+
+CHILD = r"""
+import json, resource, sys
+from pathlib import Path
+from experiment import dataloader
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+
+dataloader.CHUNK_BYTES = 1 << 20
+limit = status("VmData:") + int(sys.argv[3]) * 2**20
+resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+rss = status("VmRSS:")
+p = dataloader.prepare(Path(sys.argv[1]), Path(sys.argv[2]), max_seq_len=64, workers=2)
+print(json.dumps({"dir": str(p.dir), "rss_at_start": rss, "peak_rss": status("VmHWM:"),
+                  "worker_peak_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))
+"""
+
+
+def test_prepare_of_a_corpus_larger_than_its_memory_limit(tmp_path):
+    block = "".join(demo_lines(20_000)).encode()
+    data = tmp_path / "data"
+    data.mkdir()
+    with open(data / "sums.txt", "wb") as f:
+        for _ in range(CORPUS_MB * 2**20 // len(block)):
+            f.write(block)
+    size = (data / "sums.txt").stat().st_size
+    assert size > 2 * LIMIT_MB * 2**20
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(data), str(tmp_path / "ws"), str(LIMIT_MB)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["peak_rss"] - out["rss_at_start"] < LIMIT_MB * 2**20
+    assert out["worker_peak_rss"] < out["rss_at_start"] + LIMIT_MB * 2**20  # a worker shares the parent's pages
+    meta = json.loads((tmp_path / "ws/prepared" / out["dir"].rsplit("/", 1)[1] / "meta.json").read_text())
+    assert meta["split"]["train_tokens"] + meta["split"]["val_tokens"] == size + 1  # BOS + one id per character
