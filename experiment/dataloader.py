@@ -6,6 +6,12 @@
 Every input problem is found before anything is written: the prepared directory is built under a
 temp name and renamed into place only when complete, and it is keyed by a hash of the sources and
 the tokenizer settings, so a second prepare of the same data is a cache hit.
+
+The files are read in chunks (experiment/chunks.py), so memory stays bounded whatever the corpus
+size, and on every core: pass 1 validates each chunk and collects its characters while this
+process takes each file's sha256, pass 2 encodes the chunks straight into the final dtype. Files
+whose stat (path, size, mtime, ctime, inode) is unchanged since a prepare are a cache hit without
+being read.
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ VOCAB_MULTIPLE = 64  # padded vocab: matmul-friendly head shape, room for BOS
 DEMO_FILE = "arithmetic.txt"
 # Per chunk: a worker holds a few times this (bytes, text, ids), and 2 chunks per worker are in flight.
 CHUNK_BYTES = 8 << 20
+# At most this many workers (default: one per core): each holds ~50-100 MB, so memory stays near 2 GB on
+# a big box too; char prepare is then limited by this process's sha256 (~1.8 GB/s on the dev machine).
+MAX_WORKERS = 32
 PROGRESS_SECONDS = 5.0
 # A file whose mtime or ctime is this recent is not trusted to be identified by its stat (see _stat_trusted).
 STAT_TRUST_SECONDS = 2.0
@@ -126,7 +135,7 @@ class _FileScan:
 
     def __init__(self, path: Path, size: int):
         self.path, self.size, self.chunk_chars = path, size, []
-        self.ascii, self.codes, self.nul, self.outside = set(), [], None, None
+        self.ascii, self.codes, self.nul, self.outside = set(), chunks.NO_CODES, None, None
         self.sha = hashlib.sha256()
 
     def add(self, s: chunks.Scan) -> None:
@@ -136,7 +145,7 @@ class _FileScan:
             raise DataError(f"{self.path}: invalid UTF-8 at byte offset {offset} (line {line}): {reason}")
         self.chunk_chars.append(s.chars)
         self.ascii.update(s.ascii)
-        self.codes.append(s.codes)
+        self.codes = np.union1d(self.codes, s.codes)  # a running union: bounded by the vocabulary
         self.nul = self.nul if self.nul is not None else s.nul
         self.outside = self.outside or s.outside
 
@@ -257,32 +266,33 @@ def _scan(files: list[Path], stats, plans, alphabet: str | None, pool: chunks.Po
     return scans
 
 
-def _encode_chars(plans, chunk_chars, tok: CharTokenizer, dtype: str, n_train: int, tmp: Path, pool: chunks.Pool,
-                  progress: _Progress) -> list[int]:
+def _encode_chars(n_files: int, plans, chunk_chars, tok: CharTokenizer, dtype: str, n_train: int, tmp: Path,
+                  pool: chunks.Pool, progress: _Progress) -> list[int]:
     """Pass 2, characters: the stream's length and each chunk's place in it are known from pass 1, so
     each worker writes its chunk's ids straight into train.bin or val.bin; returns the tokens per file."""
     codes = np.frombuffer(tok.chars.encode("utf-32-le"), dtype=np.uint32)
     cc = chunks.CharCodes(bytes(codes[codes < 0x80].astype(np.uint8)), codes[codes >= 0x80], dtype)
-    places, counts, at = [], [0] * (plans[-1][0] + 1), 0
-    bos = np.array([tok.bos_id], dtype=dtype)
+    train, val = str(tmp / "train.bin"), str(tmp / "val.bin")
+    starts, counts, at = [], [0] * n_files, 0
     for (i, c), n in zip(plans, chunk_chars):
         if c.offset == 0:  # BOS before every file: the model learns where documents start
-            chunks.write_at(bos, chunks.Target(str(tmp / "train.bin"), str(tmp / "val.bin"), n_train, at))
+            chunks.write_at(np.array([tok.bos_id], dtype=dtype), chunks.Target(train, val, n_train, at))
             at, counts[i] = at + 1, counts[i] + 1
-        places.append(chunks.Target(str(tmp / "train.bin"), str(tmp / "val.bin"), n_train, at))
+        starts.append(at)
         at, counts[i] = at + n, counts[i] + n
-    tasks = ((c, cc, place) for (_, c), place in zip(plans, places))
-    for (i, c), n, written in zip(plans, chunk_chars, pool.ordered(chunks.encode_chars_into, tasks)):
+    tasks = ((c, cc, chunks.Target(train, val, n_train, start)) for (_, c), start in zip(plans, starts))
+    for (_, c), n, written in zip(plans, chunk_chars, pool.ordered(chunks.encode_chars_into, tasks)):
         if written != n:
             raise DataError(f"{c.path}: changed while being prepared; prepare again once it is written")
         progress.add(c.length)
     return counts
 
 
-def _encode_stream(plans, tok, dtype: str, out: Path, pool: chunks.Pool, progress: _Progress) -> list[int]:
+def _encode_stream(n_files: int, plans, tok, dtype: str, out: Path, pool: chunks.Pool,
+                   progress: _Progress) -> list[int]:
     """Pass 2, tiktoken: BOS then each file's tokens appended to `out` in order (how many, only the
     encoder knows); returns the tokens per file."""
-    counts = [0] * (plans[-1][0] + 1)
+    counts = [0] * n_files
     bos = np.array([tok.bos_id], dtype=dtype)
     tasks = ((c, tok.name, dtype) for _, c in plans)
     with open(out, "wb") as f:
@@ -333,8 +343,8 @@ def prepare(
     log=None,
 ) -> Prepared:
     """Validates and tokenizes data_dir into <workspace>/prepared/<hash>/, or finds it there.
-    workers: processes for the chunks (default: every core this process may use); log: where the
-    progress lines go (default: stderr)."""
+    workers: processes for the chunks (default: one per core this process may use, at most
+    MAX_WORKERS; 1 runs them in this process); log: where the progress lines go (default: stderr)."""
     if not 0 < val_fraction < 1:
         raise DataError(f"--val_fraction must be in (0, 1), got {val_fraction}")
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -349,7 +359,8 @@ def prepare(
             prepared = Prepared.load(final)
             check_seq_len(prepared.meta, max_seq_len, str(data_dir))
             return prepared
-    workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    workers = workers or min(MAX_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                             else os.cpu_count())
     plans = [(i, c) for i, p in enumerate(files) for c in chunks.plan(p, stats[i].st_size, CHUNK_BYTES)]
     with chunks.Pool(min(workers, len(plans))) as pool:
         scans = _scan(files, stats, plans, alphabet, pool, log)  # every error surfaces before any write
@@ -367,34 +378,44 @@ def prepare(
     return prepared
 
 
+def _tokens(tmp: Path, tok, dtype: str, files, stats, plans, scans, val_fraction: float, pool: chunks.Pool,
+            log) -> tuple[list[int], int]:
+    """Pass 2: tmp/train.bin and tmp/val.bin; returns the tokens per file and how many went to val."""
+    progress = _Progress("encode", sum(s.st_size for s in stats), log)
+    itemsize = np.dtype(dtype).itemsize
+    if isinstance(tok, CharTokenizer):
+        chunk_chars = [n for s in scans for n in s.chunk_chars]
+        n = len(files) + sum(chunk_chars)
+        n_val = int(n * val_fraction)
+        for split, tokens in (("train", n - n_val), ("val", n_val)):
+            with open(tmp / f"{split}.bin", "wb") as f:
+                f.truncate(tokens * itemsize)
+        return _encode_chars(len(files), plans, chunk_chars, tok, dtype, n - n_val, tmp, pool, progress), n_val
+    counts = _encode_stream(len(files), plans, tok, dtype, tmp / "train.bin", pool, progress)
+    n_val = int(sum(counts) * val_fraction)
+    _split_off_val(tmp / "train.bin", tmp / "val.bin", n_val, itemsize)
+    return counts, n_val
+
+
 def _write(files, stats, plans, scans, settings: dict, max_seq_len: int, final: Path, pool: chunks.Pool, where: str,
            log) -> Prepared:
     """Pass 2 into a temp directory next to `final`, renamed into place once complete."""
     tokenizer, alphabet, val_fraction = settings["tokenizer"], settings["alphabet"], settings["val_fraction"]
     if tokenizer == "char":
-        codes = sorted(set().union(*(s.ascii for s in scans)) | set(np.concatenate(
-            [c for s in scans for c in s.codes] + [chunks.NO_CODES]).tolist()))
+        codes = sorted(set().union(*(s.ascii for s in scans)) | set().union(*(s.codes.tolist() for s in scans)))
         tok = CharTokenizer("".join(map(chr, codes)))
     else:
         tok = TiktokenTokenizer(tokenizer)
-    dtype, itemsize = _dtype_for(tok.vocab_size), np.dtype(_dtype_for(tok.vocab_size)).itemsize
+    dtype = _dtype_for(tok.vocab_size)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    progress = _Progress("encode", sum(s.st_size for s in stats), log)
     try:
-        if tokenizer == "char":
-            chunk_chars = [n for s in scans for n in s.chunk_chars]
-            n = len(files) + sum(chunk_chars)
-            n_val = int(n * val_fraction)
-            for split, tokens in (("train", n - n_val), ("val", n_val)):
-                with open(tmp / f"{split}.bin", "wb") as f:
-                    f.truncate(tokens * itemsize)
-            counts = _encode_chars(plans, chunk_chars, tok, dtype, n - n_val, tmp, pool, progress)
-        else:
-            counts = _encode_stream(plans, tok, dtype, tmp / "train.bin", pool, progress)
-            n = sum(counts)
-            n_val = int(n * val_fraction)
-            _split_off_val(tmp / "train.bin", tmp / "val.bin", n_val, itemsize)
+        try:
+            counts, n_val = _tokens(tmp, tok, dtype, files, stats, plans, scans, val_fraction, pool, log)
+        except Exception:
+            _check_unchanged(files, stats)  # a file rewritten since pass 1 breaks pass 2: say that, if so
+            raise
+        n = sum(counts)
         meta = {
             "version": 1,
             "hash": final.name,
