@@ -157,6 +157,9 @@ def main(args) -> int:
         load = os.getloadavg()[0]
         wall, rss, pss, cpu, out = run_child(cmd, root)
         inner = float(re.search(r"in ([\d.]+) s", out).group(1))
+        for line in out.splitlines():
+            if line.startswith("prepare |"):  # the child's progress lines
+                print(f"  {line}")
         print(f"prepbench | cold prepare: {wall:.1f} s wall ({size / 1e6 / wall:.0f} MB/s), {inner:.1f} s inside "
               f"prepare() ({size / 1e6 / inner:.0f} MB/s) | peak RSS {rss / 1024:,.0f} MB (largest process; "
               f"python + imports alone: {base_rss / 1024:,.0f} MB) | peak PSS {pss / 1024:,.0f} MB (process tree) "
