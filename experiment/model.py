@@ -120,14 +120,20 @@ class KVSlots:
         self.v[:, dst] = self.v[:, src]
 
 
+# Decode attention spans a multiple of this many positions: a whole number of SIMD vectors, so the
+# masked tail never changes how the vector loops split a row's sums.
+DECODE_SPAN_STEP = 64
+
+
 def invariant_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.bmm (N, M, K) @ (N, K, P), each batch entry computed the same way whatever N.
 
-    A batch of one is run as two (the entry twice): the CPU BLAS runs a lone bf16 entry as a plain
-    GEMM that sums in another order than its batched kernel (11 rows in 4,096 differed in the last
-    bit); from two entries up each one is an independent product of fixed shape.
+    Each entry is an independent product of fixed shape, except that the CPU BLAS (oneDNN) runs a
+    lone bf16/fp16 entry as a plain GEMM that sums in another order (11 rows in 4,096 differed in
+    the last bit): such a batch of one runs as two, the entry twice. (fp32 goes to MKL, whose lone
+    entry matches; the tests check both.)
     """
-    if a.size(0) == 1:
+    if a.size(0) == 1 and a.dtype in (torch.bfloat16, torch.float16):
         return torch.bmm(a.expand(2, -1, -1), b.expand(2, -1, -1))[:1]
     return torch.bmm(a, b)
 
@@ -178,9 +184,9 @@ class Attention(nn.Module):
 
     def decode(self, x, cos, sin, cache: KVSlots, pos: torch.Tensor, hidden: torch.Tensor):
         """One new token for each of the cache's first B slots: x (B, 1, C), row b at position pos[b];
-        cos/sin (B, 1, 1, D/2); hidden (B, 1, 1, S) masks the positions after each row's own."""
+        cos/sin (B, 1, 1, D/2); hidden (B, 1, 1, span) masks the positions after each row's own."""
         B, _, C = x.shape
-        H, D, S = self.n_head, self.head_dim, cache.k.size(3)
+        H, D, span = self.n_head, self.head_dim, hidden.size(-1)
         q = rowwise_linear(x, self.c_q).view(B, 1, H, D).transpose(1, 2)  # (B, H, 1, D)
         k = rowwise_linear(x, self.c_k).view(B, 1, H, D).transpose(1, 2)
         v = rowwise_linear(x, self.c_v).view(B, 1, H, D).transpose(1, 2)
@@ -188,17 +194,18 @@ class Attention(nn.Module):
         rows = torch.arange(B, device=x.device)
         cache.k[self.layer, rows, :, pos] = k[:, :, 0]  # (B, H, D): each row's slot at its own position
         cache.v[self.layer, rows, :, pos] = v[:, :, 0]
-        keys = cache.k[self.layer, :B].flatten(0, 1)  # (B*H, S, D), a view
-        values = cache.v[self.layer, :B].flatten(0, 1)
-        # Every (row, head) attends over the whole context S, the positions after its own masked out,
-        # with bmm (one product per row and head): its sums have one length and one order whatever
-        # the batch, so a row's output never depends on the others. (SDPA per row over its own
-        # prefix is as exact but costs a kernel launch per row; a padding mask over the longest
-        # prefix in the batch changes the reduction with the batch.)
-        scores = invariant_bmm(q.reshape(B * H, 1, D), keys.transpose(1, 2)).view(B, H, 1, S)
+        keys = cache.k[self.layer, :B, :, :span].flatten(0, 1)  # (B*H, span, D), a view
+        values = cache.v[self.layer, :B, :, :span].flatten(0, 1)
+        # Every (row, head) is its own bmm entry over the first `span` positions, those after its own
+        # masked out. Its scores are dot products over D, whatever span; its masked positions add
+        # exact zeros at the end of the softmax and value sums, so its output is bit-identical for
+        # any span (a multiple of DECODE_SPAN_STEP) and any batch. (SDPA is not: its kernel splits the
+        # keys into blocks by length and rescales the partial sums. Per row over its own prefix it
+        # is exact, but then it costs a kernel launch per row.)
+        scores = invariant_bmm(q.reshape(B * H, 1, D), keys.transpose(1, 2)).view(B, H, 1, span)
         # fp32 softmax also under bf16 weights, as SDPA keeps its softmax in fp32
         probs = (scores.float() * D**-0.5).masked_fill(hidden, -float("inf")).softmax(dim=-1).to(values.dtype)
-        y = invariant_bmm(probs.view(B * H, 1, S), values).view(B, H, 1, D)
+        y = invariant_bmm(probs.view(B * H, 1, span), values).view(B, H, 1, D)
         return rowwise_linear(y.transpose(1, 2).reshape(B, 1, C), self.c_proj)
 
 
@@ -371,7 +378,9 @@ class GPT(nn.Module):
             raise ValueError(f"position {max(positions)} is past max_seq_len {self.config.max_seq_len}")
         device = self.wte.weight.device
         pos = torch.tensor(positions, device=device)
-        hidden = (torch.arange(self.config.max_seq_len, device=device) > pos[:, None])[:, None, None]  # (B, 1, 1, S)
+        # Attention reads the first `span` positions of every slot: the longest row's, rounded up.
+        span = min(self.config.max_seq_len, -(-(max(positions) + 1) // DECODE_SPAN_STEP) * DECODE_SPAN_STEP)
+        hidden = (torch.arange(span, device=device) > pos[:, None])[:, None, None]  # (B, 1, 1, span)
         cos, sin = self.rope_cos[pos][:, None, None], self.rope_sin[pos][:, None, None]  # (B, 1, 1, D/2)
         x = rms_norm(self.wte(torch.tensor(tokens, device=device)[:, None]))  # (B, 1, C)
         for block in self.blocks:
@@ -395,7 +404,6 @@ class _Member:
     top_k: int | None
     top_p: float | None
     generator: torch.Generator | None
-    allowed_vocab: int | None
 
 
 class Batch:
@@ -409,10 +417,9 @@ class Batch:
     no I/O: the caller schedules.
     """
 
-    def __init__(self, model: GPT, slots: int):
-        self.model = model
+    def __init__(self, model: GPT, slots: int, allowed_vocab: int | None = None):
+        self.model, self.slots, self.allowed_vocab = model, slots, allowed_vocab  # allowed_vocab: see generate
         self.cache = KVSlots(model.config, slots, model.wte.weight.device, model.wte.weight.dtype)
-        self.slots = slots
         self.rows: list[_Member] = []  # members[i] lives in slot i
         self._next_id = 0
 
@@ -422,13 +429,12 @@ class Batch:
 
     @torch.no_grad()
     def join(self, idx: list[int], temperature: float = 1.0, top_k: int | None = None,
-             generator: torch.Generator | None = None, allowed_vocab: int | None = None,
-             top_p: float | None = None) -> tuple[int, int]:
+             generator: torch.Generator | None = None, top_p: float | None = None) -> tuple[int, int]:
         if not idx:
             raise ValueError("a generation needs at least one prompt token")
         if not self.free:
             raise RuntimeError("every slot of the batch is taken")
-        member = _Member(self._next_id, list(idx), 0, temperature, top_k, top_p, generator, allowed_vocab)
+        member = _Member(self._next_id, list(idx), 0, temperature, top_k, top_p, generator)
         self._next_id += 1
         self.rows.append(member)
         ctx = self.model.config.max_seq_len
@@ -453,24 +459,29 @@ class Batch:
             if m.pos >= ctx:  # its cache is full: rebuilt alone, as generate does
                 out[m.id] = self._prefill(row, context_window(m.tokens, ctx, rebuild=True))
         logits = self.model.decode_step([m.tokens[-1] for m in self.rows], [m.pos for m in self.rows], self.cache)
-        for row, m in enumerate(self.rows):
-            # A member rebuilt above has its token; the decode of it just done (at the position its
-            # next step writes again) is discarded.
-            if m.id not in out:
-                m.pos += 1
-                out[m.id] = self._sample(m, logits[row : row + 1])
+        # A member rebuilt above has its token; its decode just done (at the position its next step
+        # writes again) is discarded.
+        rows = [row for row, m in enumerate(self.rows) if m.id not in out]
+        members = [self.rows[row] for row in rows]
+        for m in members:
+            m.pos += 1
+        if members:
+            tokens = self._sample(members, logits if len(rows) == len(self.rows) else logits[rows])
+            out.update((m.id, t) for m, t in zip(members, tokens))
         return out
 
     def _prefill(self, row: int, keep: list[int]) -> int:
         cache = self.cache.slot(row)
         logits = self.model(torch.tensor([keep], device=self.model.wte.weight.device), cache=cache)[:, -1]
         self.rows[row].pos = cache.pos
-        return self._sample(self.rows[row], logits)
+        return self._sample([self.rows[row]], logits)[0]
 
-    def _sample(self, m: _Member, logits: torch.Tensor) -> int:
-        token = sample_next(logits, m.temperature, m.top_k, m.generator, m.allowed_vocab, m.top_p)
-        m.tokens.append(token)
-        return token
+    def _sample(self, members: list[_Member], logits: torch.Tensor) -> list[int]:
+        tokens = sample_rows(logits, [m.temperature for m in members], [m.top_k for m in members],
+                             [m.top_p for m in members], [m.generator for m in members], self.allowed_vocab)
+        for m, token in zip(members, tokens):
+            m.tokens.append(token)
+        return tokens
 
 
 def sample_next(
@@ -484,22 +495,44 @@ def sample_next(
     """One token id from logits (1, V): greedy at temperature 0, else sampled from the softmax at
     `temperature`, restricted to the top_k most likely ids and then to the smallest set of them whose
     probability reaches top_p (nucleus sampling, Holtzman et al. 2019)."""
-    logits = logits[0].float()  # (V,)
+    return sample_rows(logits[:1], [temperature], [top_k], [top_p], [generator], allowed_vocab)[0]
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: list[float],
+    top_k: list[int | None],
+    top_p: list[float | None],
+    generator: list[torch.Generator | None],
+    allowed_vocab: int | None = None,
+) -> list[int]:
+    """sample_next for each row of logits (B, V), row b with its own settings and generator. A row's
+    token does not depend on the others: the shared ops are elementwise or per-row reductions, which
+    give a row the same bits alone or in a batch; top_k, top_p and the draw run row by row."""
+    logits = logits.float()
     if allowed_vocab is not None:
-        logits[allowed_vocab:] = -float("inf")
-    if temperature == 0:
-        return int(torch.argmax(logits))
-    logits = logits / temperature
-    if top_k is not None:
-        k = min(top_k, logits.size(-1))
-        kth = torch.topk(logits, k).values[-1]
-        logits = logits.masked_fill(logits < kth, -float("inf"))
-    probs = F.softmax(logits, dim=-1)
-    if top_p is not None and top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
-        outside = sorted_probs.cumsum(0) - sorted_probs >= top_p  # the mass before it already reaches top_p
-        probs = probs.index_fill(0, order[outside], 0.0)  # multinomial renormalizes
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+        logits[:, allowed_vocab:] = -float("inf")
+    B = logits.size(0)
+    hot = [b for b in range(B) if temperature[b] != 0]
+    tokens = logits.argmax(dim=-1).tolist() if len(hot) < B else [0] * B
+    if not hot:
+        return tokens
+    scaled = (logits if len(hot) == B else logits[hot]) / torch.tensor(
+        [float(temperature[b]) for b in hot], device=logits.device)[:, None]  # (n, V)
+    for i, b in enumerate(hot):
+        if top_k[b] is not None:
+            row = scaled[i]
+            kth = torch.topk(row, min(top_k[b], row.size(-1))).values[-1]
+            scaled[i] = row.masked_fill(row < kth, -float("inf"))
+    probs = F.softmax(scaled, dim=-1)
+    for i, b in enumerate(hot):
+        p = probs[i]
+        if top_p[b] is not None and top_p[b] < 1:
+            sorted_probs, order = p.sort(descending=True)
+            outside = sorted_probs.cumsum(0) - sorted_probs >= top_p[b]  # the mass before it already reaches top_p
+            p = p.index_fill(0, order[outside], 0.0)  # multinomial renormalizes
+        tokens[b] = int(torch.multinomial(p.cpu(), 1, generator=generator[b]))
+    return tokens
 
 
 # The trainer's and memory planner's names for the weights' dtype.

@@ -195,8 +195,8 @@ class Scheduler:
     join (each prefilled alone into its slot); every step gives each running request one token."""
 
     def __init__(self, model, slots: int, max_queue: int, allowed_vocab: int):
-        self.batch = Batch(model, slots)
-        self.max_queue, self.allowed_vocab = max_queue, allowed_vocab
+        self.batch = Batch(model, slots, allowed_vocab)
+        self.max_queue = max_queue
         self.waiting: deque[Job] = deque()
         self.idle = slots  # slots neither running nor promised to a job taken from the queue
         self.running: dict[int, Job] = {}  # Batch member id -> job; only the engine thread touches it
@@ -253,8 +253,7 @@ class Scheduler:
                 self._release(1)
                 continue
             r = job.req
-            member, token = self.batch.join(job.ids, r.temperature, r.top_k, job.generator, self.allowed_vocab,
-                                            r.top_p)
+            member, token = self.batch.join(job.ids, r.temperature, r.top_k, job.generator, r.top_p)
             self.running[member] = job
             self._deliver(member, token)
         for member in [m for m, job in self.running.items() if job.cancelled.is_set()]:

@@ -36,9 +36,10 @@ def prefilled(model: GPT, seqs: list[list[int]]) -> KVSlots:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_step_is_batch_invariant_and_agrees_with_forward(dtype):
-    model = tiny(seq=32).to(dtype)
+    model = tiny(seq=160).to(dtype)
     rng = random.Random(0)
-    seqs = [[rng.randrange(ALLOWED) for _ in range(n)] for n in (1, 7, 20, 32, 3)]  # one fills the context
+    # alone, these attend over spans of 64, 128 and 160 positions; together, all over 160
+    seqs = [[rng.randrange(ALLOWED) for _ in range(n)] for n in (1, 7, 70, 160, 130, 3)]  # one fills the context
     batched = model.decode_step([s[-1] for s in seqs], [len(s) - 1 for s in seqs], prefilled(model, seqs))
     for i, seq in enumerate(seqs):
         alone = model.decode_step([seq[-1]], [len(seq) - 1], prefilled(model, [seq]))
@@ -49,7 +50,7 @@ def test_decode_step_is_batch_invariant_and_agrees_with_forward(dtype):
         torch.testing.assert_close(batched[i], full, **({"atol": 1e-3, "rtol": 1e-4} if dtype == torch.float32
                                                         else {"atol": 2.0, "rtol": 0.05}))
     with pytest.raises(ValueError, match="max_seq_len"):
-        model.decode_step([1], [32], prefilled(model, [[1]]))
+        model.decode_step([1], [160], prefilled(model, [[1]]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -70,7 +71,7 @@ def test_rowwise_linear_gives_a_row_the_same_bits_in_any_batch(dtype):
 def run_schedule(model: GPT, requests: list[dict], slots: int, seed: int) -> list[list[int]]:
     """Requests join at random steps while others run, and leave at their own length."""
     rng = random.Random(seed)
-    batch = Batch(model, slots)
+    batch = Batch(model, slots, ALLOWED)
     waiting, running = list(range(len(requests))), {}
     outs = [[] for _ in requests]
 
@@ -86,7 +87,7 @@ def run_schedule(model: GPT, requests: list[dict], slots: int, seed: int) -> lis
             i = waiting.pop(0)
             r = requests[i]
             member, token = batch.join(r["prompt"], r["temperature"], r["top_k"], torch.Generator().manual_seed(r["seed"]),
-                                       ALLOWED, r["top_p"])
+                                       r["top_p"])
             running[member] = i
             take(member, token)
         if running:
@@ -95,21 +96,23 @@ def run_schedule(model: GPT, requests: list[dict], slots: int, seed: int) -> lis
     return outs
 
 
-def requests_for(seed: int, n: int = 10) -> list[dict]:
+def requests_for(seed: int, n: int = 10, longest: int = 45) -> list[dict]:
     rng = random.Random(seed)
-    return [{"prompt": [rng.randrange(ALLOWED) for _ in range(rng.randint(1, 24))], "n": rng.randint(1, 45),
+    return [{"prompt": [rng.randrange(ALLOWED) for _ in range(rng.randint(1, 24))], "n": rng.randint(1, longest),
              "temperature": (0.0, 1.0, 0.7, 1.5)[i % 4], "top_k": (None, 5, None)[i % 3],
              "top_p": (None, None, 0.9, 0.5, None)[i % 5], "seed": i} for i in range(n)]
 
 
-@pytest.mark.parametrize("slots", [3, 8])
-def test_batch_members_get_exactly_what_they_get_alone(slots):
-    model = tiny(seq=16)  # short context: most requests outgrow it, so caches are rebuilt mid-batch
-    requests = requests_for(slots)
+@pytest.mark.parametrize("slots,seq", [(3, 16), (8, 16), (5, 80)])
+def test_batch_members_get_exactly_what_they_get_alone(slots, seq):
+    # Context 16: most requests outgrow it, so caches are rebuilt mid-batch. Context 80: decode steps
+    # attend over 64 or 80 positions, by the longest member.
+    model = tiny(seq=seq)
+    requests = requests_for(slots, n=10, longest=5 * seq)
     batched = run_schedule(model, requests, slots, seed=slots)
     alone = [run_schedule(model, [r], 1, seed=0)[0] for r in requests]
     assert batched == alone
-    assert any(len(r["prompt"]) + r["n"] > 16 for r in requests)
+    assert any(len(r["prompt"]) + r["n"] > seq for r in requests)
     assert len({t for out in batched for t in out}) > 5  # not a degenerate model
 
 
