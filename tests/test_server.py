@@ -17,6 +17,7 @@ import pytest
 
 from conftest import REPO, TINY, run_train, write_corpus
 from experiment import checkpoint as ckpt
+from experiment import server as server_module
 from experiment.dataloader import demo_lines
 from experiment.server import MAX_BODY_BYTES, MAX_NEW_TOKENS, ServeConfig, load_engine, make_server
 
@@ -283,6 +284,42 @@ def test_a_burst_of_64_clients_all_get_an_http_answer(workspace):
     assert set(codes) <= {200, 503} and codes.count(200) >= 6  # at least the batch and the queue
     assert all(retry and int(retry) > 0 and "retry" in out["error"] for code, retry, out in answers if code == 503)
     assert all(out["tokens"] == 4 for code, _, out in answers if code == 200)
+
+
+def test_a_request_waiting_too_long_for_a_slot_gets_503(workspace, monkeypatch):
+    monkeypatch.setattr(server_module, "QUEUE_WAIT_SECONDS", 0.5)
+    with serving(workspace, max_batch=1) as (engine, port):
+        with raw_post(port, "/generate", {"prompt": "1+", "max_tokens": MAX_NEW_TOKENS, "stream": True}) as s:
+            while b"data: " not in s.recv(4096):  # the one slot is taken
+                pass
+            t0 = time.time()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.request("POST", "/v1/completions", body=json.dumps({"model": "d2", "prompt": "1+"}))
+            resp = conn.getresponse()
+            out = json.loads(resp.read())
+            assert resp.status == 503 and resp.getheader("Retry-After") == "2" and time.time() - t0 >= 0.5
+            assert out["error"]["type"] == "server_error" and out["error"]["code"] == "overloaded"
+        wait_until_idle(engine)
+        assert request(port, "POST", "/generate", {"prompt": "1+", "max_tokens": 3})[0] == 200
+
+
+def test_an_engine_failure_costs_the_requests_in_flight_not_the_server(server, monkeypatch):
+    engine, port = server
+    original = engine.scheduler.batch.step
+    calls = []
+
+    def failing_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return original()
+
+    monkeypatch.setattr(engine.scheduler.batch, "step", failing_once)
+    code, out = request(port, "POST", "/generate", {"prompt": "1+", "max_tokens": 5})
+    assert code == 500 and "internal error" in out["error"]
+    assert engine.scheduler.batch.free == engine.max_batch  # its slot was given back
+    code, out = request(port, "POST", "/generate", {"prompt": "1+", "max_tokens": 5})
+    assert code == 200 and out["tokens"] == 5
 
 
 def test_kv_cache_cap_sets_the_batch(workspace):
