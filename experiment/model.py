@@ -524,14 +524,14 @@ def sample_rows(
             row = scaled[i]
             kth = torch.topk(row, min(top_k[b], row.size(-1))).values[-1]
             scaled[i] = row.masked_fill(row < kth, -float("inf"))
-    probs = F.softmax(scaled, dim=-1)
+    probs = F.softmax(scaled, dim=-1).cpu()  # the draws use CPU generators: one copy, not one per row
     for i, b in enumerate(hot):
         p = probs[i]
         if top_p[b] is not None and top_p[b] < 1:
             sorted_probs, order = p.sort(descending=True)
             outside = sorted_probs.cumsum(0) - sorted_probs >= top_p[b]  # the mass before it already reaches top_p
             p = p.index_fill(0, order[outside], 0.0)  # multinomial renormalizes
-        tokens[b] = int(torch.multinomial(p.cpu(), 1, generator=generator[b]))
+        tokens[b] = int(torch.multinomial(p, 1, generator=generator[b]))
     return tokens
 
 
