@@ -364,7 +364,13 @@ class Engine:
             raise BadRequest('stream_options: null or {"include_usage": true|false}', param="stream_options")
         if options is not None and r["stream"] is not True:
             raise BadRequest("stream_options: only with stream true", param="stream_options")
-        r["prompt"] = body.get("prompt")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]  # some clients always send a list; one prompt is one choice
+        elif not isinstance(prompt, str):
+            raise BadRequest("prompt: required, a string (or a list of one string; batches of prompts and "
+                             "token arrays are not supported)", param="prompt")
+        r["prompt"] = prompt
         stop = r["stop"]
         if isinstance(stop, list) and not 1 <= len(stop) <= MAX_STOPS:
             raise BadRequest(f"stop: null, a string, or a list of 1..{MAX_STOPS} strings", param="stop")

@@ -377,9 +377,10 @@ def test_openai_models_and_completions(server):
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == choice["text"]
     assert chunks[-2]["choices"][0]["finish_reason"] == choice["finish_reason"]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == usage
-    # Defaults: OpenAI's max_tokens 16.
-    status, out = openai_post(port, {"model": model, "prompt": "1+"})
+    # Defaults: OpenAI's max_tokens 16. A list of one prompt is that prompt.
+    status, out = openai_post(port, {"model": model, "prompt": "1+", "seed": 1})
     assert status == 200 and out["usage"]["completion_tokens"] == 16 and out["choices"][0]["finish_reason"] == "length"
+    assert openai_post(port, {"model": model, "prompt": ["1+"], "seed": 1})[1]["choices"] == out["choices"]
 
 
 @pytest.mark.parametrize("body,status,param,code", [
