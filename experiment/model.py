@@ -420,7 +420,7 @@ class Batch:
     def __init__(self, model: GPT, slots: int, allowed_vocab: int | None = None):
         self.model, self.slots, self.allowed_vocab = model, slots, allowed_vocab  # allowed_vocab: see generate
         self.cache = KVSlots(model.config, slots, model.wte.weight.device, model.wte.weight.dtype)
-        self.rows: list[_Member] = []  # members[i] lives in slot i
+        self.rows: list[_Member] = []  # rows[i] lives in slot i
         self._next_id = 0
 
     @property
