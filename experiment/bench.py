@@ -5,6 +5,8 @@
     python -m experiment.bench fitprobe --depth 64 --world 8 --device_batch_sizes 1,2,4 [--seq 2048]
     python -m experiment.bench throughput --depth 4 --seq 256 --batch 8 [--aspect_ratio 64 --head_dim 128]
     python -m experiment.bench speedrun --data FILE --seconds 180 [--val_fraction 0.1]
+    python -m experiment.bench prepare --mb 100
+    python -m experiment.bench serve [--checkpoint PATH] --clients 1,8,32
     python -m experiment.bench gpucheck [--quick] [--workspace DIR] [--only env,correctness,...]
 
 generate: tokens/s for N generated tokens with the KV cache and with the naive path (a full forward
@@ -20,6 +22,10 @@ against the GPU's peak by name or, on CPU, against an fp32 matmul peak measured 
 speedrun: trains from scratch for exactly T seconds of budget with the recommended settings for the
 device (the trainer's defaults), then prints the val loss on the full val set and the val-loss curve
 against training seconds.
+prepare: a synthetic corpus of --mb MB prepared in a child process: MB/s, peak memory, cache-hit time
+(experiment/prepbench.py).
+serve: starts the server on a checkpoint and drives it with 1, 8, 32 clients at once: aggregate tok/s
+and p50/p95 latency per client count (experiment/loadtest.py).
 gpucheck: every CUDA path of the trainer on one GPU, PASS/WARN/FAIL per item with the numbers, in a
 report under $WORKSPACE/gpucheck/<timestamp>/ (experiment/gpucheck.py).
 """
@@ -39,7 +45,7 @@ from pathlib import Path
 import torch
 
 from experiment import checkpoint as ckpt
-from experiment import gpucheck
+from experiment import gpucheck, loadtest, prepbench
 from experiment.dataloader import Prepared
 from experiment.distributed import Dist, autocast_for, resolve_device, sync
 from experiment.files import default_workspace
@@ -218,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     sr.add_argument("--val_fraction", type=float, default=0.1)
     sr.add_argument("--workspace", default=None, help="default: a new temp directory")
     sr.add_argument("train_args", nargs="*", help="extra experiment.train flags after --, e.g. -- --depth 6")
+    prepbench.add_arguments(sub.add_parser("prepare", help="MB/s and peak memory of preparing a synthetic corpus"))
+    loadtest.add_arguments(sub.add_parser("serve", help="the server's aggregate tok/s and latency per client count"))
     gpucheck.add_arguments(sub.add_parser("gpucheck", help="prove a GPU box: every CUDA path, PASS/FAIL per item"))
     return parser
 
@@ -258,7 +266,7 @@ def cmd_generate(args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"generate": cmd_generate, "plan": cmd_plan, "fitprobe": cmd_fitprobe, "throughput": cmd_throughput,
-                "speedrun": cmd_speedrun, "gpucheck": gpucheck.main}
+                "speedrun": cmd_speedrun, "prepare": prepbench.main, "serve": loadtest.main, "gpucheck": gpucheck.main}
     return commands[args.command](args)
 
 

@@ -172,16 +172,18 @@ class CharCodes:
 
 @dataclass(frozen=True)
 class Target:
-    """Where ids go: position `at` of the token stream whose first n_train tokens are train.bin."""
+    """Where ids go: position `at` of a token stream whose first n_train tokens go to train.bin at
+    their position, the rest to val.bin from val_at on (a source's val part, after earlier sources')."""
     train: str
     val: str
     n_train: int
     at: int
+    val_at: int = 0
 
 
 def write_at(ids: np.ndarray, target: Target) -> None:
     k = max(0, min(len(ids), target.n_train - target.at))  # how many of ids fall in train
-    for path, part, at in ((target.train, ids[:k], target.at), (target.val, ids[k:], target.at + k - target.n_train)):
+    for path, part, at in ((target.train, ids[:k], target.at), (target.val, ids[k:], target.at + k - target.n_train + target.val_at)):
         if len(part):
             with open(path, "r+b") as f:
                 view, offset = memoryview(part).cast("B"), at * ids.itemsize

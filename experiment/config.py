@@ -49,6 +49,8 @@ class TrainConfig:
     data_dir: str | None = _opt("directory of *.txt (or one .txt); default $WORKSPACE/data, demo if empty")
     workspace: str | None = _opt("root of data, prepared, checkpoints, tensorboard "
                                  "(default /workspace/<project> if writable, else the repo)")
+    data_mix: str | None = _opt("source weights, e.g. web=0.65,code=0.34,math=0.01 (each *.txt or sub-directory "
+                                "of DATA_DIR is a source; default: by size)")
     prepared_dir: str | None = _opt("a directory that prepare made (the pre-flight passes it): opened as is, "
                                     "DATA_DIR not read")
     tokenizer: str = _opt("char, or a tiktoken encoding name", "char")

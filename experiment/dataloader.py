@@ -116,7 +116,8 @@ def tokenizer_from_meta(meta: dict):
 
 
 def list_sources(data_dir: Path) -> list[Path]:
-    """A directory's *.txt files (sorted, not recursive), or a single .txt file."""
+    """A directory's *.txt files and those under its sub-directories (sorted by relative path, so
+    each sub-directory's files are contiguous), or a single .txt file."""
     data_dir = Path(data_dir)
     if data_dir.is_file():
         if data_dir.suffix != ".txt":
@@ -124,10 +125,32 @@ def list_sources(data_dir: Path) -> list[Path]:
         return [data_dir]
     if not data_dir.is_dir():
         raise DataError(f"{data_dir}: data directory does not exist")
-    files = sorted(p for p in data_dir.glob("*.txt") if p.is_file())
+    files = sorted((p for p in data_dir.rglob("*.txt") if p.is_file()), key=lambda p: p.relative_to(data_dir).parts)
     if not files:
         raise DataError(f"{data_dir}: no *.txt files (expected UTF-8 text files)")
     return files
+
+
+def source_names(data_dir: Path, files: list[Path]) -> list[str]:
+    """Each file's source: a *.txt directly in data_dir is one, named by its stem; a sub-directory is
+    one, named by the sub-directory, whatever *.txt it holds."""
+    data_dir = Path(data_dir)
+    if data_dir.is_file():
+        return [data_dir.stem]
+    names = [p.stem if p.parent == data_dir else p.relative_to(data_dir).parts[0] for p in files]
+    kinds = {}
+    for p, name in zip(files, names):
+        kind = "file" if p.parent == data_dir else "directory"
+        if kinds.setdefault(name, kind) != kind:
+            raise DataError(f"{data_dir}: {name}.txt and the directory {name}/ would both be the source {name!r}; "
+                            "rename one")
+    return names
+
+
+def _relative_names(data_dir: Path, files: list[Path]) -> list[str]:
+    """Names in the prepared hash: a top-level file's name (as before sub-directories were sources)."""
+    data_dir = Path(data_dir)
+    return [p.name if data_dir.is_file() else str(p.relative_to(data_dir)) for p in files]
 
 
 class _FileScan:
@@ -190,7 +213,8 @@ def _dtype_for(vocab_size: int) -> str:
 
 
 def check_seq_len(meta: dict, max_seq_len: int, where: str) -> None:
-    """Each split must hold at least one full training sequence (max_seq_len + 1 tokens)."""
+    """Each split must hold at least one full training sequence (max_seq_len + 1 tokens); with
+    several sources, so must each source's val part (each source's loss is evaluated)."""
     need = max_seq_len + 1
     for split in ("train", "val"):
         have = meta["split"][f"{split}_tokens"]
@@ -198,6 +222,14 @@ def check_seq_len(meta: dict, max_seq_len: int, where: str) -> None:
             raise DataError(
                 f"{where}: the {split} split has {have:,} tokens, fewer than one sequence needs "
                 f"(max_seq_len + 1 = {need:,}); add text, lower --max_seq_len or change --val_fraction"
+            )
+    splits = meta.get("source_splits") or []
+    for s in splits if len(splits) > 1 else []:
+        have = s["val"][1] - s["val"][0]
+        if have < need:
+            raise DataError(
+                f"{where}: source {s['name']} gives {have:,} tokens to val, fewer than one sequence needs "
+                f"(max_seq_len + 1 = {need:,}); add text to it, lower --max_seq_len or raise --val_fraction"
             )
 
 
@@ -266,26 +298,57 @@ def _scan(files: list[Path], stats, plans, alphabet: str | None, pool: chunks.Po
     return scans
 
 
-def _encode_chars(n_files: int, plans, chunk_chars, tok: CharTokenizer, dtype: str, n_train: int, tmp: Path,
-                  pool: chunks.Pool, progress: _Progress) -> list[int]:
-    """Pass 2, characters: the stream's length and each chunk's place in it are known from pass 1, so
-    each worker writes its chunk's ids straight into train.bin or val.bin; returns the tokens per file."""
+def source_parts(names: list[str], counts: list[int], val_fraction: float) -> list[dict]:
+    """Per source (its files contiguous in the stream): where its tokens start in the stream, and the
+    [start, stop) of its first part in train.bin and of its last val_fraction in val.bin."""
+    parts, stream, train_at, val_at = [], 0, 0, 0
+    for name in dict.fromkeys(names):
+        n = sum(c for source, c in zip(names, counts) if source == name)
+        n_val = int(n * val_fraction)
+        parts.append({"name": name, "stream": stream, "train": [train_at, train_at + n - n_val],
+                      "val": [val_at, val_at + n_val]})
+        stream, train_at, val_at = stream + n, train_at + n - n_val, val_at + n_val
+    return parts
+
+
+def _target(train: str, val: str, part: dict, at: int) -> chunks.Target:
+    """Stream position `at` of source `part`: its train tokens first, then its val tokens."""
+    local = at - part["stream"]
+    return chunks.Target(train, val, part["train"][1], part["train"][0] + local, part["val"][0])
+
+
+def _encode_chars(names: list[str], plans, chunk_chars, tok: CharTokenizer, dtype: str, val_fraction: float,
+                  tmp: Path, pool: chunks.Pool, progress: _Progress) -> tuple[list[int], list[dict]]:
+    """Pass 2, characters: every file's length and each chunk's place are known from pass 1, so each
+    worker writes its chunk's ids straight into train.bin or val.bin; returns the tokens per file and
+    the source parts."""
     codes = np.frombuffer(tok.chars.encode("utf-32-le"), dtype=np.uint32)
     cc = chunks.CharCodes(bytes(codes[codes < 0x80].astype(np.uint8)), codes[codes >= 0x80], dtype)
+    counts = [0] * len(names)
+    for (i, _), n in zip(plans, chunk_chars):
+        counts[i] += n
+    counts = [n + 1 for n in counts]  # BOS before every file: the model learns where documents start
+    parts = source_parts(names, counts, val_fraction)
+    part_of = {p["name"]: p for p in parts}
+    itemsize = np.dtype(dtype).itemsize
+    for split in ("train", "val"):
+        with open(tmp / f"{split}.bin", "wb") as f:
+            f.truncate(sum(p[split][1] - p[split][0] for p in parts) * itemsize)
     train, val = str(tmp / "train.bin"), str(tmp / "val.bin")
-    starts, counts, at = [], [0] * n_files, 0
+    targets, at = [], 0
     for (i, c), n in zip(plans, chunk_chars):
-        if c.offset == 0:  # BOS before every file: the model learns where documents start
-            chunks.write_at(np.array([tok.bos_id], dtype=dtype), chunks.Target(train, val, n_train, at))
-            at, counts[i] = at + 1, counts[i] + 1
-        starts.append(at)
-        at, counts[i] = at + n, counts[i] + n
-    tasks = ((c, cc, chunks.Target(train, val, n_train, start)) for (_, c), start in zip(plans, starts))
+        part = part_of[names[i]]
+        if c.offset == 0:
+            chunks.write_at(np.array([tok.bos_id], dtype=dtype), _target(train, val, part, at))
+            at += 1
+        targets.append(_target(train, val, part, at))
+        at += n
+    tasks = ((c, cc, target) for (_, c), target in zip(plans, targets))
     for (_, c), n, written in zip(plans, chunk_chars, pool.ordered(chunks.encode_chars_into, tasks)):
         if written != n:
             raise DataError(f"{c.path}: changed while being prepared; prepare again once it is written")
         progress.add(c.length)
-    return counts
+    return counts, parts
 
 
 def _encode_stream(n_files: int, plans, tok, dtype: str, out: Path, pool: chunks.Pool,
@@ -315,9 +378,23 @@ def _split_off_val(train: Path, val: Path, n_val: int, itemsize: int, step: int 
         src.truncate(cut)
 
 
-def _decoded_chars(tok, val: Path, dtype: str, step: int = 1 << 22) -> int:
-    """len(tok.decode(val tokens)), a piece at a time (an incremental decoder joins split characters)."""
+def _split_sources(stream: Path, val: Path, parts: list[dict], itemsize: int, step: int = 1 << 26) -> None:
+    """Several sources: each one's train part stays in `stream` (compacted), its val part goes to `val`."""
+    compact = stream.with_suffix(".compact")
+    with open(stream, "rb") as src, open(compact, "wb") as train, open(val, "wb") as dst:
+        for p in parts:
+            n_train = p["train"][1] - p["train"][0]
+            for out, first, n in ((train, p["stream"], n_train), (dst, p["stream"] + n_train, p["val"][1] - p["val"][0])):
+                for start in range(first * itemsize, (first + n) * itemsize, step):
+                    out.write(os.pread(src.fileno(), min(step, (first + n) * itemsize - start), start))
+    os.replace(compact, stream)
+
+
+def _decoded_chars(tok, val: Path, dtype: str, start: int = 0, stop: int | None = None, step: int = 1 << 22) -> int:
+    """len(tok.decode(val tokens [start, stop))), a piece at a time (an incremental decoder joins split
+    characters)."""
     ids = np.memmap(val, dtype=dtype, mode="r") if val.stat().st_size else np.zeros(0, dtype)
+    ids = ids[start:stop]
     decoder, n = codecs.getincrementaldecoder("utf-8")(errors="replace"), 0
     for start in range(0, len(ids), step):
         piece = ids[start : start + step]
@@ -349,8 +426,11 @@ def prepare(
         raise DataError(f"--val_fraction must be in (0, 1), got {val_fraction}")
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     files = list_sources(data_dir)
+    names = source_names(data_dir, files)
     root = Path(workspace) / "prepared"
     settings = {"tokenizer": tokenizer, "alphabet": alphabet, "val_fraction": val_fraction}
+    if len(set(names)) > 1:  # each source's own val tail: another layout than the one-source stream's tail
+        settings["val"] = "per source"
     stats, stat_at = [p.stat() for p in files], time.time_ns()
     remembered = root / ".stat" / f"{_stat_key(settings, files, stats)}.json"
     if remembered.is_file():  # unchanged files: a hit without reading them
@@ -365,12 +445,13 @@ def prepare(
     with chunks.Pool(min(workers, len(plans))) as pool:
         scans = _scan(files, stats, plans, alphabet, pool, log)  # every error surfaces before any write
         digests = [s.sha.hexdigest() for s in scans]
-        key = hashlib.sha256(json.dumps([settings, [p.name for p in files], digests]).encode()).hexdigest()[:16]
+        key = hashlib.sha256(json.dumps([settings, _relative_names(data_dir, files), digests]).encode()).hexdigest()[:16]
         final = root / key
         if (final / "meta.json").exists():
             prepared = Prepared.load(final)
         else:
-            prepared = _write(files, stats, plans, scans, settings, max_seq_len, final, pool, str(data_dir), log)
+            prepared = _write(files, names, stats, plans, scans, settings, max_seq_len, final, pool, str(data_dir),
+                              log)
     _check_unchanged(files, stats)
     if _stat_trusted(stats, stat_at):
         atomic_write_json(remembered, {"hash": key})
@@ -378,27 +459,26 @@ def prepare(
     return prepared
 
 
-def _tokens(tmp: Path, tok, dtype: str, files, stats, plans, scans, val_fraction: float, pool: chunks.Pool,
-            log) -> tuple[list[int], int]:
-    """Pass 2: tmp/train.bin and tmp/val.bin; returns the tokens per file and how many went to val."""
+def _tokens(tmp: Path, tok, dtype: str, names: list[str], stats, plans, scans, val_fraction: float,
+            pool: chunks.Pool, log) -> tuple[list[int], list[dict]]:
+    """Pass 2: tmp/train.bin and tmp/val.bin, each source's last val_fraction in val (one source: the
+    tail of the stream); returns the tokens per file and the source parts."""
     progress = _Progress("encode", sum(s.st_size for s in stats), log)
     itemsize = np.dtype(dtype).itemsize
     if isinstance(tok, CharTokenizer):
         chunk_chars = [n for s in scans for n in s.chunk_chars]
-        n = len(files) + sum(chunk_chars)
-        n_val = int(n * val_fraction)
-        for split, tokens in (("train", n - n_val), ("val", n_val)):
-            with open(tmp / f"{split}.bin", "wb") as f:
-                f.truncate(tokens * itemsize)
-        return _encode_chars(len(files), plans, chunk_chars, tok, dtype, n - n_val, tmp, pool, progress), n_val
-    counts = _encode_stream(len(files), plans, tok, dtype, tmp / "train.bin", pool, progress)
-    n_val = int(sum(counts) * val_fraction)
-    _split_off_val(tmp / "train.bin", tmp / "val.bin", n_val, itemsize)
-    return counts, n_val
+        return _encode_chars(names, plans, chunk_chars, tok, dtype, val_fraction, tmp, pool, progress)
+    counts = _encode_stream(len(names), plans, tok, dtype, tmp / "train.bin", pool, progress)
+    parts = source_parts(names, counts, val_fraction)
+    if len(parts) == 1:
+        _split_off_val(tmp / "train.bin", tmp / "val.bin", parts[0]["val"][1], itemsize)
+    else:
+        _split_sources(tmp / "train.bin", tmp / "val.bin", parts, itemsize)
+    return counts, parts
 
 
-def _write(files, stats, plans, scans, settings: dict, max_seq_len: int, final: Path, pool: chunks.Pool, where: str,
-           log) -> Prepared:
+def _write(files, names, stats, plans, scans, settings: dict, max_seq_len: int, final: Path, pool: chunks.Pool,
+           where: str, log) -> Prepared:
     """Pass 2 into a temp directory next to `final`, renamed into place once complete."""
     tokenizer, alphabet, val_fraction = settings["tokenizer"], settings["alphabet"], settings["val_fraction"]
     if tokenizer == "char":
@@ -411,11 +491,15 @@ def _write(files, stats, plans, scans, settings: dict, max_seq_len: int, final: 
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         try:
-            counts, n_val = _tokens(tmp, tok, dtype, files, stats, plans, scans, val_fraction, pool, log)
+            counts, parts = _tokens(tmp, tok, dtype, names, stats, plans, scans, val_fraction, pool, log)
         except Exception:
             _check_unchanged(files, stats)  # a file rewritten since pass 1 breaks pass 2: say that, if so
             raise
-        n = sum(counts)
+        n, n_val = sum(counts), sum(p["val"][1] - p["val"][0] for p in parts)
+        for part in parts:  # bits per character need the characters behind each val token
+            part.pop("stream")
+            part["val_chars"] = (part["val"][1] - part["val"][0] if tokenizer == "char"
+                                 else _decoded_chars(tok, tmp / "val.bin", dtype, *part["val"]))
         meta = {
             "version": 1,
             "hash": final.name,
@@ -428,12 +512,13 @@ def _write(files, stats, plans, scans, settings: dict, max_seq_len: int, final: 
             "dtype": dtype,
             "alphabet": alphabet,
             "sources": [
-                {"path": str(p.resolve()), "sha256": s.sha.hexdigest(), "bytes": st.st_size, "tokens": count}
-                for p, s, st, count in zip(files, scans, stats, counts)
+                {"path": str(p.resolve()), "source": name, "sha256": s.sha.hexdigest(), "bytes": st.st_size,
+                 "tokens": count}
+                for p, name, s, st, count in zip(files, names, scans, stats, counts)
             ],
+            "source_splits": parts,  # per source: its [start, stop) in train.bin and in val.bin
             "split": {"val_fraction": val_fraction, "train_tokens": n - n_val, "val_tokens": n_val,
-                      # bits per character need the characters behind the val tokens
-                      "val_chars": n_val if tokenizer == "char" else _decoded_chars(tok, tmp / "val.bin", dtype)},
+                      "val_chars": sum(p["val_chars"] for p in parts)},
         }
         check_seq_len(meta, max_seq_len, where)
         _check_unchanged(files, stats)

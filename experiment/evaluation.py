@@ -17,20 +17,40 @@ def evaluate(model: GPT, prepared: Prepared, seq_len: int, batch_size: int, max_
              d: Dist) -> tuple[float, float]:
     """(val loss in nats/token, bits per character) over the first max_tokens of val, summed over all
     ranks, in the trainer's precision."""
+    split = prepared.meta["split"]
+    loss = _val_loss(model, prepared.tokens("val"), seq_len, batch_size, max_tokens, d)
+    return loss, loss / math.log(2) / (split["val_chars"] / split["val_tokens"])
+
+
+@torch.no_grad()
+def evaluate_sources(model: GPT, prepared: Prepared, seq_len: int, batch_size: int, max_tokens: int, d: Dist,
+                     weights: list[float]) -> tuple[float, float, dict[str, float]]:
+    """Per source (prepared.meta["source_splits"]): the loss over the first max_tokens x its weight
+    of its own val tokens (one window at least). Returns the weighted val loss, the weighted bits per
+    character, and each source's loss."""
+    val, losses, total, bpc = prepared.tokens("val"), {}, 0.0, 0.0
+    for source, w in zip(prepared.meta["source_splits"], weights):
+        a, b = source["val"]
+        loss = _val_loss(model, val[a:b], seq_len, batch_size, max(seq_len, int(max_tokens * w)), d)
+        losses[source["name"]] = loss
+        total += w * loss
+        bpc += w * loss / math.log(2) / (source["val_chars"] / (b - a))
+    return total, bpc, losses
+
+
+def _val_loss(model: GPT, tokens, seq_len: int, batch_size: int, max_tokens: int, d: Dist) -> float:
+    """Mean loss in nats/token over the first max_tokens of `tokens`, summed over all ranks."""
     autocast = autocast_for(d.device)
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=d.device)  # [sum of losses, tokens]
-    for x, y in val_batches(prepared.tokens("val"), seq_len, batch_size, max_tokens, d.rank, d.world_size):
+    for x, y in val_batches(tokens, seq_len, batch_size, max_tokens, d.rank, d.world_size):
         x, y = x.to(d.device), y.to(d.device)
         with autocast:
             total[0] += model(x, y, reduction="sum").double()
         total[1] += y.numel()
     d.all_reduce(total)
     model.train()
-    loss = (total[0] / total[1]).item()
-    split = prepared.meta["split"]
-    chars_per_token = split["val_chars"] / split["val_tokens"]
-    return loss, loss / math.log(2) / chars_per_token
+    return (total[0] / total[1]).item()
 
 
 def sample_text(model: GPT, prepared: Prepared, n_tokens: int) -> str:

@@ -27,6 +27,7 @@ from experiment.config import ConfigError, TrainConfig, parse_args, resolve
 from experiment.dataloader import DataError, Prepared, prepare, write_demo_corpus
 from experiment.distributed import resolve_device
 from experiment.files import atomic_write_json, default_workspace
+from experiment.mixture import MixError, source_weights
 from experiment.model import GPTConfig
 
 # A node other than 0 accepts node 0's plan if it was written at most this long before the node
@@ -114,12 +115,19 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
     if node_rank > 0:
         return wait_for_node0(plan_file, started, wait_minutes, log)
     prepared = prepare_data(cfg, workspace, log)
+    try:
+        weights = source_weights(prepared.meta, cfg.data_mix)
+    except MixError as e:
+        raise ConfigError(str(e)) from None
     config = model_config(cfg, prepared)
     resume_step = ckpt.pick_resume_step(run_dir, cfg.resume)
     if resume_step is not None:
         check_resume_target(run_dir, resume_step, config, prepared)
     for line in plan_lines(cfg, prepared, config, world_size, resume_step, run_dir):
         log(line)
+    for source, w in zip(prepared.meta.get("source_splits", []), weights or []):
+        log(f"preflight | source {source['name']} | weight {w:.3f}{' (DATA_MIX)' if cfg.data_mix else ' (by size)'} | "
+            f"{source['train'][1] - source['train'][0]:,} train, {source['val'][1] - source['val'][0]:,} val tokens")
     plan = {"prepared": str(prepared.dir), "resume_step": resume_step, "world_size": world_size,
             "written_at": time.time()}
     atomic_write_json(plan_file, plan)

@@ -14,6 +14,7 @@ from pathlib import Path
 from experiment.checkpoint import RunState
 from experiment.dataloader import DEMO_FILE, Prepared
 from experiment.evaluation import demo_accuracy, sample_text
+from experiment.mixture import epochs_per_source
 from experiment.model import GPT
 
 
@@ -48,17 +49,25 @@ class NullWriter:
 
 
 
-def report_eval(step: int, val_loss: float, val_bpc: float, st: RunState, model: GPT, prepared: Prepared,
-                sample_tokens: int, master: bool, log: RunLog, writer, run_dir: Path) -> None:
-    """The eval line, TensorBoard, metrics.jsonl, a sample and (on the demo corpus) its accuracy."""
+def report_eval(step: int, val_loss: float, val_bpc: float, by_source: dict[str, float] | None, st: RunState,
+                model: GPT, prepared: Prepared, sample_tokens: int, master: bool, log: RunLog, writer,
+                run_dir: Path) -> None:
+    """The eval line (with several sources, the weighted loss, then each source's), TensorBoard,
+    metrics.jsonl, a sample and (on the demo corpus) its accuracy."""
     best = f"{st.best_val:.4f} @ {st.best_step:06d}" if st.best_step >= 0 else "- (step 0 is not saved)"
     log(f"step {step:06d} | val_loss {val_loss:.4f} | val_bpc {val_bpc:.4f} | best {best}")
     writer.add_scalar("val/loss", val_loss, step)
     writer.add_scalar("val/bpc", val_bpc, step)
+    record = {"step": step, "used_seconds": round(st.used_seconds, 3), "tokens_seen": st.tokens_seen,
+              "val_loss": val_loss, "val_bpc": val_bpc}
+    if by_source:
+        log(f"step {step:06d} | val_loss by source | " + " | ".join(f"{n} {v:.4f}" for n, v in by_source.items()))
+        for name, loss in by_source.items():
+            writer.add_scalar(f"val/loss/{name}", loss, step)
+        record["val_loss_by_source"] = by_source
     if master:  # machine-readable curve: val loss against the budget seconds used
         with open(run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "used_seconds": round(st.used_seconds, 3), "tokens_seen": st.tokens_seen,
-                                "val_loss": val_loss, "val_bpc": val_bpc}) + "\n")
+            f.write(json.dumps(record) + "\n")
     if master and sample_tokens > 0:
         log(f"sample | {sample_text(model, prepared, sample_tokens)!r}")
         if any(Path(s["path"]).name == DEMO_FILE for s in prepared.meta["sources"]):
@@ -89,3 +98,23 @@ def planner_line(rate: float, seconds_left: float, step: int, tokens_seen: int, 
             f"steps, {total:,.0f} tokens in the {budget_h:.3f}h budget | {total / train_tokens:.2f} epochs | "
             f"{total / n_params:.1f} tokens/param")
 
+
+
+# Repeating data up to about 4 epochs is nearly as good as new data; beyond, returns fall off fast
+# (Muennighoff et al. 2023, "Scaling Data-Constrained Language Models").
+MAX_GOOD_EPOCHS = 4
+
+
+def source_epoch_lines(total_tokens: float, weights: list[float], splits: list[dict]) -> list[str]:
+    """Each source's epochs over the budget's projected tokens, and a warning for any source that
+    repeats more than MAX_GOOD_EPOCHS times."""
+    sizes = [s["train"][1] - s["train"][0] for s in splits]
+    epochs = epochs_per_source(total_tokens, weights, sizes)
+    lines = ["planner | epochs by source | " + " | ".join(
+        f"{s['name']} {w:.3f} of the mix, {e:.2f} epochs" for s, w, e in zip(splits, weights, epochs))]
+    for s, e in zip(splits, epochs):
+        if e > MAX_GOOD_EPOCHS:
+            lines.append(f"warning: source {s['name']} will be seen {e:.1f} times in the budget (more than "
+                         f"{MAX_GOOD_EPOCHS}: it will be memorized more than learned); give it a lower DATA_MIX "
+                         "weight or add text")
+    return lines

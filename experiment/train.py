@@ -33,13 +33,14 @@ from experiment.config import ConfigError, TrainConfig, checkpoint_meta, parse_a
 from experiment.dataloader import DataError, Prepared, TokenBatches
 from experiment.distributed import (PHASE_TIMEOUTS, Dist, ParentWatch, StopSignal, autocast_for, broadcast_object,
                                     resolve_device, setup_distributed)
-from experiment.evaluation import evaluate
+from experiment.evaluation import evaluate, evaluate_sources
 from experiment.files import default_workspace
 from experiment.memory import choose_memory_mode, find_device_batch
+from experiment.mixture import MixedBatches, MixError, source_weights
 from experiment.model import DTYPES, GPT, GPTConfig, build_model
 from experiment.optim import ShardedOptimizer, gradients_finite, lr_multiplier
 from experiment.probes import memory_gib, peak_flops
-from experiment.runlog import NullWriter, RunLog, log_crash, log_step, planner_line, report_eval
+from experiment.runlog import NullWriter, RunLog, log_crash, log_step, planner_line, report_eval, source_epoch_lines
 
 # The first steps after a (re)start hold torch.compile and allocator warm-up: tens of seconds on a
 # GPU, not a step's cost. They stay out of the throughput figures and the end-of-run reserve.
@@ -59,7 +60,8 @@ class Trainer:
     opt: ShardedOptimizer
     ddp: torch.nn.Module  # DDP-wrapped with more than one rank, else the model itself
     train_model: torch.nn.Module  # ddp, compiled when --compile is on
-    batches: TokenBatches
+    batches: TokenBatches | MixedBatches
+    weights: list[float] | None  # of the data's sources (DATA_MIX, else by size); None for one source
     writer: object  # a SummaryWriter on rank 0, else a NullWriter
     st: RunState  # the checkpointed state: step, tokens, budget used, best, measured durations
     resume_step: int | None
@@ -170,8 +172,8 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
             f"{st.used_seconds / 3600:.3f}h used, best {st.best_val:.4f} @ {st.best_step:06d}")
     if d.master:  # files of a save that a crash cut short; the loaded step is complete, so never these
         ckpt.remove_incomplete(run_dir)
-    batches = TokenBatches(prepared.tokens("train"), cfg.max_seq_len, cfg.device_batch_size, d.rank,
-                           d.world_size, cfg.seed, st.data_state)
+    weights = weights_of(prepared, cfg.data_mix)
+    batches = make_batches(cfg, d, prepared, weights, st.data_state, log)
     ddp = DDP(model, device_ids=[d.local_rank] if cuda else None, gradient_as_bucket_view=True) \
         if d.world_size > 1 else model
     use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda)
@@ -183,14 +185,39 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     budget_seconds = cfg.training_hours * 3600
     peak = peak_flops(torch.cuda.get_device_name(d.device)) if cuda else None
     grad_accum = cfg.total_batch_size // (cfg.device_batch_size * cfg.max_seq_len * d.world_size)
+    run_meta = checkpoint_meta(cfg, prepared, budget_seconds)
     t = Trainer(cfg, d, log, run_dir, prepared, model, opt, ddp, torch.compile(ddp) if use_compile else ddp, batches,
-                writer, st, resume_step, grad_accum, budget_seconds, checkpoint_meta(cfg, prepared, budget_seconds),
+                weights, writer, st, resume_step, grad_accum, budget_seconds, run_meta,
                 model.estimate_flops(cfg.max_seq_len), peak)
     log(f"model {model.num_params():,} params (d{cfg.depth}, width {model_config.n_embd}, "
         f"{model_config.n_head} heads) | {t.flops_per_token:.3e} FLOP/token | batch {cfg.device_batch_size} x "
         f"{cfg.max_seq_len} x {d.world_size} ranks x {t.grad_accum} accum = {cfg.total_batch_size:,} tokens/step | "
         f"budget {cfg.training_hours:.3f}h | tensorboard {workspace / 'tensorboard' / cfg.model_tag}")
     return t
+
+
+def weights_of(prepared: Prepared, data_mix: str | None) -> list[float] | None:
+    try:
+        return source_weights(prepared.meta, data_mix)
+    except MixError as e:
+        raise ConfigError(str(e)) from None
+
+
+def make_batches(cfg: TrainConfig, d: Dist, prepared: Prepared, weights: list[float] | None, state: dict | None,
+                 log: RunLog) -> TokenBatches | MixedBatches:
+    """With DATA_MIX over several sources, windows drawn by weight, each inside one source; else the
+    whole training stream's windows in a per-epoch permutation (sources weighted by size)."""
+    mixed = bool(cfg.data_mix) and weights is not None
+    if state is not None and ("positions" in state) != mixed:  # DATA_MIX set or unset since the checkpoint
+        log("data | DATA_MIX changed since the checkpoint: the data order starts afresh")
+        state = None
+    if not mixed:
+        return TokenBatches(prepared.tokens("train"), cfg.max_seq_len, cfg.device_batch_size, d.rank, d.world_size,
+                            cfg.seed, state)
+    ranges = [tuple(s["train"]) for s in prepared.meta["source_splits"]]
+    log("data | mixture " + ", ".join(f"{s['name']} {w:.3f}" for s, w in zip(prepared.meta["source_splits"], weights)))
+    return MixedBatches(prepared.tokens("train"), ranges, weights, cfg.max_seq_len, cfg.device_batch_size, d.rank,
+                        d.world_size, cfg.seed, state)
 
 
 def start_loop(t: Trainer) -> Loop:
@@ -251,16 +278,21 @@ def maybe_eval(t: Trainer, loop: Loop) -> bool:
     (every rank saw the same reduced val loss, so all agree)."""
     cfg, st, step = t.cfg, t.st, t.st.step
     t0 = time.time()
-    loop.val_loss, val_bpc = evaluate(t.model, t.prepared, cfg.max_seq_len, cfg.device_batch_size, cfg.eval_tokens,
-                                      t.d)
+    if t.weights:
+        loop.val_loss, val_bpc, by_source = evaluate_sources(t.model, t.prepared, cfg.max_seq_len,
+                                                             cfg.device_batch_size, cfg.eval_tokens, t.d, t.weights)
+    else:
+        loop.val_loss, val_bpc = evaluate(t.model, t.prepared, cfg.max_seq_len, cfg.device_batch_size,
+                                          cfg.eval_tokens, t.d)
+        by_source = None
     loop.last_eval_step, loop.last_eval_time = step, time.time()
     loop.previous_best = (st.best_val, st.best_step, st.evals_since_best)
     if step > 0 and loop.val_loss < st.best_val:
         st.best_val, st.best_step, st.evals_since_best = loop.val_loss, step, 0
     elif step > 0:
         st.evals_since_best += 1
-    report_eval(step, loop.val_loss, val_bpc, st, t.model, t.prepared, cfg.sample_tokens, t.d.master, t.log, t.writer,
-                t.run_dir)
+    report_eval(step, loop.val_loss, val_bpc, by_source, st, t.model, t.prepared, cfg.sample_tokens, t.d.master,
+                t.log, t.writer, t.run_dir)
     stop = bool(cfg.early_stop_evals and st.evals_since_best >= cfg.early_stop_evals)
     if stop:
         t.log(f"early stop: {st.evals_since_best} evals without improvement")
@@ -373,9 +405,12 @@ def record_step(t: Trainer, loop: Loop, loss_sum: torch.Tensor, mult: float, t0:
     if not loop.planned and loop.measured_time > 0 and st.step - (t.resume_step or 0) >= 10:
         loop.planned = True
         left = max(t.budget_seconds - st.used_seconds - loop.reserve_seconds, 0)
-        t.log(planner_line(loop.measured_tokens / loop.measured_time, left, st.step + 1, st.tokens_seen,
-                           cfg.total_batch_size, cfg.training_hours, t.prepared.meta["split"]["train_tokens"],
-                           t.model.num_params()))
+        rate = loop.measured_tokens / loop.measured_time
+        t.log(planner_line(rate, left, st.step + 1, st.tokens_seen, cfg.total_batch_size, cfg.training_hours,
+                           t.prepared.meta["split"]["train_tokens"], t.model.num_params()))
+        if t.weights:
+            for line in source_epoch_lines(st.tokens_seen + rate * left, t.weights, t.prepared.meta["source_splits"]):
+                t.log(line)
 
 
 def finish(t: Trainer, loop: Loop) -> None:

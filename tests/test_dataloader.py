@@ -64,11 +64,16 @@ def test_prepare_vocab_split_and_cache(tmp_path):
     p = prepare(data, ws, val_fraction=0.1, max_seq_len=32)
     m = p.meta
     assert m["chars"] == "\nabcxyz" and m["vocab_size"] == 64 and m["dtype"] == "uint8"
-    ids = np.concatenate([p.tokens("train"), p.tokens("val")])
-    assert len(ids) == 2 + 1200 + 800 and m["split"]["val_tokens"] == int(len(ids) * 0.1)
+    # Two sources (a, b): each gives its own last 10% to val, so both are measured.
+    train, val = p.tokens("train"), p.tokens("val")
+    streams = [np.concatenate([train[slice(*s["train"])], val[slice(*s["val"])]]) for s in m["source_splits"]]
+    assert [s["name"] for s in m["source_splits"]] == ["a", "b"] and [len(s) for s in streams] == [1201, 801]
+    assert [s["val"][1] - s["val"][0] for s in m["source_splits"]] == [120, 80] == [s["val_chars"] for s in
+                                                                                   m["source_splits"]]
+    assert len(train) + len(val) == 2 + 1200 + 800 and m["split"]["val_tokens"] == 200
     tok = p.tokenizer()
-    assert ids[0] == tok.bos_id and ids[1201] == tok.bos_id  # BOS opens every file
-    assert tok.decode(ids[1:1201].tolist()) == "abc\n" * 300
+    assert streams[0][0] == tok.bos_id and streams[1][0] == tok.bos_id  # BOS opens every file
+    assert tok.decode(streams[0][1:].tolist()) == "abc\n" * 300 and tok.decode(streams[1][1:].tolist()) == "xyz\n" * 200
     assert [s["tokens"] for s in m["sources"]] == [1201, 801]
     mtime = (p.dir / "train.bin").stat().st_mtime_ns
     again = prepare(data, ws, val_fraction=0.1, max_seq_len=32)
@@ -178,6 +183,18 @@ def _random_text(rng, n):
     return "".join(rng.choice(MIXED) for _ in range(n))
 
 
+def _stream(p) -> np.ndarray:
+    """The token stream in file order: each source's train part, then its val part (its last tokens)."""
+    train, val = p.tokens("train"), p.tokens("val")
+    return np.concatenate([np.concatenate([train[slice(*s["train"])], val[slice(*s["val"])]])
+                           for s in p.meta["source_splits"]])
+
+
+def _val_tokens(p, fraction: float) -> int:
+    return sum(int((s["train"][1] - s["train"][0] + s["val"][1] - s["val"][0]) * fraction)
+               for s in p.meta["source_splits"])
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_chunked_prepare_gives_the_whole_file_encoding(tmp_path, monkeypatch, seed):
     rng = random.Random(seed)
@@ -187,8 +204,10 @@ def test_chunked_prepare_gives_the_whole_file_encoding(tmp_path, monkeypatch, se
     chars = sorted(set("".join(texts.values())))
     expected = [i for name in sorted(texts) for i in [0] + [chars.index(c) + 1 for c in texts[name]]]
     assert p.meta["chars"] == "".join(chars) and p.meta["dtype"] == "uint8"
-    assert np.concatenate([p.tokens("train"), p.tokens("val")]).tolist() == expected
-    assert p.meta["split"]["val_tokens"] == len(p.tokens("val")) == int(len(expected) * 0.1)
+    assert _stream(p).tolist() == expected
+    assert p.meta["split"]["val_tokens"] == len(p.tokens("val")) == _val_tokens(p, 0.1)
+    assert [len(texts[n]) + 1 for n in sorted(texts)] == [sum(map(lambda r: r[1] - r[0], (s["train"], s["val"])))
+                                                         for s in p.meta["source_splits"]]
     assert [s["tokens"] for s in p.meta["sources"]] == [len(texts[n]) + 1 for n in sorted(texts)]
 
 
@@ -309,6 +328,32 @@ def test_tiktoken_chunks_encode_as_the_whole_file(tmp_path, monkeypatch, pattern
                 workers=2)
     eot = enc.eot_token
     expected = [i for name in sorted(texts) for i in [eot] + enc.encode_ordinary(texts[name])]
-    ids = np.concatenate([p.tokens("train"), p.tokens("val")]).tolist()
-    assert ids == expected and p.meta["split"]["val_tokens"] == int(len(expected) * 0.2)
-    assert p.meta["split"]["val_chars"] == len(p.tokenizer().decode(p.tokens("val").tolist()))
+    ids = _stream(p).tolist()
+    assert ids == expected and p.meta["split"]["val_tokens"] == _val_tokens(p, 0.2)
+    val = p.tokens("val")
+    assert p.meta["split"]["val_chars"] == sum(len(p.tokenizer().decode(val[slice(*s["val"])].tolist()))
+                                               for s in p.meta["source_splits"])
+
+
+def test_each_file_or_sub_directory_is_a_source_with_its_own_val_tail(tmp_path):
+    data = _files(tmp_path, **{"web.txt": "abc\n" * 300})
+    (data / "code").mkdir()
+    (data / "code" / "x.txt").write_text("xyz\n" * 100)
+    (data / "code" / "y.txt").write_text("xy\n" * 100)
+    p = prepare(data, tmp_path / "ws", val_fraction=0.1, max_seq_len=16)
+    splits = p.meta["source_splits"]
+    assert [s["name"] for s in splits] == ["code", "web"]
+    assert [s["source"] for s in p.meta["sources"]] == ["code", "code", "web"]
+    assert [s["val"][1] - s["val"][0] for s in splits] == [int(0.1 * (401 + 301)), int(0.1 * 1201)]
+    tok, val = p.tokenizer(), p.tokens("val")
+    assert tok.decode(val[slice(*splits[1]["val"])].tolist()) == ("abc\n" * 300)[-120:]  # web's own tail
+    (data / "web").mkdir()
+    (data / "web" / "z.txt").write_text("abc\n")
+    with pytest.raises(DataError, match=r"web.txt and the directory web/ would both be the source 'web'"):
+        prepare(data, tmp_path / "ws", max_seq_len=16)
+
+
+def test_a_source_too_small_for_one_val_sequence_is_named(tmp_path):
+    data = _files(tmp_path, **{"big.txt": "abc\n" * 1000, "tiny.txt": "xyz\n" * 20})
+    with pytest.raises(DataError, match=r"source tiny gives 8 tokens to val, fewer than one sequence needs"):
+        prepare(data, tmp_path / "ws", val_fraction=0.1, max_seq_len=16)

@@ -1,6 +1,7 @@
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,6 +196,7 @@ def _launch(tmp_path, **env):
     ({"DATA_DIR": "empty"}, "empty: no *.txt files"),
     ({"TOTAL_BATCH_SIZE": "100"}, "--total_batch_size 100 is not a multiple of max_seq_len 32 x world size 2"),
     ({"RESUME": "7"}, "--resume 7: no complete checkpoint at that step"),
+    ({"DATA_MIX": "web=1"}, "DATA_MIX names 'web', which is no source"),
 ])
 def test_a_users_error_under_a_2_rank_launch_exits_2_before_torchrun(tmp_path, env, message):
     (tmp_path / "empty").mkdir()
@@ -234,3 +236,49 @@ def test_a_node_other_than_0_waits_for_node_0s_plan(tmp_path, capsys):
     finally:
         timer.cancel()
     assert plan["prepared"] == "new"
+
+
+def _two_sources(parent):
+    """Two sources that differ: sums (digits) and a text of letters, so their losses differ."""
+    from conftest import write_corpus
+
+    d = write_corpus(parent)
+    (d / "words").mkdir()
+    (d / "words" / "a.txt").write_text("the cat sat on the mat\n" * 1500)
+    return d
+
+
+def test_data_mix_continues_exactly_across_a_resume_from_2_ranks_to_1(tmp_path):
+    data = _two_sources(tmp_path)
+    args = [*TINY, "--data_dir", data, "--max_steps", 6, "--save_every_steps", 3, "--total_batch_size", 256,
+            "--data_mix", "sums=0.2,words=0.8", "--eval_every_steps", 3]
+    reference = run_train([*args, "--workspace", tmp_path / "ref"], nproc=2)
+    assert "data | mixture sums 0.200, words 0.800" in reference.stdout
+    run_dir = tmp_path / "resumed/checkpoints/d2"
+    run_dir.mkdir(parents=True)
+    for p in (tmp_path / "ref/checkpoints/d2").iterdir():
+        if "_000003" in p.name:
+            shutil.copy(p, run_dir / p.name)
+    run_train([*args, "--workspace", tmp_path / "resumed"], nproc=1)
+    ref, got = (ckpt.load_model_state(ws / "checkpoints/d2", 6) for ws in (tmp_path / "ref", tmp_path / "resumed"))
+    assert all(torch.equal(ref[n], got[n]) for n in ref)  # the same windows, in the same order
+    assert run_meta(tmp_path / "resumed", 6)["data_positions"][0] == run_meta(tmp_path / "ref", 6)["data_positions"][0]
+    assert run_meta(tmp_path / "ref", 6)["data_positions"][0]["cursor"] == 6 * 256 // 32
+
+
+def test_each_source_gets_its_own_val_loss_and_the_total_is_weighted(tmp_path):
+    data = _two_sources(tmp_path)
+    proc = run_train([*TINY, "--data_dir", data, "--workspace", tmp_path, "--max_steps", 4, "--total_batch_size", 256])
+    line = next(l for l in proc.stdout.splitlines() if "val_loss by source" in l)
+    assert re.search(r"\| sums \d+\.\d{4} \| words \d+\.\d{4}$", line), line
+    record = json.loads((tmp_path / "checkpoints/d2/metrics.jsonl").read_text().splitlines()[-1])
+    splits = ckpt.read_meta(tmp_path / "checkpoints/d2", 4)
+    sizes = {"sums": 0, "words": 0}
+    for name in sizes:
+        s = next(s for s in json.loads((Path(splits["prepared"]["dir"]) / "meta.json").read_text())["source_splits"]
+                 if s["name"] == name)
+        sizes[name] = s["train"][1] - s["train"][0]
+    weights = {n: v / sum(sizes.values()) for n, v in sizes.items()}  # no DATA_MIX: by size
+    by_source = record["val_loss_by_source"]
+    assert by_source["sums"] != pytest.approx(by_source["words"], abs=0.01)
+    assert record["val_loss"] == pytest.approx(sum(weights[n] * by_source[n] for n in by_source), rel=1e-9)
