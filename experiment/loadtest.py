@@ -6,9 +6,10 @@ Starts `python -m experiment.server` on the checkpoint (default: the newest run'
 its own, so the clients' threads never hold the server's interpreter lock (or targets a running one
 with --url). For each client count, that many clients each send --requests sampled completions of
 exactly --tokens tokens to POST /generate (more where the count's total would fall short of
---min_requests), back to back on one keep-alive connection, all starting together. Per count: aggregate tok/s (completion tokens of every request / wall time from the first
-send to the last answer) and p50/p95 of the per-request latency (send to last byte), each also as a
-ratio to the first count's. Any answer other than 200 is counted and makes the exit status 1.
+--min_requests), back to back on one keep-alive connection, all starting together. Per count: aggregate
+tok/s (completion tokens of every request / wall time from the first send to the last answer) and p50/p95
+of the per-request latency (send to last byte), each also as a ratio to the first count's. Any answer
+other than 200 is counted and makes the exit status 1.
 """
 
 from __future__ import annotations
@@ -146,9 +147,10 @@ def _measure(host: str, port: int, counts: list[int], args) -> int:
     info = json.loads(conn.getresponse().read())
     conn.close()
     c = info["model_config"]
+    batch = info.get("batching", {}).get("max_batch", "-")  # a server from before batching (--url) has none
     print(f"loadtest | {info['checkpoint']} | d{c['depth']} width {c['depth'] * c['aspect_ratio']} ctx "
-          f"{c['max_seq_len']} | {info['num_params']:,} params | {info['device']} {info['dtype']} | max_batch "
-          f"{info['batching']['max_batch']} | {args.tokens} tokens per request, temperature {args.temperature}, "
+          f"{c['max_seq_len']} | {info['num_params']:,} params | {info['device']} {info.get('dtype', '?')} | "
+          f"max_batch {batch} | {args.tokens} tokens per request, temperature {args.temperature}, "
           f"{args.requests} requests per client, at least {args.min_requests} per count", flush=True)
     Client(host, port).complete({"prompt": args.prompt, "max_tokens": args.tokens, "seed": 0})  # warm-up
     rows, failed = [], 0
@@ -158,7 +160,8 @@ def _measure(host: str, port: int, counts: list[int], args) -> int:
         rows.append(r)
         failed += r["failed"]
         print(f"loadtest | clients {n:3d} | {r['requests']:4d} requests ({r['failed']} failed) | {r['tokens']:7,d} "
-              f"tokens in {r['seconds']:6.2f}s | {r['tok_per_s']:8,.1f} tok/s ({r['tok_per_s'] / base['tok_per_s']:4.1f}x) "
+              f"tokens in {r['seconds']:6.2f}s | {r['tok_per_s']:8,.1f} tok/s "
+              f"({r['tok_per_s'] / base['tok_per_s']:4.1f}x) "
               f"| latency p50 {r['p50_s']:6.2f}s p95 {r['p95_s']:6.2f}s ({r['p95_s'] / base['p95_s']:4.1f}x) "
               f"| ratios vs {base['clients']} client(s)", flush=True)
     return 1 if failed else 0
