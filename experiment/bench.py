@@ -171,7 +171,7 @@ def cmd_speedrun(args) -> int:
     prepared = Prepared.load(meta["prepared"]["dir"])
     # The trainer's own eval, over every whole window of the val split.
     seq, n_val = model.config.max_seq_len, len(prepared.tokens("val"))
-    loss, _ = evaluate(model, prepared, seq, 16, n_val, Dist(0, 0, 1, torch.device("cpu")))
+    loss, _, _ = evaluate(model, prepared, seq, 16, n_val, Dist(0, 0, 1, torch.device("cpu")))
     n = (n_val - 1) // seq * seq
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)

@@ -273,20 +273,7 @@ def save_checkpoint(run_dir: Path, model: GPT, opt: ShardedOptimizer, data_state
     Returns False on every rank if any rank failed to write (disk full, say): the step stays
     incomplete, its files are removed, and the checkpoints before it are untouched.
     """
-    error = None
-    try:
-        state = strip_compile_prefix(model.state_dict())
-        if d.world_size == 1:
-            atomic_torch_save(model_path(run_dir, st.step), state)
-        else:  # every rank writes what it owns: no rank writes (and no rank waits on) the whole model
-            atomic_torch_save(model_part_path(run_dir, st.step, d.rank), model_part(state, opt.owner, d.rank))
-        rng = {"cpu": torch.get_rng_state()}
-        if d.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(d.device)
-        atomic_torch_save(optim_path(run_dir, st.step, d.rank), {**opt.shard_state(), "rng": rng})
-    except OSError as e:
-        error = e
-        print(f"[rank {d.rank}] error: writing checkpoint step {st.step:06d} failed: {e}", file=sys.stderr, flush=True)
+    error = _write_rank_files(run_dir, st.step, model, opt, d)
     positions = [None] * d.world_size
     if d.world_size > 1:
         dist.all_gather_object(positions, data_state)
@@ -310,6 +297,24 @@ def save_checkpoint(run_dir: Path, model: GPT, opt: ShardedOptimizer, data_state
             remove_incomplete(run_dir)
             log(f"error: checkpoint step {st.step:06d} not saved (meta: {e}); earlier checkpoints are kept")
     return all_ranks_ok(ok, d)
+
+
+def _write_rank_files(run_dir: Path, step: int, model: GPT, opt: ShardedOptimizer, d: Dist) -> OSError | None:
+    """This rank's model file or part and its optimizer shard (with the RNG states); the error, if any."""
+    try:
+        state = strip_compile_prefix(model.state_dict())
+        if d.world_size == 1:
+            atomic_torch_save(model_path(run_dir, step), state)
+        else:  # every rank writes what it owns: no rank writes (and no rank waits on) the whole model
+            atomic_torch_save(model_part_path(run_dir, step, d.rank), model_part(state, opt.owner, d.rank))
+        rng = {"cpu": torch.get_rng_state()}
+        if d.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(d.device)
+        atomic_torch_save(optim_path(run_dir, step, d.rank), {**opt.shard_state(), "rng": rng})
+    except OSError as e:
+        print(f"[rank {d.rank}] error: writing checkpoint step {step:06d} failed: {e}", file=sys.stderr, flush=True)
+        return e
+    return None
 
 
 def _write_meta(run_dir: Path, model: GPT, st: RunState, val_loss: float | None, run_meta: dict,

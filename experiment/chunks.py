@@ -178,12 +178,13 @@ class Target:
     val: str
     n_train: int
     at: int
-    val_at: int = 0
+    val_at: int
 
 
 def write_at(ids: np.ndarray, target: Target) -> None:
     k = max(0, min(len(ids), target.n_train - target.at))  # how many of ids fall in train
-    for path, part, at in ((target.train, ids[:k], target.at), (target.val, ids[k:], target.at + k - target.n_train + target.val_at)):
+    val_at = target.at + k - target.n_train + target.val_at
+    for path, part, at in ((target.train, ids[:k], target.at), (target.val, ids[k:], val_at)):
         if len(part):
             with open(path, "r+b") as f:
                 view, offset = memoryview(part).cast("B"), at * ids.itemsize
@@ -221,7 +222,7 @@ def encode_tiktoken(task: tuple[Chunk, str, str]) -> np.ndarray:
     chunk, encoding, dtype = task
     import tiktoken
 
-    enc = tiktoken.get_encoding(encoding)  # cached per process; the parent loaded it before forking
+    enc = tiktoken.get_encoding(encoding)  # cached per process (each worker loads it once, from tiktoken's disk cache)
     # disallowed_special=() with no special allowed: special-token text is plain text, as encode_ordinary
     return enc.encode_to_numpy(read(chunk).decode("utf-8"), disallowed_special=()).astype(dtype)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -45,7 +46,7 @@ MAX_WORKERS = 32
 PROGRESS_SECONDS = 5.0
 # A file whose mtime or ctime is this recent is not trusted to be identified by its stat (see _stat_trusted).
 STAT_TRUST_SECONDS = 2.0
-STAT_KEY_VERSION = 1
+STAT_KEY_VERSION = 2
 
 
 class DataError(Exception):
@@ -117,7 +118,8 @@ def tokenizer_from_meta(meta: dict):
 
 def list_sources(data_dir: Path) -> list[Path]:
     """A directory's *.txt files and those under its sub-directories (sorted by relative path, so
-    each sub-directory's files are contiguous), or a single .txt file."""
+    each sub-directory's files are contiguous), or a single .txt file. Hidden directories
+    (.ipynb_checkpoints, .git) are skipped; symlinked ones are followed, once each."""
     data_dir = Path(data_dir)
     if data_dir.is_file():
         if data_dir.suffix != ".txt":
@@ -125,7 +127,16 @@ def list_sources(data_dir: Path) -> list[Path]:
         return [data_dir]
     if not data_dir.is_dir():
         raise DataError(f"{data_dir}: data directory does not exist")
-    files = sorted((p for p in data_dir.rglob("*.txt") if p.is_file()), key=lambda p: p.relative_to(data_dir).parts)
+    files, seen = [], set()
+    for parent, dirs, names in os.walk(data_dir, followlinks=True):
+        real = os.path.realpath(parent)
+        if real in seen:  # a symlink loop, or a directory linked twice
+            dirs.clear()
+            continue
+        seen.add(real)
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        files += [Path(parent) / n for n in names if n.endswith(".txt") and (Path(parent) / n).is_file()]
+    files.sort(key=lambda p: p.relative_to(data_dir).parts)
     if not files:
         raise DataError(f"{data_dir}: no *.txt files (expected UTF-8 text files)")
     return files
@@ -223,8 +234,7 @@ def check_seq_len(meta: dict, max_seq_len: int, where: str) -> None:
                 f"{where}: the {split} split has {have:,} tokens, fewer than one sequence needs "
                 f"(max_seq_len + 1 = {need:,}); add text, lower --max_seq_len or change --val_fraction"
             )
-    splits = meta.get("source_splits") or []
-    for s in splits if len(splits) > 1 else []:
+    for s in meta.get("source_splits") or []:
         have = s["val"][1] - s["val"][0]
         if have < need:
             raise DataError(
@@ -249,10 +259,12 @@ class _Progress:
                      f"{rate / 1e6:.0f} MB/s | ETA {(self.total - self.done) / rate:.0f} s")
 
 
-def _stat_key(settings: dict, files: list[Path], stats: list[os.stat_result]) -> str:
+def _stat_key(settings: dict, relative: list[str], files: list[Path], stats: list[os.stat_result]) -> str:
     # ctime and inode too: a copy that keeps the mtime (cp -p, rsync -a) changes them.
     ids = [[str(p.resolve()), *_identity(s)] for p, s in zip(files, stats)]
-    return hashlib.sha256(json.dumps([STAT_KEY_VERSION, settings, ids]).encode()).hexdigest()[:16]
+    # The names relative to DATA_DIR too: they name the sources, so the same files under another
+    # DATA_DIR are another corpus (/d/code/x.txt is source code of /d, source x of /d/code).
+    return hashlib.sha256(json.dumps([STAT_KEY_VERSION, settings, relative, ids]).encode()).hexdigest()[:16]
 
 
 def _stat_trusted(stats: list[os.stat_result], at_ns: int) -> bool:
@@ -302,8 +314,8 @@ def source_parts(names: list[str], counts: list[int], val_fraction: float) -> li
     """Per source (its files contiguous in the stream): where its tokens start in the stream, and the
     [start, stop) of its first part in train.bin and of its last val_fraction in val.bin."""
     parts, stream, train_at, val_at = [], 0, 0, 0
-    for name in dict.fromkeys(names):
-        n = sum(c for source, c in zip(names, counts) if source == name)
+    for name, group in itertools.groupby(zip(names, counts), key=lambda nc: nc[0]):
+        n = sum(c for _, c in group)
         n_val = int(n * val_fraction)
         parts.append({"name": name, "stream": stream, "train": [train_at, train_at + n - n_val],
                       "val": [val_at, val_at + n_val]})
@@ -384,20 +396,20 @@ def _split_sources(stream: Path, val: Path, parts: list[dict], itemsize: int, st
     with open(stream, "rb") as src, open(compact, "wb") as train, open(val, "wb") as dst:
         for p in parts:
             n_train = p["train"][1] - p["train"][0]
-            for out, first, n in ((train, p["stream"], n_train), (dst, p["stream"] + n_train, p["val"][1] - p["val"][0])):
+            n_val = p["val"][1] - p["val"][0]
+            for out, first, n in ((train, p["stream"], n_train), (dst, p["stream"] + n_train, n_val)):
                 for start in range(first * itemsize, (first + n) * itemsize, step):
                     out.write(os.pread(src.fileno(), min(step, (first + n) * itemsize - start), start))
     os.replace(compact, stream)
 
 
-def _decoded_chars(tok, val: Path, dtype: str, start: int = 0, stop: int | None = None, step: int = 1 << 22) -> int:
+def _decoded_chars(tok, val: Path, dtype: str, start: int, stop: int, step: int = 1 << 22) -> int:
     """len(tok.decode(val tokens [start, stop))), a piece at a time (an incremental decoder joins split
     characters)."""
-    ids = np.memmap(val, dtype=dtype, mode="r") if val.stat().st_size else np.zeros(0, dtype)
-    ids = ids[start:stop]
+    ids = (np.memmap(val, dtype=dtype, mode="r") if val.stat().st_size else np.zeros(0, dtype))[start:stop]
     decoder, n = codecs.getincrementaldecoder("utf-8")(errors="replace"), 0
-    for start in range(0, len(ids), step):
-        piece = ids[start : start + step]
+    for at in range(0, len(ids), step):
+        piece = ids[at : at + step]
         piece = piece[(piece < tok.n_real) & (piece != tok.bos_id)]
         n += len(decoder.decode(tok.enc.decode_bytes(piece.tolist())))
     return n + len(decoder.decode(b"", final=True))
@@ -426,37 +438,46 @@ def prepare(
         raise DataError(f"--val_fraction must be in (0, 1), got {val_fraction}")
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     files = list_sources(data_dir)
-    names = source_names(data_dir, files)
+    names, relative = source_names(data_dir, files), _relative_names(data_dir, files)
     root = Path(workspace) / "prepared"
     settings = {"tokenizer": tokenizer, "alphabet": alphabet, "val_fraction": val_fraction}
     if len(set(names)) > 1:  # each source's own val tail: another layout than the one-source stream's tail
         settings["val"] = "per source"
     stats, stat_at = [p.stat() for p in files], time.time_ns()
-    remembered = root / ".stat" / f"{_stat_key(settings, files, stats)}.json"
-    if remembered.is_file():  # unchanged files: a hit without reading them
-        final = root / json.loads(remembered.read_text())["hash"]
+    remembered = root / ".stat" / f"{_stat_key(settings, relative, files, stats)}.json"
+    prepared = _remembered(root, remembered)  # unchanged files: a hit without reading them
+    if prepared is None:
+        prepared = _prepare_files(files, names, relative, stats, settings, max_seq_len, root, str(data_dir),
+                                  workers, log)
+        _check_unchanged(files, stats)
+        if _stat_trusted(stats, stat_at):
+            atomic_write_json(remembered, {"hash": prepared.dir.name})
+    check_seq_len(prepared.meta, max_seq_len, str(data_dir))
+    return prepared
+
+
+def _remembered(root: Path, memo: Path) -> Prepared | None:
+    if memo.is_file():
+        final = root / json.loads(memo.read_text())["hash"]
         if (final / "meta.json").is_file():
-            prepared = Prepared.load(final)
-            check_seq_len(prepared.meta, max_seq_len, str(data_dir))
-            return prepared
+            return Prepared.load(final)
+    return None
+
+
+def _prepare_files(files, names, relative, stats, settings: dict, max_seq_len: int, root: Path, where: str,
+                   workers: int | None, log) -> Prepared:
+    """Pass 1 (validation, characters, content hash), then the content hash's directory if it exists,
+    else pass 2 writing it."""
     workers = workers or min(MAX_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                              else os.cpu_count())
     plans = [(i, c) for i, p in enumerate(files) for c in chunks.plan(p, stats[i].st_size, CHUNK_BYTES)]
     with chunks.Pool(min(workers, len(plans))) as pool:
-        scans = _scan(files, stats, plans, alphabet, pool, log)  # every error surfaces before any write
+        scans = _scan(files, stats, plans, settings["alphabet"], pool, log)  # every error surfaces before any write
         digests = [s.sha.hexdigest() for s in scans]
-        key = hashlib.sha256(json.dumps([settings, _relative_names(data_dir, files), digests]).encode()).hexdigest()[:16]
-        final = root / key
+        final = root / hashlib.sha256(json.dumps([settings, relative, digests]).encode()).hexdigest()[:16]
         if (final / "meta.json").exists():
-            prepared = Prepared.load(final)
-        else:
-            prepared = _write(files, names, stats, plans, scans, settings, max_seq_len, final, pool, str(data_dir),
-                              log)
-    _check_unchanged(files, stats)
-    if _stat_trusted(stats, stat_at):
-        atomic_write_json(remembered, {"hash": key})
-    check_seq_len(prepared.meta, max_seq_len, str(data_dir))
-    return prepared
+            return Prepared.load(final)
+        return _write(files, names, stats, plans, scans, settings, max_seq_len, final, pool, where, log)
 
 
 def _tokens(tmp: Path, tok, dtype: str, names: list[str], stats, plans, scans, val_fraction: float,
@@ -471,7 +492,7 @@ def _tokens(tmp: Path, tok, dtype: str, names: list[str], stats, plans, scans, v
     counts = _encode_stream(len(names), plans, tok, dtype, tmp / "train.bin", pool, progress)
     parts = source_parts(names, counts, val_fraction)
     if len(parts) == 1:
-        _split_off_val(tmp / "train.bin", tmp / "val.bin", parts[0]["val"][1], itemsize)
+        _split_off_val(tmp / "train.bin", tmp / "val.bin", parts[0]["val"][1] - parts[0]["val"][0], itemsize)
     else:
         _split_sources(tmp / "train.bin", tmp / "val.bin", parts, itemsize)
     return counts, parts
@@ -480,46 +501,19 @@ def _tokens(tmp: Path, tok, dtype: str, names: list[str], stats, plans, scans, v
 def _write(files, names, stats, plans, scans, settings: dict, max_seq_len: int, final: Path, pool: chunks.Pool,
            where: str, log) -> Prepared:
     """Pass 2 into a temp directory next to `final`, renamed into place once complete."""
-    tokenizer, alphabet, val_fraction = settings["tokenizer"], settings["alphabet"], settings["val_fraction"]
-    if tokenizer == "char":
-        codes = sorted(set().union(*(s.ascii for s in scans)) | set().union(*(s.codes.tolist() for s in scans)))
-        tok = CharTokenizer("".join(map(chr, codes)))
-    else:
-        tok = TiktokenTokenizer(tokenizer)
+    tok = _tokenizer(settings["tokenizer"], scans)
     dtype = _dtype_for(tok.vocab_size)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         try:
-            counts, parts = _tokens(tmp, tok, dtype, names, stats, plans, scans, val_fraction, pool, log)
+            counts, parts = _tokens(tmp, tok, dtype, names, stats, plans, scans, settings["val_fraction"], pool, log)
         except Exception:
             _check_unchanged(files, stats)  # a file rewritten since pass 1 breaks pass 2: say that, if so
             raise
-        n, n_val = sum(counts), sum(p["val"][1] - p["val"][0] for p in parts)
-        for part in parts:  # bits per character need the characters behind each val token
-            part.pop("stream")
-            part["val_chars"] = (part["val"][1] - part["val"][0] if tokenizer == "char"
-                                 else _decoded_chars(tok, tmp / "val.bin", dtype, *part["val"]))
-        meta = {
-            "version": 1,
-            "hash": final.name,
-            "tokenizer": "char" if tokenizer == "char" else "tiktoken",
-            "encoding": None if tokenizer == "char" else tokenizer,
-            "chars": tok.chars if tokenizer == "char" else None,
-            "bos_id": int(tok.bos_id),
-            "vocab_size": tok.vocab_size,
-            "vocab_used": tok.n_real,
-            "dtype": dtype,
-            "alphabet": alphabet,
-            "sources": [
-                {"path": str(p.resolve()), "source": name, "sha256": s.sha.hexdigest(), "bytes": st.st_size,
-                 "tokens": count}
-                for p, name, s, st, count in zip(files, names, scans, stats, counts)
-            ],
-            "source_splits": parts,  # per source: its [start, stop) in train.bin and in val.bin
-            "split": {"val_fraction": val_fraction, "train_tokens": n - n_val, "val_tokens": n_val,
-                      "val_chars": sum(p["val_chars"] for p in parts)},
-        }
+        meta = _meta(final.name, settings, tok, dtype, parts, tmp / "val.bin",
+                     [{"path": str(p.resolve()), "source": name, "sha256": s.sha.hexdigest(), "bytes": st.st_size,
+                       "tokens": count} for p, name, s, st, count in zip(files, names, scans, stats, counts)])
         check_seq_len(meta, max_seq_len, where)
         _check_unchanged(files, stats)
         for split in ("train", "val"):
@@ -530,6 +524,39 @@ def _write(files, names, stats, plans, scans, settings: dict, max_seq_len: int, 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return Prepared(final, meta)
+
+
+def _tokenizer(tokenizer: str, scans: list[_FileScan]):
+    """char: the characters pass 1 found, in code point order; else the tiktoken encoding."""
+    if tokenizer != "char":
+        return TiktokenTokenizer(tokenizer)
+    codes = sorted(set().union(*(s.ascii for s in scans)) | set().union(*(s.codes.tolist() for s in scans)))
+    return CharTokenizer("".join(map(chr, codes)))
+
+
+def _meta(key: str, settings: dict, tok, dtype: str, parts: list[dict], val: Path, sources: list[dict]) -> dict:
+    char = settings["tokenizer"] == "char"
+    for part in parts:  # bits per character need the characters behind each val token
+        part.pop("stream")
+        part["val_chars"] = (part["val"][1] - part["val"][0] if char
+                             else _decoded_chars(tok, val, dtype, *part["val"]))
+    n_train, n_val = (sum(p[split][1] - p[split][0] for p in parts) for split in ("train", "val"))
+    return {
+        "version": 1,
+        "hash": key,
+        "tokenizer": "char" if char else "tiktoken",
+        "encoding": None if char else settings["tokenizer"],
+        "chars": tok.chars if char else None,
+        "bos_id": int(tok.bos_id),
+        "vocab_size": tok.vocab_size,
+        "vocab_used": tok.n_real,
+        "dtype": dtype,
+        "alphabet": settings["alphabet"],
+        "sources": sources,  # per file
+        "source_splits": parts,  # per source: its [start, stop) in train.bin and in val.bin
+        "split": {"val_fraction": settings["val_fraction"], "train_tokens": n_train, "val_tokens": n_val,
+                  "val_chars": sum(p["val_chars"] for p in parts)},
+    }
 
 
 # ---------------------------------------------------------------- batches
@@ -559,9 +586,8 @@ class TokenBatches:
 
     def _layout(self) -> None:
         rng = np.random.default_rng([self.seed, self.epoch])
-        self.offset = int(rng.integers(self.seq_len)) if self.epoch > 0 else 0
-        self.n_windows = (len(self.tokens) - self.offset - 1) // self.seq_len
-        self.order = rng.permutation(self.n_windows)
+        self.offset, self.order = window_layout(len(self.tokens), self.seq_len, rng, self.epoch)
+        self.n_windows = len(self.order)
 
     def state(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor}
@@ -577,9 +603,23 @@ class TokenBatches:
         first = self.cursor + self.rank * self.batch_size
         starts = self.offset + self.order[first : first + self.batch_size] * self.seq_len
         self.cursor += step
-        batch = np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64)
-        batch = torch.from_numpy(batch)  # (B, T + 1)
-        return batch[:, :-1], batch[:, 1:]
+        return window_batch(self.tokens, starts, self.seq_len)
+
+
+def window_layout(n_tokens: int, seq_len: int, rng: np.random.Generator, epoch: int) -> tuple[int, np.ndarray]:
+    """(offset, order) of one epoch over n_tokens: windows of seq_len + 1 tokens at stride seq_len
+    from an offset drawn after the first epoch (0 where a shift would leave no window), visited in a
+    permutation. Shared by the unmixed iterator and each source of a mixture."""
+    offset = int(rng.integers(seq_len)) if epoch > 0 else 0
+    if (n_tokens - offset - 1) // seq_len < 1:
+        offset = 0
+    return offset, rng.permutation((n_tokens - offset - 1) // seq_len)
+
+
+def window_batch(tokens: np.ndarray, starts, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) of the windows of seq_len + 1 tokens at `starts`: inputs and next-token targets."""
+    batch = torch.from_numpy(np.stack([tokens[s : s + seq_len + 1] for s in starts]).astype(np.int64))  # (B, T + 1)
+    return batch[:, :-1], batch[:, 1:]
 
 
 def val_batches(tokens: np.ndarray, seq_len: int, batch_size: int, max_tokens: int,
@@ -588,9 +628,7 @@ def val_batches(tokens: np.ndarray, seq_len: int, batch_size: int, max_tokens: i
     n = min((len(tokens) - 1) // seq_len, max(1, max_tokens // seq_len))
     mine = list(range(rank, n, world_size))
     for i in range(0, len(mine), batch_size):
-        rows = [tokens[w * seq_len : w * seq_len + seq_len + 1] for w in mine[i : i + batch_size]]
-        batch = torch.from_numpy(np.stack(rows).astype(np.int64))
-        yield batch[:, :-1], batch[:, 1:]
+        yield window_batch(tokens, [w * seq_len for w in mine[i : i + batch_size]], seq_len)
 
 
 # ---------------------------------------------------------------- demo corpus

@@ -13,29 +13,25 @@ from experiment.model import GPT
 
 
 @torch.no_grad()
-def evaluate(model: GPT, prepared: Prepared, seq_len: int, batch_size: int, max_tokens: int,
-             d: Dist) -> tuple[float, float]:
-    """(val loss in nats/token, bits per character) over the first max_tokens of val, summed over all
-    ranks, in the trainer's precision."""
-    split = prepared.meta["split"]
-    loss = _val_loss(model, prepared.tokens("val"), seq_len, batch_size, max_tokens, d)
-    return loss, loss / math.log(2) / (split["val_chars"] / split["val_tokens"])
-
-
-@torch.no_grad()
-def evaluate_sources(model: GPT, prepared: Prepared, seq_len: int, batch_size: int, max_tokens: int, d: Dist,
-                     weights: list[float]) -> tuple[float, float, dict[str, float]]:
-    """Per source (prepared.meta["source_splits"]): the loss over the first max_tokens x its weight
-    of its own val tokens (one window at least). Returns the weighted val loss, the weighted bits per
-    character, and each source's loss."""
+def evaluate(model: GPT, prepared: Prepared, seq_len: int, batch_size: int, max_tokens: int, d: Dist,
+             weights: list[float] | None = None) -> tuple[float, float, dict[str, float] | None]:
+    """(val loss in nats/token, bits per character, each source's loss or None), summed over all
+    ranks, in the trainer's precision. With source `weights` (several sources,
+    prepared.meta["source_splits"]) each source is evaluated on the first max_tokens x its weight of
+    its own val tokens (one window at least) and the loss and bpc are the weighted means; else the
+    first max_tokens of the whole val split."""
+    splits = prepared.meta["source_splits"] if weights else None
+    if not splits:
+        split = prepared.meta["split"]
+        splits, weights = [{"name": None, "val": [0, split["val_tokens"]], "val_chars": split["val_chars"]}], [1.0]
     val, losses, total, bpc = prepared.tokens("val"), {}, 0.0, 0.0
-    for source, w in zip(prepared.meta["source_splits"], weights):
+    for source, w in zip(splits, weights):
         a, b = source["val"]
         loss = _val_loss(model, val[a:b], seq_len, batch_size, max(seq_len, int(max_tokens * w)), d)
         losses[source["name"]] = loss
         total += w * loss
         bpc += w * loss / math.log(2) / (source["val_chars"] / (b - a))
-    return total, bpc, losses
+    return total, bpc, losses if len(losses) > 1 else None
 
 
 def _val_loss(model: GPT, tokens, seq_len: int, batch_size: int, max_tokens: int, d: Dist) -> float:

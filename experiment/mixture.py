@@ -13,11 +13,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from experiment.config import ConfigError
+from experiment.dataloader import window_batch, window_layout
+
 CHUNK = 4096  # windows whose sources are drawn at once: the choice of window g depends on (seed, g // CHUNK)
 SOURCE_STREAM = 7919  # keeps the source draw's random stream apart from the per-source permutations'
 
 
-class MixError(ValueError):
+class MixError(ConfigError):
     """A DATA_MIX that cannot work; the message names the source or the entry."""
 
 
@@ -35,6 +38,8 @@ def parse_mix(text: str, names: list[str]) -> list[float]:
             raise MixError(f"DATA_MIX entry {entry!r}: expected source=weight with a weight >= 0")
         if name not in names:
             raise MixError(f"DATA_MIX names {name!r}, which is no source; the sources are {', '.join(names)}")
+        if name in weights:
+            raise MixError(f"DATA_MIX gives {name!r} two weights")
         weights[name] = weight
     missing = [n for n in names if n not in weights]
     if missing:
@@ -83,10 +88,7 @@ class MixedWindows:
         cached = self._layouts.get(source)
         if cached is None or cached[0] != epoch:
             rng = np.random.default_rng([self.seed, source, epoch])
-            offset = int(rng.integers(self.seq_len)) if epoch > 0 else 0
-            if (self.lengths[source] - offset - 1) // self.seq_len < 1:  # a short source: no room to shift
-                offset = 0
-            cached = (epoch, offset, rng.permutation((self.lengths[source] - offset - 1) // self.seq_len))
+            cached = (epoch, *window_layout(self.lengths[source], self.seq_len, rng, epoch))
             self._layouts[source] = cached
         return cached[1], cached[2]
 
@@ -128,9 +130,7 @@ class MixedBatches:
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         step = self.windows.take(self.world_size * self.batch_size)
         mine = step[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
-        rows = [self.tokens[self.starts[s] + w : self.starts[s] + w + self.seq_len + 1] for s, w in mine]
-        batch = torch.from_numpy(np.stack(rows).astype(np.int64))  # (B, T + 1)
-        return batch[:, :-1], batch[:, 1:]
+        return window_batch(self.tokens, [self.starts[s] + w for s, w in mine], self.seq_len)
 
 
 def source_weights(meta: dict, data_mix: str | None) -> list[float] | None:

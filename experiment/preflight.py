@@ -27,7 +27,7 @@ from experiment.config import ConfigError, TrainConfig, parse_args, resolve
 from experiment.dataloader import DataError, Prepared, prepare, write_demo_corpus
 from experiment.distributed import resolve_device
 from experiment.files import atomic_write_json, default_workspace
-from experiment.mixture import MixError, source_weights
+from experiment.mixture import source_weights
 from experiment.model import GPTConfig
 
 # A node other than 0 accepts node 0's plan if it was written at most this long before the node
@@ -35,6 +35,7 @@ from experiment.model import GPTConfig
 # system may differ by seconds), and an older plan belongs to an earlier launch.
 PLAN_FRESH_SECONDS = 600
 WAIT_POLL_SECONDS = 5
+MANY_SOURCES = 64
 
 
 def prepare_data(cfg: TrainConfig, workspace: Path, log) -> Prepared:
@@ -47,7 +48,7 @@ def prepare_data(cfg: TrainConfig, workspace: Path, log) -> Prepared:
                             "leave PREPARED_DIR unset to prepare DATA_DIR")
         return Prepared.load(directory)
     data_dir = Path(cfg.data_dir) if cfg.data_dir else workspace / "data"
-    if cfg.data_dir is None and not (data_dir.is_dir() and any(data_dir.glob("*.txt"))):
+    if cfg.data_dir is None and not (data_dir.is_dir() and any(data_dir.rglob("*.txt"))):
         data_dir = write_demo_corpus(workspace / "demo_data").parent
         log(f"no *.txt in {workspace / 'data'}: training on the built-in arithmetic demo ({data_dir})")
     return prepare(data_dir, workspace, cfg.tokenizer, cfg.alphabet, cfg.val_fraction, cfg.max_seq_len)
@@ -115,16 +116,16 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
     if node_rank > 0:
         return wait_for_node0(plan_file, started, wait_minutes, log)
     prepared = prepare_data(cfg, workspace, log)
-    try:
-        weights = source_weights(prepared.meta, cfg.data_mix)
-    except MixError as e:
-        raise ConfigError(str(e)) from None
+    weights = source_weights(prepared.meta, cfg.data_mix)
     config = model_config(cfg, prepared)
     resume_step = ckpt.pick_resume_step(run_dir, cfg.resume)
     if resume_step is not None:
         check_resume_target(run_dir, resume_step, config, prepared)
     for line in plan_lines(cfg, prepared, config, world_size, resume_step, run_dir):
         log(line)
+    if len(weights or []) > MANY_SOURCES:
+        log(f"warning: {len(weights)} sources (each *.txt at the top of DATA_DIR is one): each is evaluated at "
+            "every eval and needs a DATA_MIX weight; group files into sub-directories (one source each)")
     for source, w in zip(prepared.meta.get("source_splits", []), weights or []):
         log(f"preflight | source {source['name']} | weight {w:.3f}{' (DATA_MIX)' if cfg.data_mix else ' (by size)'} | "
             f"{source['train'][1] - source['train'][0]:,} train, {source['val'][1] - source['val'][0]:,} val tokens")

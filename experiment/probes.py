@@ -84,8 +84,6 @@ def cpu_matmul_peak(n: int = 1024, reps: int = 20) -> float:
     return 2 * n**3 / best
 
 
-
-
 def mean_seconds(device: torch.device, n: int, fn, *args) -> float:
     """Seconds per call of n calls queued back to back, the device drained before and after."""
     sync(device)

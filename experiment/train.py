@@ -33,10 +33,10 @@ from experiment.config import ConfigError, TrainConfig, checkpoint_meta, parse_a
 from experiment.dataloader import DataError, Prepared, TokenBatches
 from experiment.distributed import (PHASE_TIMEOUTS, Dist, ParentWatch, StopSignal, autocast_for, broadcast_object,
                                     resolve_device, setup_distributed)
-from experiment.evaluation import evaluate, evaluate_sources
+from experiment.evaluation import evaluate
 from experiment.files import default_workspace
 from experiment.memory import choose_memory_mode, find_device_batch
-from experiment.mixture import MixedBatches, MixError, source_weights
+from experiment.mixture import MixedBatches, source_weights
 from experiment.model import DTYPES, GPT, GPTConfig, build_model
 from experiment.optim import ShardedOptimizer, gradients_finite, lr_multiplier
 from experiment.probes import memory_gib, peak_flops
@@ -172,7 +172,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
             f"{st.used_seconds / 3600:.3f}h used, best {st.best_val:.4f} @ {st.best_step:06d}")
     if d.master:  # files of a save that a crash cut short; the loaded step is complete, so never these
         ckpt.remove_incomplete(run_dir)
-    weights = weights_of(prepared, cfg.data_mix)
+    weights = source_weights(prepared.meta, cfg.data_mix)
     batches = make_batches(cfg, d, prepared, weights, st.data_state, log)
     ddp = DDP(model, device_ids=[d.local_rank] if cuda else None, gradient_as_bucket_view=True) \
         if d.world_size > 1 else model
@@ -194,13 +194,6 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         f"{cfg.max_seq_len} x {d.world_size} ranks x {t.grad_accum} accum = {cfg.total_batch_size:,} tokens/step | "
         f"budget {cfg.training_hours:.3f}h | tensorboard {workspace / 'tensorboard' / cfg.model_tag}")
     return t
-
-
-def weights_of(prepared: Prepared, data_mix: str | None) -> list[float] | None:
-    try:
-        return source_weights(prepared.meta, data_mix)
-    except MixError as e:
-        raise ConfigError(str(e)) from None
 
 
 def make_batches(cfg: TrainConfig, d: Dist, prepared: Prepared, weights: list[float] | None, state: dict | None,
@@ -278,13 +271,8 @@ def maybe_eval(t: Trainer, loop: Loop) -> bool:
     (every rank saw the same reduced val loss, so all agree)."""
     cfg, st, step = t.cfg, t.st, t.st.step
     t0 = time.time()
-    if t.weights:
-        loop.val_loss, val_bpc, by_source = evaluate_sources(t.model, t.prepared, cfg.max_seq_len,
-                                                             cfg.device_batch_size, cfg.eval_tokens, t.d, t.weights)
-    else:
-        loop.val_loss, val_bpc = evaluate(t.model, t.prepared, cfg.max_seq_len, cfg.device_batch_size,
-                                          cfg.eval_tokens, t.d)
-        by_source = None
+    loop.val_loss, val_bpc, by_source = evaluate(t.model, t.prepared, cfg.max_seq_len, cfg.device_batch_size,
+                                                 cfg.eval_tokens, t.d, t.weights)
     loop.last_eval_step, loop.last_eval_time = step, time.time()
     loop.previous_best = (st.best_val, st.best_step, st.evals_since_best)
     if step > 0 and loop.val_loss < st.best_val:

@@ -357,3 +357,29 @@ def test_a_source_too_small_for_one_val_sequence_is_named(tmp_path):
     data = _files(tmp_path, **{"big.txt": "abc\n" * 1000, "tiny.txt": "xyz\n" * 20})
     with pytest.raises(DataError, match=r"source tiny gives 8 tokens to val, fewer than one sequence needs"):
         prepare(data, tmp_path / "ws", val_fraction=0.1, max_seq_len=16)
+
+
+def test_hidden_directories_are_skipped_symlinked_ones_followed_and_data_dir_names_the_sources(tmp_path,
+                                                                                               monkeypatch):
+    import os
+
+    data = _files(tmp_path, **{"web.txt": "abc\n" * 300})
+    (data / ".ipynb_checkpoints").mkdir()
+    (data / ".ipynb_checkpoints" / "web-checkpoint.txt").write_text("abc\n" * 300)
+    elsewhere = tmp_path / "elsewhere" / "code"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "x.txt").write_text("xyz\n" * 300)
+    os.symlink(elsewhere, data / "code")
+    os.symlink(data, elsewhere / "loop")  # a symlink loop is walked once
+    p = prepare(data, tmp_path / "ws", val_fraction=0.1, max_seq_len=16)
+    assert [s["name"] for s in p.meta["source_splits"]] == ["code", "web"]
+    # The same files under another DATA_DIR are another corpus (source x, not code), also when their
+    # stat is remembered from the first prepare.
+    only = tmp_path / "only"
+    (only / "code").mkdir(parents=True)
+    (only / "code" / "x.txt").write_text("xyz\n" * 300)
+    monkeypatch.setattr(dataloader, "STAT_TRUST_SECONDS", 0)  # its stat is remembered at once
+    first = prepare(only, tmp_path / "ws", val_fraction=0.1, max_seq_len=16)
+    again = prepare(only / "code", tmp_path / "ws", val_fraction=0.1, max_seq_len=16)
+    assert [s["name"] for s in first.meta["source_splits"]] == ["code"]
+    assert [s["name"] for s in again.meta["source_splits"]] == ["x"]

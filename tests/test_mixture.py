@@ -69,3 +69,8 @@ def test_the_planner_warns_when_a_small_source_repeats_too_often():
     assert lines[0] == "planner | epochs by source | web 0.900 of the mix, 1.80 epochs | math 0.100 of the mix, 20.00 epochs"
     assert len(lines) == 2 and lines[1].startswith("warning: source math will be seen 20.0 times in the budget")
     assert len(source_epoch_lines(2_000_000, [0.995, 0.005], splits)) == 1  # 1 epoch of math: no warning
+
+
+def test_a_source_named_twice_in_data_mix_is_an_error():
+    with pytest.raises(MixError, match="gives 'a' two weights"):
+        parse_mix("a=1,b=1,a=2", ["a", "b"])
