@@ -9,7 +9,8 @@ exactly --tokens tokens to POST /generate (more where the count's total would fa
 --min_requests), back to back on one keep-alive connection, all starting together. Per count: aggregate
 tok/s (completion tokens of every request / wall time from the first send to the last answer) and p50/p95
 of the per-request latency (send to last byte), each also as a ratio to the first count's. Any answer
-other than 200 is counted and makes the exit status 1.
+other than 200, or a connection that fails (reset, closed), is counted as a failed request and makes
+the exit status 1.
 """
 
 from __future__ import annotations
@@ -52,6 +53,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
+def ratio(value: float, base: float) -> str:
+    """value / base as "1.5x", or " n/a" where the base is 0 or NaN (every base request failed)."""
+    if not (math.isfinite(value) and math.isfinite(base)) or base == 0:
+        return " n/a"
+    return f"{value / base:4.1f}x"
+
+
 def start_server(args, max_batch: int, log) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "experiment.server", "--port", "0", "--device", args.device, "--dtype", args.dtype,
            "--max_batch", str(max_batch), "--threads", str(args.threads)]
@@ -73,12 +81,17 @@ class Client:
         self.conn = http.client.HTTPConnection(host, port, timeout=600)
 
     def complete(self, body: dict) -> tuple[int, int, float]:
-        """(status, completion tokens, seconds from send to the last byte of the answer)."""
+        """(status, completion tokens, seconds from send to the last byte of the answer); status 0 when
+        the connection failed (reset, closed, timed out, not HTTP): a failed request, not a failed run."""
         data = json.dumps(body).encode()
         t0 = time.perf_counter()
-        self.conn.request("POST", "/generate", body=data, headers={"Content-Type": "application/json"})
-        resp = self.conn.getresponse()
-        out = json.loads(resp.read())
+        try:
+            self.conn.request("POST", "/generate", body=data, headers={"Content-Type": "application/json"})
+            resp = self.conn.getresponse()
+            out = json.loads(resp.read())
+        except (OSError, http.client.HTTPException, ValueError):
+            self.conn.close()  # the next request reconnects
+            return 0, 0, time.perf_counter() - t0
         seconds = time.perf_counter() - t0
         if resp.status != 200 or resp.getheader("Connection", "").lower() == "close":
             self.conn.close()  # the server closes after an error; the next request reconnects
@@ -93,11 +106,13 @@ def run_clients(host: str, port: int, n_clients: int, args, seed0: int) -> dict:
         conn = Client(host, port)
         start.wait()
         results = []
-        for r in range(per_client):
-            body = {"prompt": args.prompt, "max_tokens": args.tokens, "temperature": args.temperature,
-                    "seed": seed0 + c * per_client + r}
-            results.append(conn.complete(body))
-        conn.conn.close()
+        try:
+            for r in range(per_client):
+                body = {"prompt": args.prompt, "max_tokens": args.tokens, "temperature": args.temperature,
+                        "seed": seed0 + c * per_client + r}
+                results.append(conn.complete(body))
+        finally:
+            conn.conn.close()
         return results
 
     with ThreadPoolExecutor(max_workers=n_clients) as pool:
@@ -152,7 +167,11 @@ def _measure(host: str, port: int, counts: list[int], args) -> int:
           f"{c['max_seq_len']} | {info['num_params']:,} params | {info['device']} {info.get('dtype', '?')} | "
           f"max_batch {batch} | {args.tokens} tokens per request, temperature {args.temperature}, "
           f"{args.requests} requests per client, at least {args.min_requests} per count", flush=True)
-    Client(host, port).complete({"prompt": args.prompt, "max_tokens": args.tokens, "seed": 0})  # warm-up
+    warm = Client(host, port)
+    try:
+        warm.complete({"prompt": args.prompt, "max_tokens": args.tokens, "seed": 0})
+    finally:
+        warm.conn.close()
     rows, failed = [], 0
     for i, n in enumerate(counts):
         r = run_clients(host, port, n, args, seed0=i * 1_000_000)
@@ -161,8 +180,8 @@ def _measure(host: str, port: int, counts: list[int], args) -> int:
         failed += r["failed"]
         print(f"loadtest | clients {n:3d} | {r['requests']:4d} requests ({r['failed']} failed) | {r['tokens']:7,d} "
               f"tokens in {r['seconds']:6.2f}s | {r['tok_per_s']:8,.1f} tok/s "
-              f"({r['tok_per_s'] / base['tok_per_s']:4.1f}x) "
-              f"| latency p50 {r['p50_s']:6.2f}s p95 {r['p95_s']:6.2f}s ({r['p95_s'] / base['p95_s']:4.1f}x) "
+              f"({ratio(r['tok_per_s'], base['tok_per_s'])}) "
+              f"| latency p50 {r['p50_s']:6.2f}s p95 {r['p95_s']:6.2f}s ({ratio(r['p95_s'], base['p95_s'])}) "
               f"| ratios vs {base['clients']} client(s)", flush=True)
     return 1 if failed else 0
 

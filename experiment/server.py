@@ -2,6 +2,7 @@
 
     python -m experiment.server [--checkpoint PATH] [--host 127.0.0.1] [--port 8000] [--device auto]
                                 [--dtype auto] [--max_batch 32] [--max_queue 256] [--kv_cache_gib G]
+                                [--threads 0] [--workspace DIR]
 
 PATH is a model_*.pt or a run directory (its best checkpoint); by default the best checkpoint of the
 most recently written run. The model is loaded once at start; no loadable model -> exit 2 with the
@@ -42,7 +43,7 @@ from experiment import checkpoint as ckpt
 from experiment.dataloader import tokenizer_from_meta
 from experiment.distributed import resolve_device
 from experiment.files import default_workspace
-from experiment.model import Batch, KVSlots
+from experiment.model import DTYPES, Batch, KVSlots
 
 # Every request is bounded by these.
 MAX_BODY_BYTES = 64 * 1024
@@ -78,7 +79,7 @@ class ServeConfig:
     port: int = _opt("0 picks a free port", 8000)
     device: str = _opt("where the model runs", "auto", choices=("auto", "cpu", "cuda"))
     dtype: str = _opt("weights (and KV cache) dtype; auto: the checkpoint's own", "auto",
-                      choices=("auto", "fp32", "bf16"))
+                      choices=("auto", *DTYPES))
     workspace: str | None = _opt("where to look for runs (default as in run.sh)")
     max_batch: int = _opt("requests decoded together (KV-cache slots, allocated at start)", 32)
     max_queue: int = _opt("requests waiting for a slot; more get 503 with Retry-After", 256)
@@ -205,8 +206,16 @@ class Scheduler:
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs and takes requests (False once closed, or if it died)."""
+        return not self.closed and self.thread.is_alive()
+
     def submit(self, job: Job) -> None:
         with self.cond:
+            if not self.alive:
+                raise Overloaded("the model is not running (the server is shutting down or its engine "
+                                 "stopped); retry later")
             # A request for which a slot is free is not waiting, even before the engine thread wakes.
             if len(self.waiting) >= self.max_queue + self.idle:
                 raise Overloaded(f"{self.max_queue} requests are waiting for the model already; retry later")
@@ -232,20 +241,32 @@ class Scheduler:
         self.thread.join()
 
     def _run(self) -> None:
-        while True:
+        message, joining = "the server is shutting down", []
+        try:
+            while True:
+                with self.cond:
+                    while not (self.closed or self.waiting or self.running):
+                        self.cond.wait()
+                    if self.closed:
+                        break
+                    joining = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.idle))]
+                    self.idle -= len(joining)
+                try:
+                    self._advance(joining)
+                except Exception:  # a bug costs the requests in flight, never the server
+                    traceback.print_exc()
+                    self._fail([*joining, *self.running.values()],
+                               "internal error while generating (logged on the server)")
+                joining = []
+        except BaseException:  # the engine itself broke (threading prints why): no request may wait on it
+            message = "the model's engine stopped (logged on the server)"
+            raise
+        finally:
             with self.cond:
-                while not (self.closed or self.waiting or self.running):
-                    self.cond.wait()
-                if self.closed:
-                    break
-                joining = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.idle))]
-                self.idle -= len(joining)
-            try:
-                self._advance(joining)
-            except Exception:  # a bug costs the requests in flight, never the server
-                traceback.print_exc()
-                self._fail([*joining, *self.running.values()], "internal error while generating (logged on the server)")
-        self._fail([*self.waiting, *self.running.values()], "the server is shutting down")
+                self.closed = True  # submit() turns new requests away from here on
+                waiting = list(self.waiting)
+                self.waiting.clear()
+            self._fail([*joining, *waiting, *self.running.values()], message)
 
     def _advance(self, joining: list[Job]) -> None:
         for job in joining:
@@ -276,13 +297,23 @@ class Scheduler:
             self.idle += n
 
     def _fail(self, jobs, message: str) -> None:
+        """Ends the jobs with an error and empties the batch; nothing here can raise (no cache moves)."""
         for job in jobs:
             job.events.put(("error", message))
         self.running.clear()
-        for member in list(self.batch.rows):
-            self.batch.leave(member.id)
+        self.batch.clear()
         with self.cond:
             self.idle = self.batch.free
+
+
+def check_batching(max_batch, max_queue, kv_cache_gib) -> None:
+    """ValueError unless max_batch >= 1, max_queue >= 0 and kv_cache_gib is None or finite and > 0."""
+    if not _is_int(max_batch) or max_batch < 1:
+        raise ValueError(f"--max_batch must be an integer >= 1, got {max_batch!r}")
+    if not _is_int(max_queue) or max_queue < 0:
+        raise ValueError(f"--max_queue must be an integer >= 0, got {max_queue!r}")
+    if kv_cache_gib is not None and not (_is_number(kv_cache_gib) and kv_cache_gib > 0):
+        raise ValueError(f"--kv_cache_gib must be a finite number > 0 (or left out), got {kv_cache_gib!r}")
 
 
 class Engine:
@@ -290,6 +321,7 @@ class Engine:
 
     def __init__(self, model, meta: dict, path: Path, device: torch.device, max_batch: int = 32,
                  max_queue: int = 256, kv_cache_gib: float | None = None):
+        check_batching(max_batch, max_queue, kv_cache_gib)
         self.model, self.meta, self.path, self.device = model, meta, path, device
         self.tok = tokenizer_from_meta(meta["tokenizer"])
         self.model_id = path.parent.name  # the run directory: what /v1/models lists
@@ -300,8 +332,6 @@ class Engine:
         if slots < 1:
             raise ValueError(f"--kv_cache_gib {kv_cache_gib} holds no KV-cache slot "
                              f"({self.slot_bytes / 2**20:.1f} MiB each for this model)")
-        if max_queue < 0:
-            raise ValueError(f"--max_queue must be >= 0, got {max_queue}")
         self.max_batch, self.max_queue = slots, max_queue
         self.scheduler = Scheduler(model, slots, max_queue, self.tok.n_real)
 
@@ -356,8 +386,6 @@ class Engine:
             raise BadRequest("user: a string", param="user")
         # null means the default, as OpenAI reads it
         r = {**OPENAI_DEFAULTS, **{k: v for k, v in body.items() if k in OPENAI_DEFAULTS and v is not None}}
-        if r["top_p"] == 1:
-            r["top_p"] = None  # OpenAI's default: the whole distribution
         options = body.get("stream_options")
         if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}
                                     or not isinstance(options.get("include_usage", False), bool)):
@@ -510,7 +538,13 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         if self.route == "/health":
-            self._json(200, {"status": "ok", "step": self.engine.meta["step"], "val_loss": self.engine.meta["val_loss"]})
+            m = self.engine.meta
+            if self.engine.scheduler.alive:
+                self._json(200, {"status": "ok", "step": m["step"], "val_loss": m["val_loss"]})
+            else:  # the engine thread is gone: no request can be answered
+                self._json(503, {"status": "error", "step": m["step"], "val_loss": m["val_loss"],
+                                 "error": "the model's engine is not running (see the server's log)"},
+                           {"Retry-After": str(RETRY_AFTER_SECONDS)})
         elif self.route == "/info":
             self._json(200, self.engine.info())
         elif self.route == "/v1/models":
@@ -545,7 +579,10 @@ class Handler(BaseHTTPRequestHandler):
             traceback.print_exc()
             self._error(500, "internal error while generating (logged on the server)")
         finally:
-            job.cancelled.set()  # no-op once done; otherwise the engine drops it before its next step
+            # Out of the queue at once (it no longer counts against --max_queue); a no-op once done; if
+            # running, the engine drops it before its next step.
+            self.engine.scheduler.withdraw(job)
+            job.cancelled.set()
 
     def _answer(self, job: Job) -> None:
         events = self._events(job)
@@ -657,23 +694,23 @@ def make_server(engine: Engine, host: str, port: int) -> Server:
     return Server((host, port), handler)
 
 
-DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}
-
-
 def load_engine(cfg: ServeConfig) -> Engine:
     dev = resolve_device(cfg.device)
     workspace = Path(cfg.workspace) if cfg.workspace else default_workspace()
     path = ckpt.resolve_serving_checkpoint(cfg.checkpoint, workspace)
-    model, meta = ckpt.load_model(path, dev, dtype=DTYPES[cfg.dtype])
+    model, meta = ckpt.load_model(path, dev, dtype=None if cfg.dtype == "auto" else DTYPES[cfg.dtype])
     return Engine(model, meta, path, dev, cfg.max_batch, cfg.max_queue, cfg.kv_cache_gib)
 
 
 def main(argv=None) -> int:
     cfg = parse_config(argv)
     print(f"config {json.dumps(dataclasses.asdict(cfg))}", file=sys.stderr, flush=True)
-    if cfg.max_batch < 1 or cfg.threads < 0:
-        print(f"error: --max_batch must be >= 1 and --threads >= 0, got {cfg.max_batch} and {cfg.threads}",
-              file=sys.stderr)
+    try:  # before the model loads: a bad number fails in a moment, not after minutes of loading
+        check_batching(cfg.max_batch, cfg.max_queue, cfg.kv_cache_gib)
+        if cfg.threads < 0:
+            raise ValueError(f"--threads must be >= 0, got {cfg.threads}")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     try:
         threads = cfg.threads or (torch.get_num_threads() if resolve_device(cfg.device).type == "cuda" else 1)

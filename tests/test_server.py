@@ -209,17 +209,28 @@ def raw_post(port, path, body: dict) -> socket.socket:
     return s
 
 
+def first_event(s: socket.socket, timeout: float = 30.0) -> bytes:
+    """What the server sent up to its stream's first event; fails on EOF or after `timeout` s."""
+    deadline, received = time.time() + timeout, b""
+    while b"data: " not in received:  # the headers may come in a packet of their own
+        assert time.time() < deadline, f"no event within {timeout} s: {received[:300]!r}"
+        chunk = s.recv(4096)
+        assert chunk, f"the server closed the connection before the first event: {received[:300]!r}"
+        received += chunk
+    return received
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_leaving_stops_its_generation(server, monkeypatch, stream):
     engine, port = server
     jobs = submitted_jobs(engine, monkeypatch)
     with raw_post(port, "/generate", {"prompt": "1+", "max_tokens": MAX_NEW_TOKENS, "stream": stream}) as s:
         if stream:
-            received = b""
-            while b"data: " not in received:  # the headers may come in a packet of their own
-                received += s.recv(4096)
+            first_event(s)
         else:
+            deadline = time.time() + 30
             while not jobs or not jobs[0].out:  # running: a non-streaming client leaves without a byte read
+                assert time.time() < deadline, "the request never started"
                 time.sleep(0.01)
     wait_until_idle(engine)
     assert len(jobs[0].out) < MAX_NEW_TOKENS // 2  # abandoned soon after the client left, not run to the end
@@ -290,8 +301,7 @@ def test_a_request_waiting_too_long_for_a_slot_gets_503(workspace, monkeypatch):
     monkeypatch.setattr(server_module, "QUEUE_WAIT_SECONDS", 0.5)
     with serving(workspace, max_batch=1) as (engine, port):
         with raw_post(port, "/generate", {"prompt": "1+", "max_tokens": MAX_NEW_TOKENS, "stream": True}) as s:
-            while b"data: " not in s.recv(4096):  # the one slot is taken
-                pass
+            first_event(s)  # the one slot is taken
             t0 = time.time()
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
             conn.request("POST", "/v1/completions", body=json.dumps({"model": "d2", "prompt": "1+"}))
@@ -301,6 +311,60 @@ def test_a_request_waiting_too_long_for_a_slot_gets_503(workspace, monkeypatch):
             assert out["error"]["type"] == "server_error" and out["error"]["code"] == "overloaded"
         wait_until_idle(engine)
         assert request(port, "POST", "/generate", {"prompt": "1+", "max_tokens": 3})[0] == 200
+
+
+def test_a_queued_client_that_leaves_is_withdrawn_at_once(workspace):
+    """A request whose client leaves while it waits stops counting against --max_queue right away,
+    not when the engine reaches it."""
+    with serving(workspace, max_batch=1, max_queue=1) as (engine, port):
+        with raw_post(port, "/generate", {"prompt": "1+", "max_tokens": MAX_NEW_TOKENS, "stream": True}) as s:
+            first_event(s)  # the one slot is taken for a long while
+            with raw_post(port, "/generate", {"prompt": "1+", "max_tokens": 3}):
+                deadline = time.time() + 30
+                while engine.scheduler.load()["waiting"] != 1:
+                    assert time.time() < deadline, engine.scheduler.load()
+                    time.sleep(0.01)
+            deadline = time.time() + 30
+            while engine.scheduler.load()["waiting"]:  # withdrawn once its handler sees the client gone
+                assert time.time() < deadline, "a request whose client left still waits in the queue"
+                time.sleep(0.01)
+            assert engine.scheduler.load() == {"running": 1, "waiting": 0}
+        wait_until_idle(engine)
+        assert request(port, "POST", "/generate", {"prompt": "1+", "max_tokens": 3})[0] == 200
+
+
+def test_a_dead_engine_thread_shows_in_health_and_turns_requests_away(workspace, monkeypatch):
+    class EngineBroke(BaseException):  # not an Exception: escapes the per-step handler, ends the thread
+        pass
+
+    def broken(joining):
+        raise EngineBroke("injected")
+
+    reported = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: reported.append(args.exc_type))
+    with serving(workspace, max_batch=1) as (engine, port):
+        monkeypatch.setattr(engine.scheduler, "_advance", broken)
+        code, out = request(port, "POST", "/generate", {"prompt": "1+", "max_tokens": 3})
+        assert code == 500 and "engine stopped" in out["error"]  # the request it held is answered
+        engine.scheduler.thread.join(timeout=30)
+        assert not engine.scheduler.thread.is_alive() and reported == [EngineBroke]
+        code, health = request(port, "GET", "/health")
+        assert code == 503 and health["status"] != "ok" and "engine" in health["error"]
+        assert {"step", "val_loss"} <= set(health)
+        code, out = request(port, "POST", "/generate", {"prompt": "1+", "max_tokens": 3})
+        assert code == 503 and "not running" in out["error"]
+
+
+def test_batching_numbers_are_checked_where_the_engine_is_built(workspace):
+    for config, name in [({"max_batch": 0}, "max_batch"), ({"max_queue": -1}, "max_queue"),
+                         ({"kv_cache_gib": float("inf")}, "kv_cache_gib"), ({"kv_cache_gib": float("nan")}, "kv_cache_gib"),
+                         ({"kv_cache_gib": 0.0}, "kv_cache_gib")]:
+        with pytest.raises(ValueError, match=f"--{name} must be"):
+            load_engine(ServeConfig(workspace=str(workspace), device="cpu", **config))
+    for flags in (["--kv_cache_gib", "inf"], ["--kv_cache_gib", "nan"], ["--max_batch", "0"]):
+        proc = subprocess.run([sys.executable, "-m", "experiment.server", "--port", "0", "--workspace", workspace,
+                               *flags], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and f"{flags[0]} must be" in proc.stderr, (flags, proc.stderr[-500:])
 
 
 def test_an_engine_failure_costs_the_requests_in_flight_not_the_server(server, monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from experiment.model import GPT, Batch, KVSlots, rowwise_linear, sample_next
+from experiment.model import GPT, Batch, KVSlots, block_linear, sample_next
 
 VOCAB, ALLOWED = 64, 60
 
@@ -54,16 +54,17 @@ def test_decode_step_is_batch_invariant_and_agrees_with_forward(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rowwise_linear_gives_a_row_the_same_bits_in_any_batch(dtype):
+def test_block_linear_gives_a_row_the_same_bits_in_any_batch(dtype):
     # bf16 rounding hides most summation-order differences, so many rows: with a plain bmm, a batch
-    # of one differed from batches of 2+ in 11 of these 4,096 rows.
+    # of one differed from batches of 2+ in 11 of these 4,096 rows. Batches of 7 put each row in
+    # another place of its block, beside other rows, than batches of 2 or 64 do.
     gen = torch.Generator().manual_seed(0)
     layer = torch.nn.Linear(64, 64, bias=False)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(64, 64, generator=gen) * 10)
     layer = layer.to(dtype)
     x = torch.randn(4096, 1, 64, generator=gen).to(dtype)
-    by_batch = {b: torch.cat([rowwise_linear(x[i : i + b], layer) for i in range(0, 4096, b)]) for b in (1, 2, 7, 64)}
+    by_batch = {b: torch.cat([block_linear(x[i : i + b], layer) for i in range(0, 4096, b)]) for b in (1, 2, 7, 64)}
     for b in (2, 7, 64):
         assert torch.equal(by_batch[b], by_batch[1]), b
 
@@ -150,3 +151,37 @@ def test_top_p_samples_only_the_smallest_set_reaching_p():
     assert drawn(0.81) == {0, 1, 2}
     assert drawn(0.1) == {0}
     assert drawn(None) == drawn(1.0) == {0, 1, 2, 3}
+
+
+def test_leave_moves_only_the_live_prefix_and_clear_drops_every_member():
+    model = tiny(seq=16)
+    batch = Batch(model, 3)
+    batch.cache.k.normal_(), batch.cache.v.normal_()  # stale values past a member's positions
+    a, _ = batch.join([1, 2, 3], temperature=0)
+    b, _ = batch.join([4, 5, 6, 7, 8], temperature=0)
+    batch.step()
+    n = batch.rows[1].pos
+    assert n == 6
+    k1, v1, k0 = batch.cache.k[:, 1].clone(), batch.cache.v[:, 1].clone(), batch.cache.k[:, 0].clone()
+    batch.leave(a)  # b moves from slot 1 into slot 0: its n positions, not the whole slot
+    assert torch.equal(batch.cache.k[:, 0, :, :n], k1[:, :, :n]) and torch.equal(batch.cache.v[:, 0, :, :n], v1[:, :, :n])
+    assert torch.equal(batch.cache.k[:, 0, :, n:], k0[:, :, n:])
+    assert [m.id for m in batch.rows] == [b] and batch.rows[0].pos == n
+    batch.clear()
+    assert batch.rows == [] and batch.free == 3 and batch.step() == {}
+    c, _ = batch.join([1, 2, 3], temperature=0)
+    assert [m.id for m in batch.rows] == [c]
+
+
+def test_a_step_that_rebuilds_every_member_runs_no_decode(monkeypatch):
+    model = tiny(seq=16)
+    batch = Batch(model, 2)
+    a, _ = batch.join(list(range(16)), temperature=0)  # fills the context: its next step is a rebuild
+    b, _ = batch.join(list(range(20, 36)), temperature=0)
+    decodes = []
+    original = model.decode_step
+    monkeypatch.setattr(model, "decode_step", lambda *args: decodes.append(1) or original(*args))
+    assert set(batch.step()) == {a, b} and decodes == []
+    assert set(batch.step()) == {a, b} and decodes == [1]
+    for prompt, member in ((list(range(16)), batch.rows[0]), (list(range(20, 36)), batch.rows[1])):
+        assert member.tokens[16:] == list(model.generate(prompt, 3, 0.0))
