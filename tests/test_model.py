@@ -108,3 +108,15 @@ def test_one_batch_overfits():
         opt.step()
         model.zero_grad(set_to_none=True)
     assert first > 3.5 and loss.item() < 0.1
+
+
+def test_relu_squared_matches_autograd_of_the_plain_ops():
+    from experiment.model import relu_squared
+    x = torch.randn(4, 8, 16, dtype=torch.float64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    g = torch.randn(4, 8, 16, dtype=torch.float64)
+    relu_squared(x).backward(g)
+    torch.nn.functional.relu(x2).square().backward(g)
+    torch.testing.assert_close(relu_squared(x), torch.nn.functional.relu(x2).square())
+    torch.testing.assert_close(x.grad, x2.grad)
+    assert torch.autograd.gradcheck(relu_squared, (torch.randn(3, 5, dtype=torch.float64, requires_grad=True),))

@@ -103,3 +103,41 @@ def test_lr_multiplier_scales_every_group():
         for g in o.param_groups:
             assert g["lr"] == pytest.approx(0.25 * g["initial_lr"])
     assert opt.matrix_lr() == pytest.approx(0.005)
+
+
+def test_batched_muon_is_torch_muon_with_an_fp32_iteration():
+    from experiment.optim import BatchedMuon, newton_schulz
+    coeffs = torch.optim._muon.DEFAULT_A, torch.optim._muon.DEFAULT_B, torch.optim._muon.DEFAULT_C
+    g = torch.randn(3, 48, 16, dtype=torch.float64)
+    batched = newton_schulz(g, coeffs, 5, 1e-7)
+    for i in range(3):  # torch's per-matrix iteration, run in float64 instead of bf16
+        x = g[i].T / g[i].norm()
+        for _ in range(5):
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=coeffs[1], alpha=coeffs[2]), x, beta=coeffs[0])
+        torch.testing.assert_close(batched[i], x.T)
+    # Two steps of each optimizer on the same parameters: the same update up to torch's bf16 rounding,
+    # and the same state, so a checkpoint of one loads into the other.
+    torch.manual_seed(0)
+    params = [[torch.randn(32, 16, requires_grad=True), torch.randn(16, 16, requires_grad=True),
+               torch.randn(32, 16, requires_grad=True)] for _ in range(2)]
+    params[1] = [p.detach().clone().requires_grad_() for p in params[0]]
+    opts = [torch.optim.Muon(params[0], lr=0.05), BatchedMuon(params[1], lr=0.05)]
+    for _ in range(2):
+        grads = [torch.randn(32, 16), torch.randn(16, 16), torch.randn(32, 16)]
+        for ps, opt in zip(params, opts):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            opt.step()
+    for a, b in zip(*params):
+        assert (a - b).norm() / a.norm() < 0.02
+    fresh = BatchedMuon([p.detach().clone() for p in params[0]], lr=0.05)
+    fresh.load_state_dict(opts[0].state_dict())
+    torch.testing.assert_close(fresh.state_dict()["state"][0]["momentum_buffer"],
+                               opts[1].state_dict()["state"][0]["momentum_buffer"])
+
+
+def test_sharded_optimizer_uses_batched_muon_on_cpu():
+    from experiment.optim import BatchedMuon
+    opt = ShardedOptimizer(GPT(tiny_config()), **LRS)
+    assert isinstance(opt.optimizers[0], BatchedMuon)
