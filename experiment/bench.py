@@ -6,6 +6,8 @@
     python -m experiment.bench throughput --depth 4 --seq 256 --batch 8 [--aspect_ratio 64 --head_dim 128]
     python -m experiment.bench speedrun --data FILE --seconds 180 [--val_fraction 0.1]
     python -m experiment.bench prepare --mb 100
+    python -m experiment.bench profile [--depth 4 --aspect_ratio 32 --seq 256 --batch 16] [--table]
+    python -m experiment.bench versus --nanogpt PATH --seconds 180 [--repeats 3]
     python -m experiment.bench serve [--checkpoint PATH] --clients 1,8,32
     python -m experiment.bench gpucheck [--quick] [--workspace DIR] [--only env,correctness,...]
 
@@ -22,6 +24,11 @@ against the GPU's peak by name or, on CPU, against an fp32 matmul peak measured 
 speedrun: trains from scratch for exactly T seconds of budget with the recommended settings for the
 device (the trainer's defaults), then prints the val loss on the full val set and the val-loss curve
 against training seconds.
+profile: one CPU training step under torch.profiler, its time by bucket (matmul, attention, softmax +
+loss, norm, elementwise, optimizer, data, host overhead) (experiment/stepprofile.py).
+versus: nanoGPT's baby-GPT CPU recipe and ours, one after the other on this machine, same text and
+split, both for the same budget: both full-val losses, and when ours reaches nanoGPT's final loss
+(experiment/versus.py).
 prepare: a synthetic corpus of --mb MB prepared in a child process: MB/s, peak memory, cache-hit time
 (experiment/prepbench.py).
 serve: starts the server on a checkpoint and drives it with 1, 8, 32 clients at once: aggregate tok/s
@@ -33,10 +40,8 @@ report under $WORKSPACE/gpucheck/<timestamp>/ (experiment/gpucheck.py).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,11 +50,9 @@ from pathlib import Path
 import torch
 
 from experiment import checkpoint as ckpt
-from experiment import gpucheck, loadtest, prepbench
-from experiment.dataloader import Prepared
-from experiment.distributed import Dist, autocast_for, resolve_device, sync
+from experiment import gpucheck, loadtest, prepbench, stepprofile, versus
+from experiment.distributed import autocast_for, resolve_device, sync
 from experiment.files import default_workspace
-from experiment.evaluation import evaluate
 from experiment.memory import MODES, format_plan, param_shapes, plan_memory
 from experiment.model import GPT, GPTConfig, build_model
 from experiment.optim import LRS, ShardedOptimizer
@@ -155,31 +158,15 @@ def cmd_throughput(args) -> int:
 
 def cmd_speedrun(args) -> int:
     ws = Path(args.workspace or tempfile.mkdtemp(prefix="speedrun-"))
-    cmd = [sys.executable, "-m", "experiment.train", "--data_dir", str(args.data), "--workspace", str(ws),
-           "--training_hours", str(args.seconds / 3600), "--val_fraction", str(args.val_fraction),
-           "--model_tag", "speedrun", "--resume", "never", "--sample_tokens", "0",
-           "--eval_every_minutes", str(args.seconds / 6 / 60), "--save_every_minutes", "1e9",
-           "--log_every_steps", "50", *args.train_args]
-    print(f"speedrun | {' '.join(cmd[1:])}", flush=True)
-    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent)
-    if proc.returncode != 0:
-        print(f"error: training exited {proc.returncode}", file=sys.stderr)
+    try:
+        r = versus.run_ours(Path(args.data), args.seconds, args.val_fraction, ws, args.train_args)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
-    run_dir = ws / "checkpoints" / "speedrun"
-    step = ckpt.complete_steps(run_dir)[-1]
-    model, meta = ckpt.load_model(ckpt.model_path(run_dir, step))
-    prepared = Prepared.load(meta["prepared"]["dir"])
-    # The trainer's own eval, over every whole window of the val split.
-    seq, n_val = model.config.max_seq_len, len(prepared.tokens("val"))
-    loss, _, _ = evaluate(model, prepared, seq, 16, n_val, Dist(0, 0, 1, torch.device("cpu")))
-    n = (n_val - 1) // seq * seq
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        print(f"curve | {r['used_seconds']:7.1f}s | step {r['step']:6d} | val_loss {r['val_loss']:.4f} (eval slice)")
-    print(f"speedrun | budget {args.seconds:g}s, used {meta['used_seconds']:.1f}s | step {step} | "
-          f"{meta['tokens_seen']:,} tokens | d{meta['model_config']['depth']} "
-          f"width {meta['model_config']['depth'] * meta['model_config']['aspect_ratio']} | "
-          f"val_loss {loss:.4f} nats/char on the full val set ({n:,} tokens, last {args.val_fraction:g} of the text)")
+    for t, loss in r.curve:
+        print(f"curve | {t:7.1f}s | val_loss {loss:.4f} (eval slice)")
+    print(f"speedrun | budget {args.seconds:g}s, used {r.seconds:.1f}s | {r.summary} | val_loss {r.loss:.4f} "
+          f"nats/char on the full val set ({r.val_tokens:,} tokens, last {args.val_fraction:g} of the text)")
     return 0
 
 
@@ -226,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     sr.add_argument("train_args", nargs="*", help="extra experiment.train flags after --, e.g. -- --depth 6")
     prepbench.add_arguments(sub.add_parser("prepare", help="MB/s and peak memory of preparing a synthetic corpus"))
     loadtest.add_arguments(sub.add_parser("serve", help="the server's aggregate tok/s and latency per client count"))
+    stepprofile.add_arguments(sub.add_parser("profile", help="where one CPU training step's time goes"))
+    versus.add_arguments(sub.add_parser("versus", help="nanoGPT and ours on one machine, same data and budget"))
     gpucheck.add_arguments(sub.add_parser("gpucheck", help="prove a GPU box: every CUDA path, PASS/FAIL per item"))
     return parser
 
@@ -266,7 +255,7 @@ def cmd_generate(args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"generate": cmd_generate, "plan": cmd_plan, "fitprobe": cmd_fitprobe, "throughput": cmd_throughput,
-                "speedrun": cmd_speedrun, "prepare": prepbench.main, "serve": loadtest.main, "gpucheck": gpucheck.main}
+                "speedrun": cmd_speedrun, "prepare": prepbench.main, "serve": loadtest.main, "versus": versus.main, "profile": stepprofile.main, "gpucheck": gpucheck.main}
     return commands[args.command](args)
 
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, SHAKESPEARE
 from experiment.dataloader import demo_lines
 
 
@@ -52,3 +52,71 @@ def test_speedrun_trains_for_its_budget_and_reports_full_val_loss(tmp_path):
     val_tokens = json.loads(next((tmp_path / "ws/prepared").glob("*/meta.json")).read_text())["split"]["val_tokens"]
     assert n == (val_tokens - 1) // 64 * 64  # every whole window of the val split
     assert "curve |" in proc.stdout
+
+
+def test_profile_splits_a_step_into_buckets_that_add_up_to_its_wall_time():
+    proc = subprocess.run([sys.executable, "-m", "experiment.bench", "profile", "--depth", "2", "--head_dim", "32",
+                           "--seq", "32", "--batch", "4", "--tokens_per_step", "256", "--steps", "2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    wall = float(re.search(r"([\d.]+) ms/step wall", proc.stdout).group(1))
+    rows = dict((name.strip(), float(ms)) for name, ms in re.findall(r"^profile \| (.+?)\s+([\d.]+) ms\s+[\d.]+%$", proc.stdout, re.M))
+    for bucket in ("matmul", "optimizer", "data", "attention (SDPA)", "host overhead (no op running)"):
+        assert bucket in rows, proc.stdout
+    assert rows["matmul"] > 0 and rows["optimizer"] > 0
+    assert sum(rows.values()) == pytest.approx(wall, rel=0.02, abs=0.3)
+
+
+def test_seconds_to_reach_interpolates_between_evals():
+    from experiment.versus import seconds_to_reach, size_nanogpt
+    curve = [(0.0, 4.0), (10.0, 2.0), (20.0, 1.5)]
+    assert seconds_to_reach(curve, 3.0) == pytest.approx(5.0)
+    assert seconds_to_reach(curve, 1.75) == pytest.approx(15.0)
+    assert seconds_to_reach(curve, 1.4) is None
+    n, interval = size_nanogpt(iter_s=0.04, eval_s=0.5, seconds=180)
+    assert n % interval == 0 and abs(interval - 250) < 60
+    assert abs(n * 0.04 + (n / interval + 1) * 0.5 - 180) < 3  # the loop fills the budget
+
+
+def test_nanogpt_copy_has_prepare_py_bins(tmp_path):
+    import pickle
+
+    import numpy as np
+
+    from experiment.versus import write_nanogpt_copy
+    src = tmp_path / "anchor"
+    for name in ("train.py", "model.py", "configurator.py", "config/train_shakespeare_char.py"):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_text("# " + name)
+    text = "".join(demo_lines(300, seed=1))
+    write_nanogpt_copy(src, text, tmp_path / "copy")
+    data = tmp_path / "copy" / "data" / "shakespeare_char"
+    meta = pickle.loads((data / "meta.pkl").read_bytes())
+    decode = lambda f: "".join(meta["itos"][i] for i in np.fromfile(data / f, dtype=np.uint16))
+    cut = int(len(text) * 0.9)
+    assert decode("train.bin") == text[:cut] and decode("val.bin") == text[cut:]
+    assert meta["vocab_size"] == len(set(text)) and (tmp_path / "copy" / "model.py").read_text() == "# model.py"
+
+
+def test_versus_skips_without_nanogpt(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "experiment.bench", "versus", "--nanogpt", tmp_path / "none",
+                           "--seconds", "5"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "versus | skipped" in proc.stdout and "train.py not found" in proc.stdout
+
+
+NANOGPT = REPO.parent / "shared" / "anchors" / "nanogpt"
+
+
+@pytest.mark.skipif(not (NANOGPT / "train.py").exists() or not SHAKESPEARE.exists(),
+                    reason="../shared/anchors/nanogpt or ../shared/data/tinyshakespeare.txt not present")
+def test_versus_runs_both_sides_and_compares_them(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "experiment.bench", "versus", "--seconds", "8",
+                           "--workspace", tmp_path], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = re.search(r"repeat 1 \| nanoGPT ([\d.]+) \((\d+) iters x 768 tokens, loop ([\d.]+)s\) \| ours ([\d.]+) "
+                  r"\(d\d+ w\d+ seq 256, \d+ steps x 4096 tokens.*used ([\d.]+)s\)", proc.stdout)
+    assert m, proc.stdout[-3000:]
+    nano, iters, loop, ours, used = (float(g) for g in m.groups())
+    assert 2.0 < nano < 4.5 and 1.0 < ours < 4.5 and iters > 20
+    assert loop < 8 * 1.5 and used <= 8
+    assert re.search(r"median of 1 \| nanoGPT [\d.]+ \| ours [\d.]+ \| ours - nanoGPT [-+][\d.]+ \| reach", proc.stdout)
