@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 from experiment.dataloader import Prepared
 from experiment.optim import LRS
 
-# CPU defaults are the recommended small-budget settings: the best of the speedruns in the README's
-# Performance table (Tiny Shakespeare, 180 s on 2 cores); a narrow model that sees many tokens wins.
+# CPU defaults are the recommended small-budget settings (the README's Performance section, Tiny
+# Shakespeare on 2 cores): the depth by the auto rule, a narrow shape (width 32 per layer) that sees
+# many tokens, and Muon at twice the GPU learning rate.
 CUDA_DEFAULTS = dict(depth=64, aspect_ratio=64, head_dim=128, matrix_lr=0.02, warmdown_frac=0.2,
                      max_seq_len=2048, total_batch_size=524288, training_hours=31.0,
                      save_every_minutes=60.0, eval_every_minutes=30.0, eval_tokens=1 << 20)
-CPU_DEFAULTS = dict(depth=4, aspect_ratio=32, head_dim=64, matrix_lr=0.04, warmdown_frac=0.4,
+CPU_DEFAULTS = dict(depth="auto", aspect_ratio=32, head_dim=64, matrix_lr=0.04, warmdown_frac=0.4,
                     max_seq_len=256, total_batch_size=4096, training_hours=0.05,
                     save_every_minutes=1.0, eval_every_minutes=0.5, eval_tokens=1 << 16)
 CPU_DEVICE_BATCH = 16
@@ -35,7 +36,9 @@ def _opt(help_text: str, default=None):
 
 @dataclass
 class TrainConfig:
-    depth: int | None = _opt("layers; model_dim = depth * aspect_ratio (default 64 with CUDA, 4 without)")
+    depth: int | str | None = _opt("layers; model_dim = depth * aspect_ratio; auto: chosen at start from the "
+                                   "throughput measured here, the budget and the data (default 64 with CUDA, "
+                                   "auto without)")
     aspect_ratio: int | None = _opt("model_dim per layer (default 64 with CUDA, 32 without)")
     head_dim: int | None = _opt("attention head size (default 128 with CUDA, 64 without)")
     max_seq_len: int | None = _opt("context length (default 2048 with CUDA, 256 without)")
@@ -56,7 +59,7 @@ class TrainConfig:
     tokenizer: str = _opt("char, or a tiktoken encoding name", "char")
     alphabet: str | None = _opt("allowed characters; data with any other one is rejected")
     val_fraction: float = _opt("last fraction of the tokens held out for validation", 0.05)
-    model_tag: str | None = _opt("run directory name (default d<depth>)")
+    model_tag: str | None = _opt("run directory name (default d<depth>, or auto)")
     resume: str = _opt("auto: latest complete checkpoint; never; or a step number", "auto")
     save_every_minutes: float | None = _opt("checkpoint cadence (default 60 with CUDA, 1 without)")
     save_every_steps: int = _opt("also checkpoint every N steps (0: off)", 0)
@@ -90,10 +93,19 @@ def parse_args(argv=None) -> TrainConfig:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(TrainConfig):
         kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
-        if f.default is None and kind is not str:  # optional numbers: "auto" means the device default
+        if f.name == "depth":
+            kind = _depth
+        elif f.default is None and kind is not str:  # optional numbers: "auto" means the device default
             kind = _auto_or(kind)
         parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=f.metadata["help"])
     return TrainConfig(**vars(parser.parse_args(argv)))
+
+
+def _depth(text: str) -> int | str | None:
+    """A number of layers, or auto (the rule of experiment/autosize.py); empty: the device default."""
+    if text in ("auto", ""):
+        return text or None
+    return int(text)
 
 
 def _auto_or(kind):
@@ -107,8 +119,10 @@ def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
     """Fill device-dependent defaults and check that the settings can work together."""
     defaults = CUDA_DEFAULTS if cuda else CPU_DEFAULTS
     cfg = dataclasses.replace(cfg, **{k: v for k, v in defaults.items() if getattr(cfg, k) is None})
+    if not (cfg.depth == "auto" or isinstance(cfg.depth, int) and cfg.depth > 0):
+        raise ConfigError(f"--depth must be a positive number of layers or auto, got {cfg.depth!r}")
     if cfg.model_tag is None:
-        cfg.model_tag = f"d{cfg.depth}"
+        cfg.model_tag = "auto" if cfg.depth == "auto" else f"d{cfg.depth}"
     if cfg.budget_usd is not None:
         cfg.training_hours = cfg.budget_usd / (cfg.gpu_hourly_usd * world_size)
     if cfg.training_hours <= 0:
@@ -134,10 +148,10 @@ def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
     return cfg
 
 
-def checkpoint_meta(cfg: TrainConfig, prepared: Prepared, budget_seconds: float) -> dict:
+def checkpoint_meta(cfg: TrainConfig, prepared: Prepared, budget_seconds: float, auto: dict | None = None) -> dict:
     """What every checkpoint's meta holds besides the run state: enough to rebuild the tokenizer and
-    to refuse a resume on other data."""
-    return {"budget_seconds": budget_seconds, "train_config": dataclasses.asdict(cfg),
+    to refuse a resume on other data, and with DEPTH=auto the choice and its reason."""
+    return {"budget_seconds": budget_seconds, "train_config": dataclasses.asdict(cfg), "auto": auto,
             "tokenizer": {k: prepared.meta[k] for k in ("tokenizer", "encoding", "chars", "bos_id", "vocab_size",
                                                         "vocab_used")},
             "prepared": {"dir": str(prepared.dir), "hash": prepared.meta["hash"]}}

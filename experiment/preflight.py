@@ -17,10 +17,12 @@ Multi-node: the node with NODE_RANK=0 prepares into the shared workspace and wri
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
 
+from experiment import autosize
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError
 from experiment.config import ConfigError, TrainConfig, parse_args, resolve
@@ -70,16 +72,33 @@ def check_resume_target(run_dir: Path, step: int, config: GPTConfig, prepared: P
                           f"{meta['prepared']['hash']}, but the data now hashes to {prepared.meta['hash']}")
 
 
-def plan_lines(cfg: TrainConfig, prepared: Prepared, config: GPTConfig, world_size: int, resume_step: int | None,
-               run_dir: Path) -> list[str]:
+def depth_for(cfg: TrainConfig, run_dir: Path, resume_step: int | None) -> int | None:
+    """The depth to build: DEPTH as given, or with DEPTH=auto the resumed checkpoint's (a resume keeps
+    the choice); None for a fresh auto run, which chooses at start from measured throughput."""
+    if cfg.depth != "auto":
+        return cfg.depth
+    return None if resume_step is None else ckpt.read_meta(run_dir, resume_step)["model_config"]["depth"]
+
+
+def make_config(cfg: TrainConfig, prepared: Prepared):
+    """depth -> the GPTConfig of this run's shape at that depth."""
+    return lambda depth: model_config(dataclasses.replace(cfg, depth=depth), prepared)
+
+
+def plan_lines(cfg: TrainConfig, prepared: Prepared, config: GPTConfig | None, world_size: int,
+               resume_step: int | None, run_dir: Path) -> list[str]:
     split = prepared.meta["split"]
     resume = f"resumes step {resume_step:06d} of {run_dir}" if resume_step is not None else f"fresh run in {run_dir}"
+    model = (f"model d{config.depth} width {config.n_embd}, {config.n_head} heads" if config else
+             "model auto (depth chosen at start from the throughput measured there)")
+    supported = autosize.supported_depth(make_config(cfg, prepared), split["train_tokens"])
     return [
         f"preflight | data {prepared.dir} | {split['train_tokens']:,} train tokens, {split['val_tokens']:,} val "
         f"tokens | vocabulary {prepared.meta['vocab_size']}",
-        f"preflight | model d{cfg.depth} width {config.n_embd}, {config.n_head} heads, context {cfg.max_seq_len} | "
-        f"world {world_size} | {cfg.total_batch_size:,} tokens/step = "
+        f"preflight | {model}, context {cfg.max_seq_len} | world {world_size} | {cfg.total_batch_size:,} tokens/step = "
         f"{cfg.total_batch_size / split['train_tokens']:.4f} epochs/step | budget {cfg.training_hours:.3f}h",
+        f"preflight | the data supports up to {f'd{supported}' if supported else 'less than d2'} "
+        f"({autosize.TOKENS_PER_PARAM:g} tokens/param over at most {autosize.MAX_USEFUL_EPOCHS} epochs)",
         f"preflight | {resume}",
     ]
 
@@ -117,8 +136,9 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
         return wait_for_node0(plan_file, started, wait_minutes, log)
     prepared = prepare_data(cfg, workspace, log)
     weights = source_weights(prepared.meta, cfg.data_mix)
-    config = model_config(cfg, prepared)
     resume_step = ckpt.pick_resume_step(run_dir, cfg.resume)
+    depth = depth_for(cfg, run_dir, resume_step)
+    config = model_config(dataclasses.replace(cfg, depth=depth), prepared) if depth else None
     if resume_step is not None:
         check_resume_target(run_dir, resume_step, config, prepared)
     for line in plan_lines(cfg, prepared, config, world_size, resume_step, run_dir):

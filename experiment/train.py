@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from experiment import autosize
 from experiment import checkpoint as ckpt
 from experiment import preflight
 from experiment.checkpoint import (CheckpointError, Retention, RunState, load_checkpoint, pick_resume_step,
@@ -158,6 +159,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     cuda = d.device.type == "cuda"
     log(f"world {d.world_size} x {torch.cuda.get_device_name(d.device) if cuda else 'cpu'} | torch {torch.__version__}")
     prepared, resume_step = prepare_data(cfg, d, workspace, run_dir, log)
+    auto, probe_seconds = choose_depth(cfg, d, prepared, run_dir, resume_step, log) if cfg.depth == "auto" else (None, 0)
     model_config = preflight.model_config(cfg, prepared)
     if resume_step is not None:
         preflight.check_resume_target(run_dir, resume_step, model_config, prepared)
@@ -165,7 +167,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast
     model, opt = build_model_and_optimizer(cfg, d, model_config, log)
-    st = RunState()
+    st = RunState(used_seconds=probe_seconds)  # DEPTH=auto's probe is part of the budget
     if resume_step is not None:
         st = load_checkpoint(run_dir, resume_step, model, opt, d)
         log(f"resumed from {ckpt.model_path(run_dir, resume_step)}: step {st.step}, "
@@ -185,7 +187,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     budget_seconds = cfg.training_hours * 3600
     peak = peak_flops(torch.cuda.get_device_name(d.device)) if cuda else None
     grad_accum = cfg.total_batch_size // (cfg.device_batch_size * cfg.max_seq_len * d.world_size)
-    run_meta = checkpoint_meta(cfg, prepared, budget_seconds)
+    run_meta = checkpoint_meta(cfg, prepared, budget_seconds, auto)
     t = Trainer(cfg, d, log, run_dir, prepared, model, opt, ddp, torch.compile(ddp) if use_compile else ddp, batches,
                 weights, writer, st, resume_step, grad_accum, budget_seconds, run_meta,
                 model.estimate_flops(cfg.max_seq_len), peak)
@@ -194,6 +196,27 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         f"{cfg.max_seq_len} x {d.world_size} ranks x {t.grad_accum} accum = {cfg.total_batch_size:,} tokens/step | "
         f"budget {cfg.training_hours:.3f}h | tensorboard {workspace / 'tensorboard' / cfg.model_tag}")
     return t
+
+
+def choose_depth(cfg: TrainConfig, d: Dist, prepared: Prepared, run_dir: Path, resume_step: int | None,
+                 log: RunLog) -> tuple[dict, float]:
+    """DEPTH=auto: sets cfg.depth. A resume keeps its checkpoint's depth; a fresh run measures the
+    ladder on every rank at once (so each rank sees the load training will put on the machine) and
+    takes rank 0's choice. Returns (what the checkpoint meta records, seconds the probe took)."""
+    if resume_step is not None:
+        cfg.depth = preflight.depth_for(cfg, run_dir, resume_step)
+        auto = ckpt.read_meta(run_dir, resume_step).get("auto") or {}
+        log(f"auto: d{cfg.depth} kept from the checkpoint ({auto.get('reason', 'no reason recorded')})")
+        return auto, 0.0
+    t0 = time.time()
+    chosen, candidates = autosize.probe_and_choose(
+        preflight.make_config(cfg, prepared), cfg.device_batch_size or 1, d.device, d.world_size,
+        cfg.training_hours * 3600, prepared.meta["split"]["train_tokens"])
+    auto = broadcast_object({"depth": chosen.depth, "reason": autosize.reason(chosen, candidates),
+                             "candidates": [dataclasses.asdict(c) for c in candidates]}, d)
+    cfg.depth = auto["depth"]
+    log(f"{auto['reason']} | probe {time.time() - t0:.1f}s, counted in the budget")
+    return auto, time.time() - t0
 
 
 def make_batches(cfg: TrainConfig, d: Dist, prepared: Prepared, weights: list[float] | None, state: dict | None,
@@ -396,8 +419,12 @@ def record_step(t: Trainer, loop: Loop, loss_sum: torch.Tensor, mult: float, t0:
         rate = loop.measured_tokens / loop.measured_time
         t.log(planner_line(rate, left, st.step + 1, st.tokens_seen, cfg.total_batch_size, cfg.training_hours,
                            t.prepared.meta["split"]["train_tokens"], t.model.num_params()))
+        total = st.tokens_seen + rate * left
+        for line in autosize.data_lines(cfg.depth, preflight.make_config(cfg, t.prepared), total,
+                                        t.prepared.meta["split"]["train_tokens"], auto=t.run_meta["auto"] is not None):
+            t.log(line)
         if t.weights:
-            for line in source_epoch_lines(st.tokens_seen + rate * left, t.weights, t.prepared.meta["source_splits"]):
+            for line in source_epoch_lines(total, t.weights, t.prepared.meta["source_splits"]):
                 t.log(line)
 
 

@@ -1,0 +1,142 @@
+"""DEPTH=auto: the model size that the budget and the data support, from throughput measured here.
+
+The rule (fitted from the README's sweep of budget x size on a 2-core CPU, "DEPTH=auto"): of the
+depths on the ladder, take the one whose useful tokens per parameter is nearest TOKENS_PER_PARAM
+(in log), where useful tokens = what the budget buys at that depth's measured tok/s, counting at
+most MAX_USEFUL_EPOCHS passes over the training data. A faster machine or a longer budget buys more
+tokens, so a larger model; a small corpus caps the useful tokens, so it caps the model too.
+
+The same arithmetic answers an explicit DEPTH: `supported_depth` is the largest depth on the ladder
+that MAX_USEFUL_EPOCHS passes over the data train to TOKENS_PER_PARAM tokens per parameter, and
+`data_lines` warns when a depth will repeat the data more than MAX_GOOD_EPOCHS times.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from experiment.memory import param_shapes
+from experiment.model import GPTConfig, build_model
+from experiment.optim import LRS, ShardedOptimizer
+from experiment.runlog import MAX_GOOD_EPOCHS
+
+# Fitted: the loss-minimizing tokens/param was 10.5 at a 60 s budget and 7.3 at 180 s (a parabola in
+# log tokens/param through d2, d4, d6 at each budget; the README's DEPTH=auto table).
+TOKENS_PER_PARAM = 9.0
+# Repeated tokens lose value past ~4 epochs and are worth almost nothing past ~16 (Muennighoff et al.
+# 2023); at 180 s a d2 that saw the data 15.7 times still beat its 60 s self by 0.04.
+MAX_USEFUL_EPOCHS = 16
+LADDER = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64)
+PROBE_STEPS = 2  # timed steps per candidate, after one warm-up step
+PROBE_BATCH = 4  # sequences per probe step at most: the probe's seconds come out of the budget
+
+
+@dataclass
+class Candidate:
+    depth: int
+    width: int
+    params: int
+    tok_per_s: float  # measured, all ranks together
+    tokens: float  # in the budget at that rate
+    epochs: float
+
+    @property
+    def tokens_per_param(self) -> float:
+        """Useful tokens (at most MAX_USEFUL_EPOCHS passes over the data) per parameter."""
+        return min(self.tokens, self.tokens / self.epochs * MAX_USEFUL_EPOCHS) / self.params
+
+
+def ladder(aspect_ratio: int, head_dim: int) -> list[int]:
+    """Depths whose width the head size divides."""
+    return [d for d in LADDER if (d * aspect_ratio) % head_dim == 0]
+
+
+def count_params(config: GPTConfig) -> int:
+    return sum(math.prod(s) for s in param_shapes(config).values())
+
+
+def measure_tok_per_s(config: GPTConfig, batch: int, device: torch.device) -> float:
+    """One rank's training tok/s (forward, backward, optimizer) over PROBE_STEPS steps after a
+    warm-up step, on random tokens, eager."""
+    model = build_model(config, device)
+    opt = ShardedOptimizer(model, **LRS, communicate=False)
+    x = torch.randint(0, config.vocab_size, (batch, config.max_seq_len), device=device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    seconds = 0.0
+    for i in range(PROBE_STEPS + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        with autocast:
+            loss = model(x, x)
+        loss.backward()
+        opt.step()
+        model.zero_grad(set_to_none=True)
+        loss.item()
+        seconds += (time.perf_counter() - t0) if i else 0.0
+    del model, opt
+    return PROBE_STEPS * batch * config.max_seq_len / seconds
+
+
+def candidate(config: GPTConfig, tok_per_s: float, budget_s: float, train_tokens: int) -> Candidate:
+    tokens = tok_per_s * budget_s
+    return Candidate(config.depth, config.n_embd, count_params(config), tok_per_s, tokens, tokens / train_tokens)
+
+
+def choose(candidates: list[Candidate]) -> Candidate:
+    return min(candidates, key=lambda c: abs(math.log(c.tokens_per_param / TOKENS_PER_PARAM)))
+
+
+def probe_and_choose(make_config, batch: int, device: torch.device, world_size: int, budget_s: float,
+                     train_tokens: int) -> tuple[Candidate, list[Candidate]]:
+    """Measure the ladder from the smallest depth up until a depth falls below half the target
+    (larger ones only fall further), then choose. make_config(depth) -> GPTConfig."""
+    candidates = []
+    for depth in ladder(make_config(2).aspect_ratio, make_config(2).head_dim):
+        config = make_config(depth)
+        try:
+            rate = measure_tok_per_s(config, min(batch, PROBE_BATCH), device) * world_size
+        except torch.OutOfMemoryError:
+            break
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        candidates.append(candidate(config, rate, budget_s, train_tokens))
+        if candidates[-1].tokens_per_param < TOKENS_PER_PARAM / 2:
+            break
+    return choose(candidates), candidates
+
+
+def reason(c: Candidate, candidates: list[Candidate]) -> str:
+    measured = ", ".join(f"d{x.depth} {x.tok_per_s:,.0f}" for x in candidates)
+    return (f"auto: d{c.depth} w{c.width}, {c.tokens / 1e6:.1f}M tokens in budget, {c.tokens / c.params:.1f} "
+            f"tokens/param, {c.epochs:.1f} epochs (target {TOKENS_PER_PARAM:g} tokens/param, at most "
+            f"{MAX_USEFUL_EPOCHS} epochs counted; measured tok/s: {measured})")
+
+
+def supported_depth(make_config, train_tokens: int) -> int | None:
+    """The largest ladder depth that MAX_USEFUL_EPOCHS passes over train_tokens train to
+    TOKENS_PER_PARAM tokens per parameter; None if even the smallest is too large."""
+    fits = [d for d in ladder(make_config(2).aspect_ratio, make_config(2).head_dim)
+            if MAX_USEFUL_EPOCHS * train_tokens / count_params(make_config(d)) >= TOKENS_PER_PARAM]
+    return max(fits) if fits else None
+
+
+def data_lines(depth: int, make_config, total_tokens: float, train_tokens: int, auto: bool = False) -> list[str]:
+    """The depth the data supports, and a warning when this depth will repeat the data more than
+    MAX_GOOD_EPOCHS times in the budget."""
+    best = supported_depth(make_config, train_tokens)
+    params = count_params(make_config(depth))
+    lines = [f"planner | the data ({train_tokens:,} train tokens) supports up to "
+             f"{'d' + str(best) if best else 'less than the smallest depth'} at {TOKENS_PER_PARAM:g} tokens/param "
+             f"over at most {MAX_USEFUL_EPOCHS} epochs; d{depth} has {params:,} params"]
+    epochs = total_tokens / train_tokens
+    if epochs > MAX_GOOD_EPOCHS:
+        fix = "more data or a smaller budget" if auto else "DEPTH=auto, a smaller DEPTH, more data or a smaller budget"
+        lines.append(f"warning: d{depth} will see the training data {epochs:.1f} times in the budget (past "
+                     f"{MAX_GOOD_EPOCHS}, repeated tokens are worth less and less); consider {fix}")
+    return lines
