@@ -98,7 +98,7 @@ def plan_lines(cfg: TrainConfig, prepared: Prepared, config: GPTConfig | None, w
         f"preflight | {model}, context {cfg.max_seq_len} | world {world_size} | {cfg.total_batch_size:,} tokens/step = "
         f"{cfg.total_batch_size / split['train_tokens']:.4f} epochs/step | budget {cfg.training_hours:.3f}h",
         f"preflight | the data supports up to {f'd{supported}' if supported else 'less than d2'} "
-        f"({autosize.TOKENS_PER_PARAM:g} tokens/param over at most {autosize.MAX_USEFUL_EPOCHS} epochs)",
+        f"({autosize.MIN_TOKENS_PER_PARAM:g} token/param over at most {autosize.MAX_EPOCHS} epochs)",
         f"preflight | {resume}",
     ]
 
