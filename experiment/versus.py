@@ -224,7 +224,7 @@ def main(args) -> int:
     nanogpt, data = Path(args.nanogpt), Path(args.data)
     missing = [str(p) for p in (nanogpt / "train.py", data) if not p.is_file()]
     if missing:
-        print(f"versus | skipped: {', '.join(missing)} not found (pass --nanogpt PATH and --data FILE)")
+        print(f"versus | skipped: not found: {', '.join(missing)} (pass --nanogpt PATH and --data FILE)")
         return 0
     text = data.read_text(encoding="utf-8")
     keep = args.workspace is not None

@@ -101,7 +101,8 @@ def test_nanogpt_copy_has_prepare_py_bins(tmp_path):
 def test_versus_skips_without_nanogpt(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "experiment.bench", "versus", "--nanogpt", tmp_path / "none",
                            "--seconds", "5"], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and "versus | skipped" in proc.stdout and "train.py not found" in proc.stdout
+    assert proc.returncode == 0 and "versus | skipped: not found: " in proc.stdout
+    assert str(tmp_path / "none" / "train.py") in proc.stdout
 
 
 NANOGPT = REPO.parent / "shared" / "anchors" / "nanogpt"
