@@ -17,14 +17,15 @@ than MAX_GOOD_EPOCHS times.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import torch
 
-from experiment.memory import param_shapes
+from experiment.distributed import autocast_for
+from experiment.memory import count_params
 from experiment.model import GPTConfig, build_model
 from experiment.optim import LRS, ShardedOptimizer
+from experiment.probes import mean_seconds
 from experiment.runlog import MAX_GOOD_EPOCHS
 
 # Fitted (README, DEPTH=auto): the loss-minimizing tokens/param, from a parabola in log tokens/param
@@ -60,31 +61,22 @@ def ladder(aspect_ratio: int, head_dim: int) -> list[int]:
     return [d for d in LADDER if (d * aspect_ratio) % head_dim == 0]
 
 
-def count_params(config: GPTConfig) -> int:
-    return sum(math.prod(s) for s in param_shapes(config).values())
-
-
 def measure_tok_per_s(config: GPTConfig, batch: int, device: torch.device) -> float:
     """One rank's training tok/s (forward, backward, optimizer) over PROBE_STEPS steps after a
-    warm-up step, on random tokens, eager."""
+    warm-up step, on random tokens, eager, in the trainer's autocast."""
     model = build_model(config, device)
     opt = ShardedOptimizer(model, **LRS, communicate=False)
     x = torch.randint(0, config.vocab_size, (batch, config.max_seq_len), device=device)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-    seconds = 0.0
-    for i in range(PROBE_STEPS + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        with autocast:
+
+    def step() -> None:
+        with autocast_for(device):
             loss = model(x, x)
         loss.backward()
         opt.step()
         model.zero_grad(set_to_none=True)
-        loss.item()
-        seconds += (time.perf_counter() - t0) if i else 0.0
-    del model, opt
-    return PROBE_STEPS * batch * config.max_seq_len / seconds
+
+    mean_seconds(device, 1, step)  # warm-up
+    return batch * config.max_seq_len / mean_seconds(device, PROBE_STEPS, step)
 
 
 def candidate(config: GPTConfig, tok_per_s: float, budget_s: float, train_tokens: int) -> Candidate:

@@ -40,7 +40,6 @@ report under $WORKSPACE/gpucheck/<timestamp>/ (experiment/gpucheck.py).
 from __future__ import annotations
 
 import argparse
-import math
 import resource
 import sys
 import tempfile
@@ -53,7 +52,7 @@ from experiment import checkpoint as ckpt
 from experiment import gpucheck, loadtest, prepbench, stepprofile, versus
 from experiment.distributed import autocast_for, resolve_device, sync
 from experiment.files import default_workspace
-from experiment.memory import MODES, format_plan, param_shapes, plan_memory
+from experiment.memory import MODES, count_params, format_plan, plan_memory
 from experiment.model import GPT, GPTConfig, build_model
 from experiment.optim import LRS, ShardedOptimizer
 from experiment.probes import cpu_matmul_peak, peak_flops, probe_peak_memory
@@ -79,7 +78,7 @@ def cmd_plan(args) -> int:
     config = GPTConfig(vocab_size=args.vocab_size, depth=args.depth, aspect_ratio=args.aspect_ratio,
                        head_dim=args.head_dim, max_seq_len=args.seq)
     gpu_bytes = int(args.gpu_mem_gb * 2**30)
-    n = sum(math.prod(s) for s in param_shapes(config).values())
+    n = count_params(config)
     print(f"plan | d{args.depth} width {config.n_embd} | {n / 1e9:.2f}B params | {args.nproc} GPUs x "
           f"{args.gpu_mem_gb:g} GiB | seq {args.seq} | device batch {args.device_batch_size}")
     plans = [plan_memory(config, args.nproc, args.device_batch_size, args.seq, p, c) for p, c in MODES]

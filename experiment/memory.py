@@ -51,6 +51,11 @@ def param_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
         return {n: tuple(p.shape) for n, p in GPT(config).named_parameters()}
 
 
+
+def count_params(config: GPTConfig) -> int:
+    """Parameters of a model of this config, from its shapes alone (nothing allocated)."""
+    return sum(math.prod(s) for s in param_shapes(config).values())
+
 def activation_bytes(config: GPTConfig, batch: int, seq: int, activation_checkpointing: bool, elem_bytes: int) -> int:
     """Saved activations of one micro-batch. With activation checkpointing, a block keeps only its input and
     one block at a time is recomputed in backward. Logits and the loss are fp32 (4 bytes)."""

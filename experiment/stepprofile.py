@@ -32,6 +32,9 @@ BUCKETS = (
 )
 
 
+REGIONS = ("data", "optimizer")  # record_function regions of the step, each its own bucket
+
+
 def bucket_of(region: str | None, name: str) -> str:
     if region is not None:
         return region
@@ -58,9 +61,9 @@ def profile_steps(config: GPTConfig, batch: int, tokens_per_step: int, steps: in
             with autocast:
                 loss = model(x, y) / accum
             loss.backward()
-            with record_function("data"):
+            with record_function(REGIONS[0]):
                 x, y = next(batches)
-        with record_function("optimizer"):
+        with record_function(REGIONS[1]):
             opt.step()
             model.zero_grad(set_to_none=True)
 
@@ -71,20 +74,22 @@ def profile_steps(config: GPTConfig, batch: int, tokens_per_step: int, steps: in
         for _ in range(steps):
             step()
         wall = (time.perf_counter() - t0) / steps
-    events = prof.events()
-    regions = [(e.time_range.start, e.time_range.end, e.name) for e in events if e.name in ("data", "optimizer")]
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50)
+    return bucket_seconds(prof.events(), steps, wall), wall, table
+
+
+def bucket_seconds(events, steps: int, wall: float) -> dict[str, float]:
+    """Each event's self time per step in its bucket; the data and optimizer regions take their own
+    time (Python and numpy work inside them) and their ops' time; the rest of `wall` is host overhead."""
+    regions = [(e.time_range.start, e.time_range.end, e.name) for e in events if e.name in REGIONS]
     seconds: dict[str, float] = {}
     for e in events:
-        if e.name in ("data", "optimizer"):  # the region's own time: Python and numpy work inside it
-            seconds[e.name] = seconds.get(e.name, 0.0) + e.self_cpu_time_total / 1e6 / steps
-            continue
-        start = e.time_range.start
-        region = next((name for a, b, name in regions if a <= start < b), None)
+        region = e.name if e.name in REGIONS else next(
+            (name for a, b, name in regions if a <= e.time_range.start < b), None)
         key = bucket_of(region, e.name)
         seconds[key] = seconds.get(key, 0.0) + e.self_cpu_time_total / 1e6 / steps
     seconds["host overhead (no op running)"] = max(0.0, wall - sum(seconds.values()))
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50)
-    return seconds, wall, table
+    return seconds
 
 
 def add_arguments(p) -> None:

@@ -204,8 +204,8 @@ def choose_depth(cfg: TrainConfig, d: Dist, prepared: Prepared, run_dir: Path, r
     ladder on every rank at once (so each rank sees the load training will put on the machine) and
     takes rank 0's choice. Returns (what the checkpoint meta records, seconds the probe took)."""
     if resume_step is not None:
-        cfg.depth = preflight.depth_for(cfg, run_dir, resume_step)
-        auto = ckpt.read_meta(run_dir, resume_step).get("auto") or {}
+        meta = ckpt.read_meta(run_dir, resume_step)
+        cfg.depth, auto = meta["model_config"]["depth"], meta.get("auto") or {}
         log(f"auto: d{cfg.depth} kept from the checkpoint ({auto.get('reason', 'no reason recorded')})")
         return auto, 0.0
     t0 = time.time()

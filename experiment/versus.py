@@ -209,6 +209,23 @@ def _fmt_reach(r: dict) -> str:
     return f"{r['reach_s']:.1f}s ({r['speedup']:.1f}x)"
 
 
+def run_repeat(r: int, nanogpt: Path, data: Path, text: str, ws: Path, args) -> dict:
+    """Both sides once, in alternating order so a drifting machine load favours neither; prints and
+    returns the comparison."""
+    sides = {}
+    for side in (("nanogpt", "ours") if r % 2 == 0 else ("ours", "nanogpt")):
+        sides[side] = (run_nanogpt(nanogpt, text, args.seconds, ws) if side == "nanogpt" else
+                       run_ours(data, args.seconds, 0.1, ws / "ours", args.train_args))
+    nano, ours = sides["nanogpt"], sides["ours"]
+    row = compare(nano, ours, args.seconds)
+    print(f"versus | repeat {r + 1} | nanoGPT {nano.loss:.4f} ({nano.summary}) | ours {ours.loss:.4f} "
+          f"({ours.summary}, used {ours.seconds:.1f}s) | ours - nanoGPT {row['delta']:+.4f} | ours reaches "
+          f"{nano.loss:.4f} at {_fmt_reach(row)}", flush=True)
+    print("versus | curves (budget s: val loss) | nanoGPT " + ", ".join(f"{t:.0f}: {v:.3f}" for t, v in nano.curve)
+          + " | ours " + ", ".join(f"{t:.0f}: {v:.3f}" for t, v in ours.curve), flush=True)
+    return row
+
+
 def add_arguments(p) -> None:
     p.add_argument("--nanogpt", default=str(REPO.parent / "shared" / "anchors" / "nanogpt"),
                    help="an unmodified nanoGPT checkout (train.py, model.py, configurator.py, config/)")
@@ -232,24 +249,8 @@ def main(args) -> int:
     print(f"versus | {data.name}, val = last 10% | budget {args.seconds:g}s each | fp32 matmul peak "
           f"{cpu_matmul_peak() / 1e9:.0f} GFLOP/s, {torch.get_num_threads()} threads, torch {torch.__version__}",
           flush=True)
-    rows = []
     try:
-        for r in range(args.repeats):
-            ws = root / f"repeat{r + 1}"
-            sides = {}
-            # Alternate which side runs first so a drifting machine load does not favour one side.
-            for side in (("nanogpt", "ours") if r % 2 == 0 else ("ours", "nanogpt")):
-                sides[side] = (run_nanogpt(nanogpt, text, args.seconds, ws) if side == "nanogpt" else
-                               run_ours(data, args.seconds, 0.1, ws / "ours", args.train_args))
-            nano, ours = sides["nanogpt"], sides["ours"]
-            row = compare(nano, ours, args.seconds)
-            rows.append(row)
-            print(f"versus | repeat {r + 1} | nanoGPT {nano.loss:.4f} ({nano.summary}) | ours {ours.loss:.4f} "
-                  f"({ours.summary}, used {ours.seconds:.1f}s) | ours - nanoGPT {row['delta']:+.4f} | ours reaches {nano.loss:.4f} at "
-                  f"{_fmt_reach(row)}", flush=True)
-            print("versus | curves (budget s: val loss) | nanoGPT " +
-                  ", ".join(f"{t:.0f}: {v:.3f}" for t, v in nano.curve) +
-                  " | ours " + ", ".join(f"{t:.0f}: {v:.3f}" for t, v in ours.curve), flush=True)
+        rows = [run_repeat(r, nanogpt, data, text, root / f"repeat{r + 1}", args) for r in range(args.repeats)]
     finally:
         if not keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -8,7 +8,8 @@ import torch
 
 from conftest import TINY, run_meta, run_train
 from experiment import autosize
-from experiment.autosize import Candidate, candidate, choose, count_params, data_lines, supported_depth
+from experiment.autosize import Candidate, candidate, choose, data_lines, supported_depth
+from experiment.memory import count_params
 from experiment.config import ConfigError, TrainConfig, parse_args, resolve
 from experiment.model import GPTConfig
 
