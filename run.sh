@@ -3,7 +3,7 @@
 #   bash run.sh          create .venv if missing, install requirements.txt, train (demo on CPU)
 #   bash run.sh test     the test suite (pytest); exits with pytest's status
 #   bash run.sh serve    serve the best checkpoint of the most recent run
-#   bash run.sh gpucheck prove a GPU box in minutes (experiment/gpucheck.py); --quick for less
+#   bash run.sh gpucheck prove a GPU box in minutes (experiment/tools/gpucheck.py); --quick for less
 # Extra arguments go to the command (pytest, experiment.server, or env overrides for training).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -33,6 +33,6 @@ case "$cmd" in
     train) exec bash experiment/run.sh "$@" ;;
     test) exec python -m pytest tests "$@" ;;
     serve) exec python -m experiment.server "$@" ;;
-    gpucheck) exec python -m experiment.bench gpucheck "$@" ;;
+    gpucheck) exec python -m experiment.tools.bench gpucheck "$@" ;;
 esac
 

@@ -25,7 +25,7 @@ from experiment.distributed import autocast_for
 from experiment.memory import count_params
 from experiment.model import GPTConfig, build_model
 from experiment.optim import LRS, ShardedOptimizer
-from experiment.probes import mean_seconds
+from experiment.hardware import mean_seconds
 from experiment.runlog import MAX_GOOD_EPOCHS
 
 # Fitted (README, DEPTH=auto): the loss-minimizing tokens/param, from a parabola in log tokens/param

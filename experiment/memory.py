@@ -3,7 +3,7 @@
 Parameter shapes come from the model built on the meta device; ownership from the same partition
 the ZeRO-1 optimizer uses (the most loaded rank decides); activation counts from a measurement.
 The trainer uses the plan to pick the precision mode and activation checkpointing; `python -m
-experiment.bench plan` prints it, and `bench fitprobe` measures the truth on one GPU.
+experiment.tools.bench plan` prints it, and `bench fitprobe` measures the truth on one GPU.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def find_device_batch(model: GPT, seq_len: int, per_rank: int, d: Dist, reserve_
     b = int(d.all_reduce(torch.tensor([b], device=d.device), "min").item())
     if b < 1:
         raise ConfigError("not even device_batch_size 1 fits in GPU memory; lower --depth or --max_seq_len "
-                          "(python -m experiment.bench plan shows where the memory goes)")
+                          "(python -m experiment.tools.bench plan shows where the memory goes)")
     while per_rank % b:
         b //= 2
     return b

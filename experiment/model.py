@@ -2,7 +2,8 @@
 
 Pure module: no I/O, no torch.distributed, no printing. The block follows the modern recipe used by
 nanochat / modded-nanogpt: RoPE, parameter-free RMSNorm, QK-norm, ReLU^2 MLP, no biases, untied
-embeddings, causal SDPA (flash attention on GPU).
+embeddings, causal SDPA (flash attention on GPU). `generate` is the one-sequence KV-cache path;
+the server's batched decoding is experiment/engine.py, which reads this module and is never read by it.
 """
 
 from __future__ import annotations
@@ -117,76 +118,6 @@ class KVCache:
         return cache
 
 
-class KVSlots:
-    """Keys/values of up to `slots` sequences (the server's batch), each with its own length.
-
-    Allocated once, so the serving batch has a fixed memory cost (bytes_per_slot each). A slot is
-    filled by GPT.forward through `slot(i)`, a batch-1 KVCache view, as generate fills its own
-    cache; GPT.decode_step then appends one token to each of the first n slots, each at its own
-    position. Batch keeps its sequences in slots 0..n-1 (move() closes the gap one leaves), so
-    decoding reads the cache through views, never a gathered copy.
-    """
-
-    def __init__(self, config: GPTConfig, slots: int, device, dtype):
-        shape = (config.n_layer, slots, config.n_head, config.max_seq_len, config.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-
-    @staticmethod
-    def bytes_per_slot(config: GPTConfig, dtype: torch.dtype) -> int:
-        return 2 * config.n_layer * config.n_head * config.max_seq_len * config.head_dim * dtype.itemsize
-
-    def slot(self, i: int) -> KVCache:
-        return KVCache.over(self.k[:, i : i + 1], self.v[:, i : i + 1])
-
-    def move(self, src: int, dst: int, n: int) -> None:
-        """Slot src's first n positions (all it holds) into slot dst; dst's later positions are stale,
-        as a fresh slot's are: decoding masks every position past a row's own."""
-        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
-        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
-
-
-# Decode attention spans a multiple of this many positions: a whole number of SIMD vectors, so the
-# masked tail never changes how the vector loops split a row's sums.
-DECODE_SPAN_STEP = 64
-
-
-def invariant_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch.bmm (N, M, K) @ (N, K, P), each batch entry computed the same way whatever N.
-
-    Each entry is an independent product of fixed shape, except that the CPU BLAS (oneDNN) runs a
-    lone bf16/fp16 entry as a plain GEMM that sums in another order (11 rows in 4,096 differed in
-    the last bit): such a batch of one runs as two, the entry twice. (fp32 goes to MKL, whose lone
-    entry matches; the tests check both.)
-    """
-    if a.size(0) == 1 and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.bmm(a.expand(2, -1, -1), b.expand(2, -1, -1))[:1]
-    return torch.bmm(a, b)
-
-
-# Decode matmuls run on blocks of exactly this many rows (zero-padded), whatever the batch.
-DECODE_ROWS = 8
-
-
-def block_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """layer(x) for x (B, 1, K) in blocks of DECODE_ROWS rows: row b's result does not depend on B.
-
-    Batched decoding must give each request exactly the tokens it would get alone, but a GEMM sums in
-    another order for another number of rows M (MKL: M = 1 is a GEMV), so layer(x)[b] would change
-    in the last bits with the batch size. One fixed M gives one kernel, and within it a row's sums do
-    not depend on the other rows or on its place (the tests check it, fp32 and bf16). Multiplying
-    each row alone would also be exact, but reads the weights once per row: measured on one core, a
-    2048 x 8192 layer at 32 rows took 109 ms row by row, 4 x 11 ms in blocks of 8 (3.5 ms for 1 row
-    alone, so a lone request pays about 3x in its matmuls; on a GPU, memory-bound, less).
-    """
-    B = x.size(0)
-    rows = x.reshape(B, -1)
-    if B % DECODE_ROWS:
-        rows = torch.cat([rows, rows.new_zeros(DECODE_ROWS - B % DECODE_ROWS, rows.size(1))])
-    out = torch.cat([F.linear(block, layer.weight) for block in rows.split(DECODE_ROWS)])
-    return out[:B].view(B, 1, -1)  # (B, 1, N)
-
-
 class Attention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
@@ -219,33 +150,6 @@ class Attention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
-    def decode(self, x, cos, sin, cache: KVSlots, pos: torch.Tensor, hidden: torch.Tensor):
-        """One new token for each of the cache's first B slots: x (B, 1, C), row b at position pos[b];
-        cos/sin (B, 1, 1, D/2); hidden (B, 1, 1, span) masks the positions after each row's own."""
-        B, _, C = x.shape
-        H, D, span = self.n_head, self.head_dim, hidden.size(-1)
-        q = block_linear(x, self.c_q).view(B, 1, H, D).transpose(1, 2)  # (B, H, 1, D)
-        k = block_linear(x, self.c_k).view(B, 1, H, D).transpose(1, 2)
-        v = block_linear(x, self.c_v).view(B, 1, H, D).transpose(1, 2)
-        q, k = apply_rope(rms_norm(q), cos, sin), apply_rope(rms_norm(k), cos, sin)
-        rows = torch.arange(B, device=x.device)
-        cache.k[self.layer, rows, :, pos] = k[:, :, 0]  # (B, H, D): each row's slot at its own position
-        cache.v[self.layer, rows, :, pos] = v[:, :, 0]
-        keys = cache.k[self.layer, :B, :, :span].flatten(0, 1)  # (B*H, span, D), a view
-        values = cache.v[self.layer, :B, :, :span].flatten(0, 1)
-        # Every (row, head) is its own bmm entry over the first `span` positions, those after its own
-        # masked out. Its scores are dot products over D, whatever span; its masked positions add
-        # exact zeros at the end of the softmax and value sums, so its output is bit-identical for
-        # any span (a multiple of DECODE_SPAN_STEP) and any batch. (SDPA is not: its kernel splits the
-        # keys into blocks by length and rescales the partial sums. Per row over its own prefix it
-        # is exact, but then it costs a kernel launch per row.)
-        scores = invariant_bmm(q.reshape(B * H, 1, D), keys.transpose(1, 2)).view(B, H, 1, span)
-        # fp32 softmax also under bf16 weights, as SDPA keeps its softmax in fp32
-        probs = (scores.float() * D**-0.5).masked_fill(hidden, -float("inf")).softmax(dim=-1).to(values.dtype)
-        y = invariant_bmm(probs.view(B * H, 1, span), values).view(B, H, 1, D)
-        return block_linear(y.transpose(1, 2).reshape(B, 1, C), self.c_proj)
-
-
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -256,10 +160,6 @@ class MLP(nn.Module):
         # ReLU^2 (Primer, So et al. 2021): cheaper than GELU and at least as good at this scale.
         return self.c_proj(relu_squared(self.c_fc(x)))
 
-    def decode(self, x):  # forward, in fixed blocks of rows (see block_linear)
-        return block_linear(F.relu(block_linear(x, self.c_fc)).square(), self.c_proj)
-
-
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
@@ -269,11 +169,6 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, cache):
         x = x + self.attn(rms_norm(x), cos, sin, cache)
         return x + self.mlp(rms_norm(x))
-
-    def decode(self, x, cos, sin, cache: KVSlots, pos: torch.Tensor, hidden: torch.Tensor):
-        x = x + self.attn.decode(rms_norm(x), cos, sin, cache, pos, hidden)
-        return x + self.mlp.decode(rms_norm(x))
-
 
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
@@ -404,127 +299,11 @@ class GPT(nn.Module):
             tokens.append(nxt)
             yield nxt
 
-    @torch.no_grad()
-    def decode_step(self, tokens: list[int], positions: list[int], cache: KVSlots) -> torch.Tensor:
-        """Logits (B, V) of one new token for each of the cache's first B slots: tokens[b] at position
-        positions[b] of slot b, whose earlier positions are in the cache. Batch-invariant: row b's
-        logits are bit-identical whatever the other rows hold and however many there are (they
-        agree with forward's to float rounding, not bit for bit).
-        """
-        if max(positions) >= self.config.max_seq_len:
-            raise ValueError(f"position {max(positions)} is past max_seq_len {self.config.max_seq_len}")
-        device = self.wte.weight.device
-        pos = torch.tensor(positions, device=device)
-        # Attention reads the first `span` positions of every slot: the longest row's, rounded up.
-        span = min(self.config.max_seq_len, -(-(max(positions) + 1) // DECODE_SPAN_STEP) * DECODE_SPAN_STEP)
-        hidden = (torch.arange(span, device=device) > pos[:, None])[:, None, None]  # (B, 1, 1, span)
-        cos, sin = self.rope_cos[pos][:, None, None], self.rope_sin[pos][:, None, None]  # (B, 1, 1, D/2)
-        x = rms_norm(self.wte(torch.tensor(tokens, device=device)[:, None]))  # (B, 1, C)
-        for block in self.blocks:
-            x = block.decode(x, cos, sin, cache, pos, hidden)
-        return block_linear(rms_norm(x), self.lm_head).float()[:, 0]  # fp32 logits, as forward
-
-
 def context_window(tokens: list[int], ctx: int, rebuild: bool) -> list[int]:
     """What a fresh cache is filled with: the prompt's last ctx tokens or, when a full cache is
     rebuilt, the last half of the context (RoPE positions are absolute, so a sliding cache would not
     be equivalent; half leaves ctx/2 one-token steps before the next rebuild)."""
     return tokens[-(ctx // 2) :] if rebuild else tokens[-ctx:]
-
-
-@dataclass
-class _Member:
-    id: int
-    tokens: list[int]  # prompt and generated so far
-    pos: int  # how many positions of its slot the cache holds
-    temperature: float
-    top_k: int | None
-    top_p: float | None
-    generator: torch.Generator | None
-
-
-class Batch:
-    """Generations sharing decode steps: the server's batched counterpart of GPT.generate.
-
-    join() prefills a prompt into the next free slot and returns (member id, first token); step()
-    returns every member's next token by id; leave() frees a member's slot. A member's tokens are
-    exactly those it gets in a Batch of its own, whoever else is in the batch and whenever it joined:
-    the same prefill and context rebuild as generate (forward over its own tokens, alone), then
-    batch-invariant decode steps (GPT.decode_step) and its own generator for sampling. No threads,
-    no I/O: the caller schedules.
-    """
-
-    def __init__(self, model: GPT, slots: int, allowed_vocab: int | None = None):
-        self.model, self.slots, self.allowed_vocab = model, slots, allowed_vocab  # allowed_vocab: see generate
-        self.cache = KVSlots(model.config, slots, model.wte.weight.device, model.wte.weight.dtype)
-        self.rows: list[_Member] = []  # rows[i] lives in slot i
-        self._next_id = 0
-
-    @property
-    def free(self) -> int:
-        return self.slots - len(self.rows)
-
-    @torch.no_grad()
-    def join(self, idx: list[int], temperature: float = 1.0, top_k: int | None = None,
-             generator: torch.Generator | None = None, top_p: float | None = None) -> tuple[int, int]:
-        if not idx:
-            raise ValueError("a generation needs at least one prompt token")
-        if not self.free:
-            raise RuntimeError("every slot of the batch is taken")
-        member = _Member(self._next_id, list(idx), 0, temperature, top_k, top_p, generator)
-        self._next_id += 1
-        self.rows.append(member)
-        ctx = self.model.config.max_seq_len
-        return member.id, self._prefill(len(self.rows) - 1, context_window(member.tokens, ctx, rebuild=False))
-
-    def leave(self, member_id: int) -> None:
-        row = next(i for i, m in enumerate(self.rows) if m.id == member_id)
-        last = len(self.rows) - 1
-        if row != last:  # the last member moves into the gap: slots 0..n-1 stay the members'
-            self.cache.move(last, row, self.rows[last].pos)
-            self.rows[row] = self.rows[last]
-        self.rows.pop()
-
-    def clear(self) -> None:
-        """Drops every member at once; no cache is moved (a later join prefills its slot afresh)."""
-        self.rows.clear()
-
-    @torch.no_grad()
-    def step(self) -> dict[int, int]:
-        """The next token of every member, by id."""
-        if not self.rows:
-            return {}
-        ctx = self.model.config.max_seq_len
-        out = {}
-        for row, m in enumerate(self.rows):
-            if m.pos >= ctx:  # its cache is full: rebuilt alone, as generate does
-                out[m.id] = self._prefill(row, context_window(m.tokens, ctx, rebuild=True))
-        if len(out) == len(self.rows):  # every member was rebuilt: no decode left to do
-            return out
-        logits = self.model.decode_step([m.tokens[-1] for m in self.rows], [m.pos for m in self.rows], self.cache)
-        # A member rebuilt above has its token; its decode just done (at the position its next step
-        # writes again) is discarded.
-        rows = [row for row, m in enumerate(self.rows) if m.id not in out]
-        members = [self.rows[row] for row in rows]
-        for m in members:
-            m.pos += 1
-        if members:
-            tokens = self._sample(members, logits if len(rows) == len(self.rows) else logits[rows])
-            out.update((m.id, t) for m, t in zip(members, tokens))
-        return out
-
-    def _prefill(self, row: int, keep: list[int]) -> int:
-        cache = self.cache.slot(row)
-        logits = self.model(torch.tensor([keep], device=self.model.wte.weight.device), cache=cache)[:, -1]
-        self.rows[row].pos = cache.pos
-        return self._sample([self.rows[row]], logits)[0]
-
-    def _sample(self, members: list[_Member], logits: torch.Tensor) -> list[int]:
-        tokens = sample_rows(logits, [m.temperature for m in members], [m.top_k for m in members],
-                             [m.top_p for m in members], [m.generator for m in members], self.allowed_vocab)
-        for m, token in zip(members, tokens):
-            m.tokens.append(token)
-        return tokens
 
 
 def sample_next(

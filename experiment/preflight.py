@@ -26,9 +26,10 @@ from experiment import autosize
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError
 from experiment.config import ConfigError, TrainConfig, parse_args, resolve
-from experiment.dataloader import DataError, Prepared, prepare, write_demo_corpus
+from experiment.dataloader import DataError, Prepared
 from experiment.distributed import resolve_device
 from experiment.files import atomic_write_json, default_workspace
+from experiment.launch import check_resume_target, depth_for, make_config, model_config, prepare_data
 from experiment.mixture import source_weights
 from experiment.model import GPTConfig
 
@@ -38,51 +39,6 @@ from experiment.model import GPTConfig
 PLAN_FRESH_SECONDS = 600
 WAIT_POLL_SECONDS = 5
 MANY_SOURCES = 64
-
-
-def prepare_data(cfg: TrainConfig, workspace: Path, log) -> Prepared:
-    """The data the run trains on: --prepared_dir as given, else DATA_DIR (or <workspace>/data, or the
-    built-in demo when that holds no *.txt) prepared now (a cache hit when unchanged)."""
-    if cfg.prepared_dir:
-        directory = Path(cfg.prepared_dir)
-        if not (directory / "meta.json").is_file():
-            raise DataError(f"--prepared_dir {directory}: no prepared data there (meta.json missing); "
-                            "leave PREPARED_DIR unset to prepare DATA_DIR")
-        return Prepared.load(directory)
-    data_dir = Path(cfg.data_dir) if cfg.data_dir else workspace / "data"
-    if cfg.data_dir is None and not (data_dir.is_dir() and any(data_dir.rglob("*.txt"))):
-        data_dir = write_demo_corpus(workspace / "demo_data").parent
-        log(f"no *.txt in {workspace / 'data'}: training on the built-in arithmetic demo ({data_dir})")
-    return prepare(data_dir, workspace, cfg.tokenizer, cfg.alphabet, cfg.val_fraction, cfg.max_seq_len)
-
-
-def model_config(cfg: TrainConfig, prepared: Prepared) -> GPTConfig:
-    return GPTConfig(vocab_size=prepared.meta["vocab_size"], depth=cfg.depth, aspect_ratio=cfg.aspect_ratio,
-                     head_dim=cfg.head_dim, max_seq_len=cfg.max_seq_len)
-
-
-def check_resume_target(run_dir: Path, step: int, config: GPTConfig, prepared: Prepared) -> None:
-    """A checkpoint resumes only the same model on the same data."""
-    meta = ckpt.read_meta(run_dir, step)
-    if meta["model_config"] != config.to_dict():
-        raise ConfigError(f"{ckpt.meta_path(run_dir, step)}: model config {meta['model_config']} differs "
-                          f"from the requested {config.to_dict()}; use another --model_tag")
-    if meta["prepared"]["hash"] != prepared.meta["hash"]:
-        raise ConfigError(f"{ckpt.meta_path(run_dir, step)}: trained on prepared data "
-                          f"{meta['prepared']['hash']}, but the data now hashes to {prepared.meta['hash']}")
-
-
-def depth_for(cfg: TrainConfig, run_dir: Path, resume_step: int | None) -> int | None:
-    """The depth to build: DEPTH as given, or with DEPTH=auto the resumed checkpoint's (a resume keeps
-    the choice); None for a fresh auto run, which chooses at start from measured throughput."""
-    if cfg.depth != "auto":
-        return cfg.depth
-    return None if resume_step is None else ckpt.read_meta(run_dir, resume_step)["model_config"]["depth"]
-
-
-def make_config(cfg: TrainConfig, prepared: Prepared):
-    """depth -> the GPTConfig of this run's shape at that depth."""
-    return lambda depth: model_config(dataclasses.replace(cfg, depth=depth), prepared)
 
 
 def plan_lines(cfg: TrainConfig, prepared: Prepared, config: GPTConfig | None, world_size: int,

@@ -9,7 +9,7 @@ most recently written run. The model is loaded once at start; no loadable model 
 reason. Endpoints: GET /health, GET /info, POST /generate, POST /v1/completions, GET /v1/models,
 GET / (a small page).
 
-One engine thread decodes every running request together (experiment.model.Batch): a request joins
+One engine thread decodes every running request together (experiment.engine.Batch): a request joins
 the batch between decode steps, its prompt prefilled into its own KV-cache slot, and leaves at its
 max_tokens, at a stop string or when its client goes away; each gets exactly the tokens it would get
 alone. Requests beyond the batch wait in a bounded queue; beyond that they get 503 with Retry-After.
@@ -43,7 +43,8 @@ from experiment import checkpoint as ckpt
 from experiment.dataloader import tokenizer_from_meta
 from experiment.distributed import resolve_device
 from experiment.files import default_workspace
-from experiment.model import DTYPES, Batch, KVSlots
+from experiment.engine import Batch, KVSlots
+from experiment.model import DTYPES
 
 # Every request is bounded by these.
 MAX_BODY_BYTES = 64 * 1024

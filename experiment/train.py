@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from experiment import autosize
 from experiment import checkpoint as ckpt
-from experiment import preflight
+from experiment import launch
 from experiment.checkpoint import (CheckpointError, Retention, RunState, load_checkpoint, pick_resume_step,
                                    save_checkpoint)
 from experiment.config import ConfigError, TrainConfig, checkpoint_meta, parse_args, resolve
@@ -40,7 +40,7 @@ from experiment.memory import choose_memory_mode, find_device_batch
 from experiment.mixture import MixedBatches, source_weights
 from experiment.model import DTYPES, GPT, GPTConfig, build_model
 from experiment.optim import ShardedOptimizer, gradients_finite, lr_multiplier
-from experiment.probes import memory_gib, peak_flops
+from experiment.hardware import memory_gib, peak_flops
 from experiment.runlog import NullWriter, RunLog, log_crash, log_step, planner_line, report_eval, source_epoch_lines
 
 # The first steps after a (re)start hold torch.compile and allocator warm-up: tens of seconds on a
@@ -118,7 +118,7 @@ def prepare_data(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log:
     setup = None
     if d.master:
         try:
-            prepared = preflight.prepare_data(cfg, workspace, log)
+            prepared = launch.prepare_data(cfg, workspace, log)
             setup = {"prepared": str(prepared.dir), "resume_step": pick_resume_step(run_dir, cfg.resume)}
         except (DataError, ConfigError, CheckpointError) as e:
             setup = {"error": str(e)}
@@ -160,9 +160,9 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     log(f"world {d.world_size} x {torch.cuda.get_device_name(d.device) if cuda else 'cpu'} | torch {torch.__version__}")
     prepared, resume_step = prepare_data(cfg, d, workspace, run_dir, log)
     auto, probe_seconds = choose_depth(cfg, d, prepared, run_dir, resume_step, log) if cfg.depth == "auto" else (None, 0)
-    model_config = preflight.model_config(cfg, prepared)
+    model_config = launch.model_config(cfg, prepared)
     if resume_step is not None:
-        preflight.check_resume_target(run_dir, resume_step, model_config, prepared)
+        launch.check_resume_target(run_dir, resume_step, model_config, prepared)
     torch.manual_seed(cfg.seed)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast
@@ -210,7 +210,7 @@ def choose_depth(cfg: TrainConfig, d: Dist, prepared: Prepared, run_dir: Path, r
         return auto, 0.0
     t0 = time.time()
     chosen, candidates = autosize.probe_and_choose(
-        preflight.make_config(cfg, prepared), cfg.device_batch_size or 1, d.device, d.world_size,
+        launch.make_config(cfg, prepared), cfg.device_batch_size or 1, d.device, d.world_size,
         cfg.training_hours * 3600, prepared.meta["split"]["train_tokens"])
     auto = broadcast_object({"depth": chosen.depth, "reason": autosize.reason(chosen, candidates),
                              "candidates": [dataclasses.asdict(c) for c in candidates]}, d)
@@ -420,7 +420,7 @@ def record_step(t: Trainer, loop: Loop, loss_sum: torch.Tensor, mult: float, t0:
         t.log(planner_line(rate, left, st.step + 1, st.tokens_seen, cfg.total_batch_size, cfg.training_hours,
                            t.prepared.meta["split"]["train_tokens"], t.model.num_params()))
         total = st.tokens_seen + rate * left
-        for line in autosize.data_lines(cfg.depth, preflight.make_config(cfg, t.prepared), total,
+        for line in autosize.data_lines(cfg.depth, launch.make_config(cfg, t.prepared), total,
                                         t.prepared.meta["split"]["train_tokens"], auto=t.run_meta["auto"] is not None):
             t.log(line)
         if t.weights:

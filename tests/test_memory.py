@@ -99,14 +99,14 @@ def test_device_batch_halves_until_it_fits():
 
 
 def test_plan_and_fitprobe_commands_print_their_fields():
-    proc = subprocess.run([sys.executable, "-m", "experiment.bench", "plan", "--depth", "64", "--nproc", "8",
+    proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "plan", "--depth", "64", "--nproc", "8",
                            "--gpu_mem_gb", "80", "--device_batch_size", "2"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     for row in ("weights", "grads", "fp32 masters", "optimizer state", "activations", "overhead", "total"):
         assert row in proc.stdout
     assert "12.89B params" in proc.stdout and "bf16 +ckpt | largest device batch that fits:" in proc.stdout
-    proc = subprocess.run([sys.executable, "-m", "experiment.bench", "fitprobe", "--depth", "2", "--aspect_ratio",
+    proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "fitprobe", "--depth", "2", "--aspect_ratio",
                            "32", "--head_dim", "32", "--seq", "32", "--world", "3", "--device_batch_sizes", "1,2"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

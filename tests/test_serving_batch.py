@@ -1,4 +1,4 @@
-"""Batched decoding (model.Batch, GPT.decode_step): each member gets exactly what it gets alone."""
+"""Batched decoding (engine.Batch, engine.decode_step): each member gets exactly what it gets alone."""
 
 import random
 
@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from experiment.model import GPT, Batch, KVSlots, block_linear, sample_next
+from experiment import engine
+from experiment.engine import Batch, KVSlots, block_linear, decode_step
+from experiment.model import GPT, sample_next
 
 VOCAB, ALLOWED = 64, 60
 
@@ -40,9 +42,9 @@ def test_decode_step_is_batch_invariant_and_agrees_with_forward(dtype):
     rng = random.Random(0)
     # alone, these attend over spans of 64, 128 and 160 positions; together, all over 160
     seqs = [[rng.randrange(ALLOWED) for _ in range(n)] for n in (1, 7, 70, 160, 130, 3)]  # one fills the context
-    batched = model.decode_step([s[-1] for s in seqs], [len(s) - 1 for s in seqs], prefilled(model, seqs))
+    batched = decode_step(model, [s[-1] for s in seqs], [len(s) - 1 for s in seqs], prefilled(model, seqs))
     for i, seq in enumerate(seqs):
-        alone = model.decode_step([seq[-1]], [len(seq) - 1], prefilled(model, [seq]))
+        alone = decode_step(model, [seq[-1]], [len(seq) - 1], prefilled(model, [seq]))
         assert torch.equal(batched[i], alone[0]), i  # bit for bit, whatever the other rows
         with torch.no_grad():
             full = model(torch.tensor([seq]))[0, -1]
@@ -50,7 +52,7 @@ def test_decode_step_is_batch_invariant_and_agrees_with_forward(dtype):
         torch.testing.assert_close(batched[i], full, **({"atol": 1e-3, "rtol": 1e-4} if dtype == torch.float32
                                                         else {"atol": 2.0, "rtol": 0.05}))
     with pytest.raises(ValueError, match="max_seq_len"):
-        model.decode_step([1], [160], prefilled(model, [[1]]))
+        decode_step(model, [1], [160], prefilled(model, [[1]]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -179,8 +181,8 @@ def test_a_step_that_rebuilds_every_member_runs_no_decode(monkeypatch):
     a, _ = batch.join(list(range(16)), temperature=0)  # fills the context: its next step is a rebuild
     b, _ = batch.join(list(range(20, 36)), temperature=0)
     decodes = []
-    original = model.decode_step
-    monkeypatch.setattr(model, "decode_step", lambda *args: decodes.append(1) or original(*args))
+    original = engine.decode_step
+    monkeypatch.setattr(engine, "decode_step", lambda *args: decodes.append(1) or original(*args))
     assert set(batch.step()) == {a, b} and decodes == []
     assert set(batch.step()) == {a, b} and decodes == [1]
     for prompt, member in ((list(range(16)), batch.rows[0]), (list(range(20, 36)), batch.rows[1])):

@@ -11,7 +11,7 @@ from experiment import checkpoint as ckpt
 from experiment.config import ConfigError, TrainConfig, resolve
 from experiment.model import GPT
 from experiment.optim import lr_multiplier, partition
-from experiment.probes import peak_flops
+from experiment.hardware import peak_flops
 
 
 def _params(run_dir, step):

@@ -1,6 +1,6 @@
 """gpucheck: prove a GPU box in minutes, before paying for a day on it.
 
-    python3 -m experiment.bench gpucheck [--quick] [--workspace DIR] [--only ITEM,...]
+    python3 -m experiment.tools.bench gpucheck [--quick] [--workspace DIR] [--only ITEM,...]
     bash run.sh gpucheck [same flags]
 
 Exercises every CUDA path of the trainer on one GPU and says PASS, WARN or FAIL per item, with the
@@ -9,7 +9,7 @@ against measured peaks, the d64 world-8 fit), checkpoint save/load rates, and an
 experiment/run.sh with a preemption and a resume. The report (report.md, report.json) is rewritten
 under $WORKSPACE/gpucheck/<timestamp>/ after every item, so a check cut short still leaves one.
 Without CUDA every item runs at tiny sizes on the CPU, and the report says its figures are CPU
-figures. The items themselves are in experiment/gpucheck_items.py.
+figures. The items themselves are in experiment/tools/gpucheck_items.py.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from experiment import gpucheck_items
+from experiment.tools import gpucheck_items
 from experiment.files import atomic_write_bytes, atomic_write_json, default_workspace
-from experiment.gpucheck_items import CPU_SIZES, GPU_FULL, GPU_QUICK, ITEMS, Ctx, Item
+from experiment.tools.gpucheck_items import CPU_SIZES, GPU_FULL, GPU_QUICK, ITEMS, Ctx, Item
 
 class Report:
     """report.md and report.json, rewritten atomically after every item."""

@@ -10,7 +10,7 @@ from experiment.dataloader import demo_lines
 
 
 def test_generate_benchmark_prints_both_paths_and_they_agree():
-    proc = subprocess.run([sys.executable, "-m", "experiment.bench", "generate", "--depth", "2", "--max_seq_len", "32",
+    proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "generate", "--depth", "2", "--max_seq_len", "32",
                            "--tokens", "48", "--device", "cpu"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     for name in ("kv_cache", "naive"):
@@ -19,13 +19,13 @@ def test_generate_benchmark_prints_both_paths_and_they_agree():
 
 
 def test_generate_benchmark_without_a_checkpoint_says_why(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "experiment.bench", "generate", "--workspace", tmp_path],
+    proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "generate", "--workspace", tmp_path],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "no complete checkpoint" in proc.stderr
 
 
 def test_throughput_benchmark_prints_rate_flops_and_cpu_mfu():
-    proc = subprocess.run([sys.executable, "-m", "experiment.bench", "throughput", "--depth", "2", "--aspect_ratio",
+    proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "throughput", "--depth", "2", "--aspect_ratio",
                            "32", "--head_dim", "32", "--seq", "32", "--batch", "4", "--steps", "3", "--device", "cpu"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -39,7 +39,7 @@ def test_throughput_benchmark_prints_rate_flops_and_cpu_mfu():
 def test_speedrun_trains_for_its_budget_and_reports_full_val_loss(tmp_path):
     data = tmp_path / "sums.txt"
     data.write_text("".join(demo_lines(3000, seed=3)))
-    proc = subprocess.run([sys.executable, "-m", "experiment.bench", "speedrun", "--data", data, "--seconds", "6",
+    proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "speedrun", "--data", data, "--seconds", "6",
                            "--workspace", tmp_path / "ws", "--", "--depth", "2", "--aspect_ratio", "32",
                            "--head_dim", "32", "--max_seq_len", "64", "--total_batch_size", "512"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -55,7 +55,7 @@ def test_speedrun_trains_for_its_budget_and_reports_full_val_loss(tmp_path):
 
 
 def test_profile_splits_a_step_into_buckets_that_add_up_to_its_wall_time():
-    proc = subprocess.run([sys.executable, "-m", "experiment.bench", "profile", "--depth", "2", "--head_dim", "32",
+    proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "profile", "--depth", "2", "--head_dim", "32",
                            "--seq", "32", "--batch", "4", "--tokens_per_step", "256", "--steps", "2"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -68,7 +68,7 @@ def test_profile_splits_a_step_into_buckets_that_add_up_to_its_wall_time():
 
 
 def test_seconds_to_reach_interpolates_between_evals():
-    from experiment.versus import seconds_to_reach, size_nanogpt
+    from experiment.tools.versus import seconds_to_reach, size_nanogpt
     curve = [(0.0, 4.0), (10.0, 2.0), (20.0, 1.5)]
     assert seconds_to_reach(curve, 3.0) == pytest.approx(5.0)
     assert seconds_to_reach(curve, 1.75) == pytest.approx(15.0)
@@ -83,7 +83,7 @@ def test_nanogpt_copy_has_prepare_py_bins(tmp_path):
 
     import numpy as np
 
-    from experiment.versus import write_nanogpt_copy
+    from experiment.tools.versus import write_nanogpt_copy
     src = tmp_path / "anchor"
     for name in ("train.py", "model.py", "configurator.py", "config/train_shakespeare_char.py"):
         (src / name).parent.mkdir(parents=True, exist_ok=True)
@@ -99,7 +99,7 @@ def test_nanogpt_copy_has_prepare_py_bins(tmp_path):
 
 
 def test_versus_skips_without_nanogpt(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "experiment.bench", "versus", "--nanogpt", tmp_path / "none",
+    proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "versus", "--nanogpt", tmp_path / "none",
                            "--seconds", "5"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "versus | skipped: not found: " in proc.stdout
     assert str(tmp_path / "none" / "train.py") in proc.stdout
@@ -111,7 +111,7 @@ NANOGPT = REPO.parent / "shared" / "anchors" / "nanogpt"
 @pytest.mark.skipif(not (NANOGPT / "train.py").exists() or not SHAKESPEARE.exists(),
                     reason="../shared/anchors/nanogpt or ../shared/data/tinyshakespeare.txt not present")
 def test_versus_runs_both_sides_and_compares_them(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "experiment.bench", "versus", "--seconds", "8",
+    proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "versus", "--seconds", "8",
                            "--workspace", tmp_path], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = re.search(r"repeat 1 \| nanoGPT ([\d.]+) \((\d+) iters x 768 tokens, loop ([\d.]+)s\) \| ours ([\d.]+) "

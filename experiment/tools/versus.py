@@ -1,7 +1,7 @@
 """`bench speedrun` and `bench versus`: our trainer for exactly S seconds of budget, and the same beside
 unmodified nanoGPT on the same machine, data and split, one after the other.
 
-    python -m experiment.bench versus --nanogpt ../shared/anchors/nanogpt --seconds 180 [--repeats 3]
+    python -m experiment.tools.bench versus --nanogpt ../shared/anchors/nanogpt --seconds 180 [--repeats 3]
 
 nanoGPT runs its README's "baby GPT" CPU command (4 layers, 4 heads, width 128, context 64, batch 12,
 no dropout, no compile) from a copy of its files, on Tiny Shakespeare char-level bins written here the
@@ -35,9 +35,9 @@ from experiment import checkpoint as ckpt
 from experiment.dataloader import Prepared
 from experiment.distributed import Dist
 from experiment.evaluation import evaluate
-from experiment.probes import cpu_matmul_peak
+from experiment.files import REPO_ROOT
+from experiment.tools.probes import cpu_matmul_peak
 
-REPO = Path(__file__).resolve().parent.parent
 BABY_GPT = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
             "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--dropout=0.0"]
 NANO_EVAL_INTERVAL = 250  # config/train_shakespeare_char.py
@@ -67,7 +67,7 @@ def run_ours(data: Path, seconds: float, val_fraction: float, workspace: Path, t
            "--eval_every_minutes", str((eval_every_seconds or seconds / 6) / 60), "--save_every_minutes", "1e9",
            "--log_every_steps", "50", *train_args]
     print(f"speedrun | {' '.join(cmd[1:])}", flush=True)
-    proc = subprocess.run(cmd, cwd=REPO)
+    proc = subprocess.run(cmd, cwd=REPO_ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"training exited {proc.returncode}")
     run_dir = workspace / "checkpoints" / "speedrun"
@@ -227,10 +227,10 @@ def run_repeat(r: int, nanogpt: Path, data: Path, text: str, ws: Path, args) -> 
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--nanogpt", default=str(REPO.parent / "shared" / "anchors" / "nanogpt"),
+    p.add_argument("--nanogpt", default=str(REPO_ROOT.parent / "shared" / "anchors" / "nanogpt"),
                    help="an unmodified nanoGPT checkout (train.py, model.py, configurator.py, config/)")
     p.add_argument("--seconds", type=float, required=True, help="the budget of each side")
-    p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "tinyshakespeare.txt"),
+    p.add_argument("--data", default=str(REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"),
                    help="one .txt file (nanoGPT's char-level recipe takes one)")
     p.add_argument("--repeats", type=int, default=1, help="runs of both; the summary gives the medians")
     p.add_argument("--workspace", default=None, help="default: a new temp directory, removed at the end")

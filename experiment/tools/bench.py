@@ -1,15 +1,15 @@
 """Benchmarks and planners that print numbers (never asserted in tests).
 
-    python -m experiment.bench generate [--checkpoint PATH] [--tokens 1024] [--device auto]
-    python -m experiment.bench plan --depth 64 --nproc 8 --gpu_mem_gb 80 [--seq 2048] [--device_batch_size 2]
-    python -m experiment.bench fitprobe --depth 64 --world 8 --device_batch_sizes 1,2,4 [--seq 2048]
-    python -m experiment.bench throughput --depth 4 --seq 256 --batch 8 [--aspect_ratio 64 --head_dim 128]
-    python -m experiment.bench speedrun --data FILE --seconds 180 [--val_fraction 0.1]
-    python -m experiment.bench prepare --mb 100
-    python -m experiment.bench profile [--depth 4 --aspect_ratio 32 --seq 256 --batch 16] [--table]
-    python -m experiment.bench versus --nanogpt PATH --seconds 180 [--repeats 3]
-    python -m experiment.bench serve [--checkpoint PATH] --clients 1,8,32
-    python -m experiment.bench gpucheck [--quick] [--workspace DIR] [--only env,correctness,...]
+    python -m experiment.tools.bench generate [--checkpoint PATH] [--tokens 1024] [--device auto]
+    python -m experiment.tools.bench plan --depth 64 --nproc 8 --gpu_mem_gb 80 [--seq 2048] [--device_batch_size 2]
+    python -m experiment.tools.bench fitprobe --depth 64 --world 8 --device_batch_sizes 1,2,4 [--seq 2048]
+    python -m experiment.tools.bench throughput --depth 4 --seq 256 --batch 8 [--aspect_ratio 64 --head_dim 128]
+    python -m experiment.tools.bench speedrun --data FILE --seconds 180 [--val_fraction 0.1]
+    python -m experiment.tools.bench prepare --mb 100
+    python -m experiment.tools.bench profile [--depth 4 --aspect_ratio 32 --seq 256 --batch 16] [--table]
+    python -m experiment.tools.bench versus --nanogpt PATH --seconds 180 [--repeats 3]
+    python -m experiment.tools.bench serve [--checkpoint PATH] --clients 1,8,32
+    python -m experiment.tools.bench gpucheck [--quick] [--workspace DIR] [--only env,correctness,...]
 
 generate: tokens/s for N generated tokens with the KV cache and with the naive path (a full forward
 over the last max_seq_len tokens per token), on a checkpoint (default: the newest run's best) or,
@@ -25,16 +25,16 @@ speedrun: trains from scratch for exactly T seconds of budget with the recommend
 device (the trainer's defaults), then prints the val loss on the full val set and the val-loss curve
 against training seconds.
 profile: one CPU training step under torch.profiler, its time by bucket (matmul, attention, softmax +
-loss, norm, elementwise, optimizer, data, host overhead) (experiment/stepprofile.py).
+loss, norm, elementwise, optimizer, data, host overhead) (experiment/tools/stepprofile.py).
 versus: nanoGPT's baby-GPT CPU recipe and ours, one after the other on this machine, same text and
 split, both for the same budget: both full-val losses, and when ours reaches nanoGPT's final loss
-(experiment/versus.py).
+(experiment/tools/versus.py).
 prepare: a synthetic corpus of --mb MB prepared in a child process: MB/s, peak memory, cache-hit time
-(experiment/prepbench.py).
+(experiment/tools/prepbench.py).
 serve: starts the server on a checkpoint and drives it with 1, 8, 32 clients at once: aggregate tok/s
-and p50/p95 latency per client count (experiment/loadtest.py).
+and p50/p95 latency per client count (experiment/tools/loadtest.py).
 gpucheck: every CUDA path of the trainer on one GPU, PASS/WARN/FAIL per item with the numbers, in a
-report under $WORKSPACE/gpucheck/<timestamp>/ (experiment/gpucheck.py).
+report under $WORKSPACE/gpucheck/<timestamp>/ (experiment/tools/gpucheck.py).
 """
 
 from __future__ import annotations
@@ -49,13 +49,14 @@ from pathlib import Path
 import torch
 
 from experiment import checkpoint as ckpt
-from experiment import gpucheck, loadtest, prepbench, stepprofile, versus
+from experiment.tools import gpucheck, loadtest, prepbench, stepprofile, versus
 from experiment.distributed import autocast_for, resolve_device, sync
 from experiment.files import default_workspace
 from experiment.memory import MODES, count_params, format_plan, plan_memory
 from experiment.model import GPT, GPTConfig, build_model
 from experiment.optim import LRS, ShardedOptimizer
-from experiment.probes import cpu_matmul_peak, peak_flops, probe_peak_memory
+from experiment.hardware import peak_flops
+from experiment.tools.probes import cpu_matmul_peak, probe_peak_memory
 
 
 def bench_generate(model: GPT, n_tokens: int, device: torch.device, allowed_vocab: int) -> dict:
@@ -170,7 +171,7 @@ def cmd_speedrun(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m experiment.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m experiment.tools.bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="tokens/s with and without the KV cache")
     g.add_argument("--checkpoint", default=None, help="model_*.pt or run directory (default: newest run's best)")

@@ -1,6 +1,6 @@
 """`bench profile`: where one training step's time goes, on the trainer's own step shape.
 
-    python -m experiment.bench profile [--depth 4 --aspect_ratio 32 --head_dim 64 --seq 256 --batch 16]
+    python -m experiment.tools.bench profile [--depth 4 --aspect_ratio 32 --head_dim 64 --seq 256 --batch 16]
 
 A step is what the trainer runs: grad_accum micro-steps of forward + backward, each followed by the
 next batch cut from a token array by the trainer's own TokenBatches, then the optimizer step (Muon +

@@ -1,6 +1,6 @@
 """Load test of the server: aggregate tokens/s and latency percentiles per number of concurrent clients.
 
-    python -m experiment.loadtest [--checkpoint PATH] [--clients 1,8,32] [--tokens 256] [--requests 4]
+    python -m experiment.tools.loadtest [--checkpoint PATH] [--clients 1,8,32] [--tokens 256] [--requests 4]
 
 Starts `python -m experiment.server` on the checkpoint (default: the newest run's best) in a process of
 its own, so the clients' threads never hold the server's interpreter lock (or targets a running one
@@ -187,6 +187,6 @@ def _measure(host: str, port: int, counts: list[int], args) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m experiment.loadtest", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m experiment.tools.loadtest", description=__doc__.split("\n")[0])
     add_arguments(parser)
     sys.exit(main(parser.parse_args()))

@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 from conftest import ENV, REPO
-from experiment.bench import main as bench_main
-from experiment.gpucheck_items import ITEMS
+from experiment.tools.bench import main as bench_main
+from experiment.tools.gpucheck_items import ITEMS
 from experiment.memory import checkpoint_bytes_per_rank
 from experiment.model import GPT, GPTConfig
 from experiment.train import updated_step_seconds
@@ -35,7 +35,7 @@ def test_unknown_item_is_an_error(capsys):
 
 
 def test_quick_gpucheck_on_cpu_passes_and_reports_every_item(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "experiment.bench", "gpucheck", "--quick", "--workspace", tmp_path],
+    proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "gpucheck", "--quick", "--workspace", tmp_path],
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     (out,) = (tmp_path / "gpucheck").iterdir()

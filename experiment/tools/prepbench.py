@@ -1,7 +1,7 @@
 """The prepare benchmark: a synthetic char-level corpus of a given size, prepared cold and then again.
 
-    python -m experiment.prepbench [--mb 100] [--files 4] [--dir D] [--keep]
-    (also `python -m experiment.bench prepare ...`)
+    python -m experiment.tools.prepbench [--mb 100] [--files 4] [--dir D] [--keep]
+    (also `python -m experiment.tools.bench prepare ...`)
 
 Writes the corpus into a temp directory, runs `python -m experiment.dataloader prepare` on it in a
 child process and prints the wall time, MB/s, the child's peak RSS (ru_maxrss: the largest single
@@ -178,6 +178,6 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m experiment.prepbench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m experiment.tools.prepbench", description=__doc__.split("\n")[0])
     add_arguments(parser)
     sys.exit(main(parser.parse_args()))

@@ -1,4 +1,4 @@
-"""The items of gpucheck (experiment/gpucheck.py): each `check_<name>(ctx) -> Item` runs one part of
+"""The items of gpucheck (experiment/tools/gpucheck.py): each `check_<name>(ctx) -> Item` runs one part of
 the trainer's CUDA path for real and reports what it measured."""
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from experiment.checkpoint import Retention, RunState, load_checkpoint, save_che
 from experiment.config import TrainConfig, checkpoint_meta, resolve
 from experiment.dataloader import prepare, write_demo_corpus
 from experiment.distributed import Dist, autocast_for, sync
+from experiment.files import REPO_ROOT
+from experiment.hardware import free_memory, peak_flops
 from experiment.memory import checkpoint_bytes_per_rank, choose_mode, plan_memory
 from experiment.model import DTYPES, GPTConfig, build_model
 from experiment.optim import LRS, ShardedOptimizer
-from experiment.probes import (cpu_matmul_peak, free_memory, measure_speed, peak_flops, probe_peak_memory,
-                               profile_step)
+from experiment.tools.probes import cpu_matmul_peak, measure_speed, probe_peak_memory, profile_step
 
-REPO = Path(__file__).resolve().parent.parent
 ITEMS = ("env", "correctness", "speed", "memory", "checkpoints", "e2e")
 GIB = 2**30
 VOCAB = 128  # a char vocabulary padded to a multiple of 64
@@ -139,7 +139,7 @@ def _driver_version() -> str:
 
 
 def _torch_pin() -> str | None:
-    for line in (REPO / "requirements.txt").read_text().splitlines():
+    for line in (REPO_ROOT / "requirements.txt").read_text().splitlines():
         if line.startswith("torch=="):
             return line.split("==")[1].strip()
     return None
@@ -202,9 +202,9 @@ def _junit_rows(path: Path) -> list[list]:
 
 def check_correctness(ctx: Ctx) -> Item:
     junit = ctx.out / "junit.xml"
-    cmd = [sys.executable, "-m", "pytest", str(REPO / "tests/test_cuda.py"), "-m", "cuda", "-q", "-s",
+    cmd = [sys.executable, "-m", "pytest", str(REPO_ROOT / "tests/test_cuda.py"), "-m", "cuda", "-q", "-s",
            "-p", "no:cacheprovider", f"--junitxml={junit}"] + ([] if ctx.cuda else ["--cuda-tests-on-cpu"])
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200)
     rows = _junit_rows(junit) if junit.exists() else []
     counts = {o: sum(r[1] == o for r in rows) for o in ("passed", "failure", "error", "skipped")}
     failed = proc.returncode != 0 or counts["passed"] == 0
@@ -448,7 +448,7 @@ def _e2e_env(ctx: Ctx, ws: Path) -> dict:
 
 def _launch(env: dict, log: Path) -> subprocess.Popen:
     with open(log, "w") as out:  # the child keeps its own handle
-        return subprocess.Popen(["bash", str(REPO / "experiment/run.sh")], cwd=REPO, env=env, stdout=out,
+        return subprocess.Popen(["bash", str(REPO_ROOT / "experiment/run.sh")], cwd=REPO_ROOT, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -6,40 +6,15 @@ Nothing here is asserted in tests; callers print or report the numbers.
 
 from __future__ import annotations
 
-import gc
 import math
-import resource
 import time
 
 import torch
 
 from experiment.distributed import autocast_for, sync
+from experiment.hardware import free_memory, mean_seconds
 from experiment.model import DTYPES, GPTConfig, build_model
 from experiment.optim import LRS, ShardedOptimizer, gradients_finite
-
-# Dense bf16 peak FLOP/s by device-name fragment, most specific first (design.md). An unknown device
-# reports no MFU rather than a wrong one.
-PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 SXM", 989e12), ("H100 80GB HBM3", 989e12),
-              ("H200", 989e12), ("A100", 312e12))
-
-
-def peak_flops(device_name: str) -> float | None:
-    for fragment, flops in PEAK_FLOPS:
-        if fragment in device_name:
-            return flops
-    return None
-
-
-def memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
-
-
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def probe_peak_memory(config: GPTConfig, world: int, batch: int, seq: int, precision: str,
@@ -82,16 +57,6 @@ def cpu_matmul_peak(n: int = 1024, reps: int = 20) -> float:
         a @ b
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best
-
-
-def mean_seconds(device: torch.device, n: int, fn, *args) -> float:
-    """Seconds per call of n calls queued back to back, the device drained before and after."""
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn(*args)
-    sync(device)
-    return (time.perf_counter() - t0) / n
 
 
 def compose_step(micro_tokens: int, tokens_per_step: int, first: float, micro_s: float, steady: float,

@@ -1,0 +1,48 @@
+"""What the device is and how fast a piece of work runs on it: peak FLOP/s by name, peak memory, a
+drained timing. Looked up or measured, never guessed; the trainer, DEPTH=auto and the tools share it.
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+import time
+
+import torch
+
+from experiment.distributed import sync
+
+# Dense bf16 peak FLOP/s by device-name fragment, most specific first. An unknown device reports no
+# MFU rather than a wrong one.
+PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 SXM", 989e12), ("H100 80GB HBM3", 989e12),
+              ("H200", 989e12), ("A100", 312e12))
+
+
+def peak_flops(device_name: str) -> float | None:
+    for fragment, flops in PEAK_FLOPS:
+        if fragment in device_name:
+            return flops
+    return None
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak memory so far: the caching allocator's on CUDA, the process's RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def mean_seconds(device: torch.device, n: int, fn, *args) -> float:
+    """Seconds per call of n calls queued back to back, the device drained before and after."""
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn(*args)
+    sync(device)
+    return (time.perf_counter() - t0) / n
