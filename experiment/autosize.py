@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from experiment.distributed import autocast_for
+from experiment.hardware import mean_seconds
 from experiment.memory import count_params
 from experiment.model import GPTConfig, build_model
 from experiment.optim import LRS, ShardedOptimizer
-from experiment.hardware import mean_seconds
 from experiment.runlog import MAX_GOOD_EPOCHS
+from experiment.step import forward_backward, optimizer_step
 
 # Fitted (README, DEPTH=auto): the loss-minimizing tokens/param, from a parabola in log tokens/param
 # through d2, d4 and d6, was 10.5 at a 60 s budget and 7.3 at 180 s; 9 is their geometric mean.
@@ -62,18 +62,15 @@ def ladder(aspect_ratio: int, head_dim: int) -> list[int]:
 
 
 def measure_tok_per_s(config: GPTConfig, batch: int, device: torch.device) -> float:
-    """One rank's training tok/s (forward, backward, optimizer) over PROBE_STEPS steps after a
-    warm-up step, on random tokens, eager, in the trainer's autocast."""
+    """One rank's training tok/s over PROBE_STEPS steps after a warm-up step, on random tokens,
+    eager: the trainer's own step (experiment/step.py), one micro-batch per step."""
     model = build_model(config, device)
     opt = ShardedOptimizer(model, **LRS, communicate=False)
     x = torch.randint(0, config.vocab_size, (batch, config.max_seq_len), device=device)
 
     def step() -> None:
-        with autocast_for(device):
-            loss = model(x, x)
-        loss.backward()
-        opt.step()
-        model.zero_grad(set_to_none=True)
+        forward_backward(model, x, x)
+        optimizer_step(model, opt)
 
     mean_seconds(device, 1, step)  # warm-up
     return batch * config.max_seq_len / mean_seconds(device, PROBE_STEPS, step)

@@ -2,7 +2,8 @@
 
 One writer and one reader, shared by the trainer and the server (atomic file primitives live in
 experiment/files.py): names and retention first, the server's loader, then the trainer's save (every
-rank's files, meta last) and load (any world size). Layout (design.md):
+rank's files, meta last) and load (any world size). Save and load take and give plain data (state
+dicts, meta, rank and world size); the trainer turns its model and optimizer into them. Layout:
     <workspace>/checkpoints/<model_tag>/model_<step>.pt (one process) or model_<step>_rank<r>.pt
     (world > 1: each rank writes the weights it owns, so no rank writes the whole model),
     optim_<step>_rank<r>.pt, meta_<step>.json, best.json. A step counts only once its meta file
@@ -16,18 +17,14 @@ import json
 import math
 import re
 import sys
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
-from experiment.distributed import Dist, all_ranks_ok
 from experiment.files import atomic_torch_save, atomic_write_json
 from experiment.model import GPT, GPTConfig, build_model
-from experiment.optim import ShardedOptimizer
 
 META_RE = re.compile(r"^meta_(\d{6,})\.json$")
 MODEL_RE = re.compile(r"^model_(\d{6,})(?:_rank\d+)?\.pt$")  # the whole model or one rank's part
@@ -241,14 +238,14 @@ def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtyp
 
 @dataclass
 class RunState:
-    """What a checkpoint restores besides weights and optimizer state."""
+    """What a checkpoint restores besides weights and optimizer state: one dict in meta ("state")."""
     step: int = 0
     tokens_seen: int = 0
     used_seconds: float = 0.0
     best_val: float = math.inf
     best_step: int = -1
     evals_since_best: int = 0
-    data_state: dict | None = None
+    data_state: dict | None = None  # the data position of the step's next batch (every rank reads the same)
     # Measured durations (longest eval, longest save, recent step): the reserve kept for the final
     # eval + save. Persisted, so a resumed run still knows what its ending costs.
     eval_seconds: float = 0.0
@@ -257,86 +254,66 @@ class RunState:
     nonfinite_steps: int = 0  # updates skipped because the loss or gradients were not finite
 
 
+def run_state(meta: dict) -> RunState:
+    """The RunState a meta records."""
+    if "state" in meta:
+        return RunState(**meta["state"])
+    # Metas written before the state was one dict hold its fields at the top level.
+    flat = {f.name: meta[f.name] for f in fields(RunState) if f.name in meta}
+    return RunState(**flat, best_val=meta["best_val_loss"] if meta["best_step"] >= 0 else math.inf,
+                    data_state=meta["data_positions"][0])
+
+
 @dataclass(frozen=True)
 class Retention:
     keep_last: int  # complete checkpoints kept, plus the best
     keep_best_optimizer: bool  # an old best keeps its optimizer shards (resumable), else only what serves
 
 
-def save_checkpoint(run_dir: Path, model: GPT, opt: ShardedOptimizer, data_state: dict, st: RunState,
-                    val_loss: float | None, run_meta: dict, retention: Retention, d: Dist,
-                    log: Callable[[str], None]) -> bool:
-    """The model (one file with one process, else each rank's part), one optimizer shard per rank,
-    then meta last as the completion marker. `run_meta` is what the caller wants in every meta
-    besides the run state (train config, tokenizer, prepared data, budget): plain data.
+def save_checkpoint(run_dir: Path, step: int, model_data: dict, optimizer_data: dict, meta: dict, rank: int = 0,
+                    world_size: int = 1, all_ok: Callable[[bool], bool] = bool) -> str | None:
+    """Rank `rank`'s files of `step`: its model data (the whole model in one process, else the part
+    it owns) and its optimizer shard; then, once every rank's files are on disk, rank 0 writes `meta`
+    last as the completion marker (and best.json when meta's state names this step the best).
+    `all_ok(ok)` is True on every rank iff ok on every rank (a collective; with one process, bool).
 
-    Returns False on every rank if any rank failed to write (disk full, say): the step stays
-    incomplete, its files are removed, and the checkpoints before it are untouched.
+    Returns None when the step is complete, else why it is not, on every rank alike: its files are
+    removed and the checkpoints before it are untouched (a full disk costs one save, not the run).
     """
-    error = _write_rank_files(run_dir, st.step, model, opt, d)
-    positions = [None] * d.world_size
-    if d.world_size > 1:
-        dist.all_gather_object(positions, data_state)
-    else:
-        positions = [data_state]
-    # Every rank's files are on disk (or have failed) before the meta can make the step complete.
-    if not all_ranks_ok(error is None, d):
-        if d.master:
+    error = _write_rank_files(run_dir, step, model_data, optimizer_data, rank, world_size)
+    if not all_ok(error is None):  # every rank's files are on disk before meta can complete the step
+        if rank == 0:
             remove_incomplete(run_dir)
-            log(f"error: checkpoint step {st.step:06d} not saved ({error or 'another rank failed'}); "
-                "earlier checkpoints are kept, training goes on")
-        return False
-    ok = True
-    if d.master:
+        return error or "another rank failed"
+    error = None
+    if rank == 0:
         try:
-            _write_meta(run_dir, model, st, val_loss, run_meta, positions, d.world_size)
-            log(f"saved step {st.step:06d} -> {run_dir}" + (" (best)" if st.best_step == st.step else "")
-                + _retain(run_dir, retention, log))
+            atomic_write_json(meta_path(run_dir, step), meta)
+            if meta["state"]["best_step"] == step:
+                atomic_write_json(run_dir / "best.json", {"step": step, "val_loss": meta["val_loss"]})
         except OSError as e:
-            ok = False
+            error = f"meta: {e}"
             remove_incomplete(run_dir)
-            log(f"error: checkpoint step {st.step:06d} not saved (meta: {e}); earlier checkpoints are kept")
-    return all_ranks_ok(ok, d)
+    return None if all_ok(error is None) else error or "rank 0 failed to write meta"
 
 
-def _write_rank_files(run_dir: Path, step: int, model: GPT, opt: ShardedOptimizer, d: Dist) -> OSError | None:
-    """This rank's model file or part and its optimizer shard (with the RNG states); the error, if any."""
+def _write_rank_files(run_dir: Path, step: int, model_data: dict, optimizer_data: dict, rank: int,
+                      world_size: int) -> str | None:
+    """This rank's model file or part and its optimizer shard; the error, if any."""
     try:
-        state = strip_compile_prefix(model.state_dict())
-        if d.world_size == 1:
-            atomic_torch_save(model_path(run_dir, step), state)
-        else:  # every rank writes what it owns: no rank writes (and no rank waits on) the whole model
-            atomic_torch_save(model_part_path(run_dir, step, d.rank), model_part(state, opt.owner, d.rank))
-        rng = {"cpu": torch.get_rng_state()}
-        if d.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(d.device)
-        atomic_torch_save(optim_path(run_dir, step, d.rank), {**opt.shard_state(), "rng": rng})
+        # every rank writes what it owns: no rank writes (and no rank waits on) the whole model
+        atomic_torch_save(model_path(run_dir, step) if world_size == 1 else model_part_path(run_dir, step, rank),
+                          model_data)
+        atomic_torch_save(optim_path(run_dir, step, rank), optimizer_data)
     except OSError as e:
-        print(f"[rank {d.rank}] error: writing checkpoint step {step:06d} failed: {e}", file=sys.stderr, flush=True)
-        return e
+        print(f"[rank {rank}] error: writing checkpoint step {step:06d} failed: {e}", file=sys.stderr, flush=True)
+        return str(e)
     return None
 
 
-def _write_meta(run_dir: Path, model: GPT, st: RunState, val_loss: float | None, run_meta: dict,
-                positions: list, world_size: int) -> None:
-    meta = {
-        "step": st.step, "tokens_seen": st.tokens_seen, "used_seconds": st.used_seconds, "val_loss": val_loss,
-        "best_val_loss": st.best_val, "best_step": st.best_step, "evals_since_best": st.evals_since_best,
-        "eval_seconds": st.eval_seconds, "save_seconds": st.save_seconds, "step_seconds": st.step_seconds,
-        "model_config": model.config.to_dict(), "world_size": world_size, "data_positions": positions,
-        "nonfinite_steps": st.nonfinite_steps,
-        "model_parts": world_size,  # model_<step>.pt alone, or one model_<step>_rank<r>.pt per rank
-        "weights_dtype": str(model.wte.weight.dtype).removeprefix("torch."),
-        "activation_checkpointing": model.activation_checkpointing, **run_meta, "saved_at": time.time(),
-    }
-    atomic_write_json(meta_path(run_dir, st.step), meta)
-    if st.best_step == st.step:
-        atomic_write_json(run_dir / "best.json", {"step": st.step, "val_loss": val_loss})
-
-
-def _retain(run_dir: Path, retention: Retention, log: Callable[[str], None]) -> str:
+def retain(run_dir: Path, retention: Retention, log: Callable[[str], None]) -> str:
     """Keep-last-k plus the best (without its optimizer shards unless keep_best_optimizer); returns
-    what was deleted, for the "saved step" line."""
+    what was deleted, for the "saved step" line. Rank 0, after a step is complete."""
     try:
         deleted = prune(run_dir, retention.keep_last)
         dropped = None if retention.keep_best_optimizer else drop_old_best_optimizer(run_dir, retention.keep_last)
@@ -348,21 +325,12 @@ def _retain(run_dir: Path, retention: Retention, log: Callable[[str], None]) -> 
                if dropped is not None else ""))
 
 
-def load_checkpoint(run_dir: Path, step: int, model: GPT, opt: ShardedOptimizer, d: Dist) -> RunState:
+def load_checkpoint(run_dir: Path, step: int) -> tuple[dict, list[dict], dict]:
+    """(the full model state_dict, every rank's optimizer shard in rank order, meta) of a complete
+    step. A rank of any world size takes what it owns from the shards (elastic resume)."""
     meta = read_meta(run_dir, step)
-    model.load_state_dict(load_model_state(run_dir, step))
     shards = [load_tensors(optim_path(run_dir, step, r)) for r in range(meta["world_size"])]
-    opt.load_shards(shards)
-    own = shards[d.rank] if d.rank < len(shards) else shards[0]
-    torch.set_rng_state(own["rng"]["cpu"])
-    if d.device.type == "cuda" and "cuda" in own["rng"]:
-        torch.cuda.set_rng_state(own["rng"]["cuda"], d.device)
-    return RunState(step=meta["step"], tokens_seen=meta["tokens_seen"], used_seconds=meta["used_seconds"],
-                    best_val=meta["best_val_loss"] if meta["best_step"] >= 0 else math.inf,
-                    best_step=meta["best_step"], evals_since_best=meta["evals_since_best"],
-                    data_state=meta["data_positions"][0], eval_seconds=meta["eval_seconds"],
-                    save_seconds=meta["save_seconds"], step_seconds=meta["step_seconds"],
-                    nonfinite_steps=meta["nonfinite_steps"])
+    return load_model_state(run_dir, step), shards, meta
 
 
 def pick_resume_step(run_dir: Path, resume: str) -> int | None:

@@ -117,6 +117,15 @@ def broadcast_object(obj, d: Dist):
     return box[0]
 
 
+def gather_objects(obj, d: Dist) -> list:
+    """Every rank's obj, in rank order, on every rank."""
+    if d.world_size == 1:
+        return [obj]
+    out = [None] * d.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 class StopSignal:
     """SIGTERM/SIGINT (preemption, Ctrl-C): the first lets the step finish and the run save and exit 0;
     a second one exits at once."""

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from experiment.config import ConfigError
-from experiment.distributed import Dist, autocast_for
+from experiment.distributed import Dist
 from experiment.model import GPT, GPTConfig
 from experiment.optim import partition, uses_muon
+from experiment.step import forward_backward
 
 # Elements autograd saves for one forward pass, measured on CPU with saved_tensors_hooks over six
 # shapes (exact least-squares fit, relative error < 1e-5):
@@ -150,15 +151,12 @@ def find_device_batch(model: GPT, seq_len: int, per_rank: int, d: Dist, reserve_
     """Largest power-of-two micro-batch whose forward+backward fits next to `reserve_bytes` (the
     optimizer state and fp32 master gradients, allocated only at the first step), agreed across
     ranks (min), and dividing `per_rank`, the sequences per rank per optimizer step."""
-    autocast = autocast_for(d.device)
-
     def try_batch(b: int) -> None:
         reserve = None
         try:
             reserve = torch.empty(reserve_bytes, dtype=torch.uint8, device=d.device)
             x = torch.zeros(b, seq_len, dtype=torch.long, device=d.device)
-            with autocast:
-                model(x, x).backward()
+            forward_backward(model, x, x)
         finally:
             del reserve
             model.zero_grad(set_to_none=True)

@@ -42,8 +42,8 @@ import torch
 from experiment import checkpoint as ckpt
 from experiment.dataloader import tokenizer_from_meta
 from experiment.distributed import resolve_device
-from experiment.files import default_workspace
 from experiment.engine import Batch, KVSlots
+from experiment.files import default_workspace
 from experiment.model import DTYPES
 
 # Every request is bounded by these.
@@ -344,7 +344,7 @@ class Engine:
         tok = m["tokenizer"]
         return {
             "checkpoint": str(self.path), "step": m["step"], "val_loss": m["val_loss"],
-            "tokens_seen": m["tokens_seen"], "model_config": m["model_config"],
+            "tokens_seen": ckpt.run_state(m).tokens_seen, "model_config": m["model_config"],
             "num_params": self.model.num_params(), "device": str(self.device),
             "dtype": str(self.model.wte.weight.dtype).removeprefix("torch."), "model_id": self.model_id,
             "vocabulary": {"tokenizer": tok["tokenizer"], "encoding": tok["encoding"], "characters": tok["chars"],

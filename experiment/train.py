@@ -11,7 +11,6 @@ whatever the step speed.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -25,23 +24,31 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from experiment import autosize
+from experiment import autosize, launch
 from experiment import checkpoint as ckpt
-from experiment import launch
-from experiment.checkpoint import (CheckpointError, Retention, RunState, load_checkpoint, pick_resume_step,
-                                   save_checkpoint)
+from experiment.checkpoint import CheckpointError, Retention, RunState, pick_resume_step
 from experiment.config import ConfigError, TrainConfig, checkpoint_meta, parse_args, resolve
 from experiment.dataloader import DataError, Prepared, TokenBatches
-from experiment.distributed import (PHASE_TIMEOUTS, Dist, ParentWatch, StopSignal, autocast_for, broadcast_object,
-                                    resolve_device, setup_distributed)
+from experiment.distributed import (
+    PHASE_TIMEOUTS,
+    Dist,
+    ParentWatch,
+    StopSignal,
+    all_ranks_ok,
+    broadcast_object,
+    gather_objects,
+    resolve_device,
+    setup_distributed,
+)
 from experiment.evaluation import evaluate
 from experiment.files import default_workspace
+from experiment.hardware import memory_gib, peak_flops
 from experiment.memory import choose_memory_mode, find_device_batch
 from experiment.mixture import MixedBatches, source_weights
 from experiment.model import DTYPES, GPT, GPTConfig, build_model
-from experiment.optim import ShardedOptimizer, gradients_finite, lr_multiplier
-from experiment.hardware import memory_gib, peak_flops
+from experiment.optim import ShardedOptimizer, lr_multiplier
 from experiment.runlog import NullWriter, RunLog, log_crash, log_step, planner_line, report_eval, source_epoch_lines
+from experiment.step import forward_backward, optimizer_step
 
 # The first steps after a (re)start hold torch.compile and allocator warm-up: tens of seconds on a
 # GPU, not a step's cost. They stay out of the throughput figures and the end-of-run reserve.
@@ -97,6 +104,10 @@ class Loop:
     planned: bool = False
     bad_in_a_row: int = 0
     phase: str = "setup"  # which of PHASE_TIMEOUTS the process group waits: setup until warmed up
+    # The one way the loop stops: the exit code once the run must end. 0 (budget, max_steps, early
+    # stop, a stop signal) ends it after this step's save; 1 (a failed final save, a diverging run)
+    # ends it at once.
+    end: int | None = None
 
     def enter(self, phase: str, d: Dist) -> None:
         if phase != self.phase:
@@ -169,13 +180,12 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     model, opt = build_model_and_optimizer(cfg, d, model_config, log)
     st = RunState(used_seconds=probe_seconds)  # DEPTH=auto's probe is part of the budget
     if resume_step is not None:
-        st = load_checkpoint(run_dir, resume_step, model, opt, d)
+        st = restore_checkpoint(run_dir, resume_step, model, opt, d)
         log(f"resumed from {ckpt.model_path(run_dir, resume_step)}: step {st.step}, "
             f"{st.used_seconds / 3600:.3f}h used, best {st.best_val:.4f} @ {st.best_step:06d}")
     if d.master:  # files of a save that a crash cut short; the loaded step is complete, so never these
         ckpt.remove_incomplete(run_dir)
     weights = source_weights(prepared.meta, cfg.data_mix)
-    batches = make_batches(cfg, d, prepared, weights, st.data_state, log)
     ddp = DDP(model, device_ids=[d.local_rank] if cuda else None, gradient_as_bucket_view=True) \
         if d.world_size > 1 else model
     use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda)
@@ -185,17 +195,54 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
 
         writer = SummaryWriter(log_dir=str(workspace / "tensorboard" / cfg.model_tag))
     budget_seconds = cfg.training_hours * 3600
-    peak = peak_flops(torch.cuda.get_device_name(d.device)) if cuda else None
-    grad_accum = cfg.total_batch_size // (cfg.device_batch_size * cfg.max_seq_len * d.world_size)
-    run_meta = checkpoint_meta(cfg, prepared, budget_seconds, auto)
-    t = Trainer(cfg, d, log, run_dir, prepared, model, opt, ddp, torch.compile(ddp) if use_compile else ddp, batches,
-                weights, writer, st, resume_step, grad_accum, budget_seconds, run_meta,
-                model.estimate_flops(cfg.max_seq_len), peak)
+    t = Trainer(
+        cfg=cfg, d=d, log=log, run_dir=run_dir, prepared=prepared, model=model, opt=opt, ddp=ddp,
+        train_model=torch.compile(ddp) if use_compile else ddp,
+        batches=make_batches(cfg, d, prepared, weights, st.data_state, log), weights=weights, writer=writer, st=st,
+        resume_step=resume_step,
+        grad_accum=cfg.total_batch_size // (cfg.device_batch_size * cfg.max_seq_len * d.world_size),
+        budget_seconds=budget_seconds, run_meta=checkpoint_meta(cfg, prepared, budget_seconds, auto),
+        flops_per_token=model.estimate_flops(cfg.max_seq_len),
+        peak=peak_flops(torch.cuda.get_device_name(d.device)) if cuda else None)
     log(f"model {model.num_params():,} params (d{cfg.depth}, width {model_config.n_embd}, "
         f"{model_config.n_head} heads) | {t.flops_per_token:.3e} FLOP/token | batch {cfg.device_batch_size} x "
         f"{cfg.max_seq_len} x {d.world_size} ranks x {t.grad_accum} accum = {cfg.total_batch_size:,} tokens/step | "
         f"budget {cfg.training_hours:.3f}h | tensorboard {workspace / 'tensorboard' / cfg.model_tag}")
     return t
+
+
+def restore_checkpoint(run_dir: Path, step: int, model: GPT, opt: ShardedOptimizer, d: Dist) -> RunState:
+    """Model, this rank's optimizer state (from whichever shards hold its parameters: any world size)
+    and RNG from a complete step; returns its run state."""
+    model_state, shards, meta = ckpt.load_checkpoint(run_dir, step)
+    model.load_state_dict(model_state)
+    opt.load_shards(shards)
+    own = shards[d.rank] if d.rank < len(shards) else shards[0]
+    torch.set_rng_state(own["rng"]["cpu"])
+    if d.device.type == "cuda" and "cuda" in own["rng"]:
+        torch.cuda.set_rng_state(own["rng"]["cuda"], d.device)
+    return ckpt.run_state(meta)
+
+
+def write_checkpoint(run_dir: Path, model: GPT, opt: ShardedOptimizer, st: RunState, val_loss: float | None,
+                     run_meta: dict, d: Dist) -> str | None:
+    """This rank's share of the step as plain data (its model part, its optimizer shard with the RNG
+    states) and the step's meta, handed to ckpt.save_checkpoint; None when the step is complete,
+    else why not (on every rank alike)."""
+    state = ckpt.strip_compile_prefix(model.state_dict())
+    rng = {"cpu": torch.get_rng_state()}
+    if d.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(d.device)
+    meta = {
+        "step": st.step, "val_loss": val_loss, "state": dataclasses.asdict(st),
+        "data_positions": gather_objects(st.data_state, d), "world_size": d.world_size,
+        "model_parts": d.world_size,  # model_<step>.pt alone, or one model_<step>_rank<r>.pt per rank
+        "model_config": model.config.to_dict(), "weights_dtype": str(model.wte.weight.dtype).removeprefix("torch."),
+        "activation_checkpointing": model.activation_checkpointing, **run_meta, "saved_at": time.time(),
+    }
+    mine = state if d.world_size == 1 else ckpt.model_part(state, opt.owner, d.rank)
+    return ckpt.save_checkpoint(run_dir, st.step, mine, {**opt.shard_state(), "rng": rng}, meta, d.rank, d.world_size,
+                                all_ok=lambda ok: all_ranks_ok(ok, d))
 
 
 def choose_depth(cfg: TrainConfig, d: Dist, prepared: Prepared, run_dir: Path, resume_step: int | None,
@@ -241,7 +288,8 @@ def start_loop(t: Trainer) -> Loop:
     x, y = (v.to(t.d.device, non_blocking=True) for v in next(t.batches))
     first = t.st.step if t.resume_step is not None else -1
     now = time.time()
-    return Loop(x, y, data_state, now, t.st.used_seconds, now, now, first, first)
+    return Loop(x=x, y=y, data_state=data_state, started=now, used_at_start=t.st.used_seconds, last_eval_time=now,
+                last_save_time=now, last_eval_step=first, last_saved_step=first)
 
 
 # ---------------------------------------------------------------- the loop
@@ -255,22 +303,23 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
             t.st.step, t.st.used_seconds = step, loop.used()
             loop.reserve_seconds = t.st.eval_seconds + t.st.save_seconds + t.st.step_seconds
             last_step, eval_due, save_due, signum = decide(t, loop, stop_signal.signum)
+            if last_step or signum:
+                loop.end = 0
             if signum:  # preempted: save what we have now; an eval would spend the grace period
                 log(f"received {signal.Signals(signum).name}: saving step {step:06d} and exiting")
-                last_step, eval_due = True, False
             elif (eval_due or save_due or last_step) and step != loop.last_eval_step:
-                last_step = maybe_eval(t, loop) or last_step
-            if not maybe_save(t, loop, save_due, last_step, preempted=bool(signum)):
-                return 1
-            if last_step:
+                maybe_eval(t, loop)
+            maybe_save(t, loop, save_due, preempted=bool(signum))
+            if loop.end is not None:
                 break
             t0 = time.time()
-            result = train_step(t, loop)
-            if result is None:
-                return 1
-            record_step(t, loop, *result, t0)
-    finish(t, loop)
-    return 0
+            loss_sum, mult = train_step(t, loop)
+            if loop.end is not None:
+                break
+            record_step(t, loop, loss_sum, mult, t0)
+    if not loop.end:  # None: a resume at or past max_steps had no step left to run
+        finish(t, loop)
+    return loop.end or 0
 
 
 def decide(t: Trainer, loop: Loop, signum: int) -> tuple[int, int, int, int]:
@@ -289,9 +338,9 @@ def decide(t: Trainer, loop: Loop, signum: int) -> tuple[int, int, int, int]:
     return tuple(int(v) for v in d.all_reduce(flags, "max").tolist())
 
 
-def maybe_eval(t: Trainer, loop: Loop) -> bool:
-    """Eval over all ranks, best tracking and the eval report. True when early stopping ends the run
-    (every rank saw the same reduced val loss, so all agree)."""
+def maybe_eval(t: Trainer, loop: Loop) -> None:
+    """Eval over all ranks, best tracking and the eval report. Early stopping ends the run after
+    this step's save (every rank saw the same reduced val loss, so all agree)."""
     cfg, st, step = t.cfg, t.st, t.st.step
     t0 = time.time()
     loop.val_loss, val_bpc, by_source = evaluate(t.model, t.prepared, cfg.max_seq_len, cfg.device_batch_size,
@@ -304,45 +353,49 @@ def maybe_eval(t: Trainer, loop: Loop) -> bool:
         st.evals_since_best += 1
     report_eval(step, loop.val_loss, val_bpc, by_source, st, t.model, t.prepared, cfg.sample_tokens, t.d.master,
                 t.log, t.writer, t.run_dir)
-    stop = bool(cfg.early_stop_evals and st.evals_since_best >= cfg.early_stop_evals)
-    if stop:
+    if cfg.early_stop_evals and st.evals_since_best >= cfg.early_stop_evals:
         t.log(f"early stop: {st.evals_since_best} evals without improvement")
+        loop.end = 0
     st.eval_seconds = max(st.eval_seconds, time.time() - t0)
-    return stop
 
 
-def maybe_save(t: Trainer, loop: Loop, save_due: bool, last_step: bool, preempted: bool) -> bool:
-    """A checkpoint when one is due, at the last step or at a new best. False only when the final
-    checkpoint could not be written (the run then exits 1; the latest complete one is kept)."""
-    st, step = t.st, t.st.step
+def maybe_save(t: Trainer, loop: Loop, save_due: bool, preempted: bool) -> None:
+    """A checkpoint when one is due, at the last step or at a new best. When the final checkpoint
+    cannot be written the run ends with 1 (the latest complete one is kept)."""
+    st, step, last_step = t.st, t.st.step, loop.end is not None
     # No periodic save during a streak of skipped updates: retention must not push the last
     # checkpoint from before the streak out. (Skipped updates leave the weights valid, so the final
     # save still happens.)
     if not ((save_due or last_step or st.best_step == step) and step != loop.last_saved_step
             and (last_step or not loop.bad_in_a_row)):
-        return True
+        return
     t0 = time.time()
-    st.used_seconds = loop.used()
+    st.used_seconds, st.data_state = loop.used(), loop.data_state
     phase = loop.phase
     loop.enter("save", t.d)
-    saved = save_checkpoint(t.run_dir, t.model, t.opt, loop.data_state, st, None if preempted else loop.val_loss,
-                            t.run_meta, Retention(t.cfg.keep_last, bool(t.cfg.keep_best_optimizer)), t.d, t.log)
+    error = write_checkpoint(t.run_dir, t.model, t.opt, st, None if preempted else loop.val_loss, t.run_meta, t.d)
     loop.enter(phase, t.d)
     loop.last_save_time = time.time()  # a failed save is retried at the next due time, not every step
     st.save_seconds = max(st.save_seconds, time.time() - t0)
-    if saved:
+    if error is None:
         loop.last_saved_step = step
-    elif last_step:
+        if t.d.master:
+            retention = Retention(t.cfg.keep_last, bool(t.cfg.keep_best_optimizer))
+            t.log(f"saved step {step:06d} -> {t.run_dir}" + (" (best)" if st.best_step == step else "")
+                  + ckpt.retain(t.run_dir, retention, t.log))
+        return
+    t.log(f"error: checkpoint step {step:06d} not saved ({error}); earlier checkpoints are kept"
+          + ("" if last_step else ", training goes on"))
+    if last_step:
         t.log("error: the final checkpoint could not be written; the latest complete one is kept")
-        return False
+        loop.end = 1
     elif st.best_step == step:  # best.json must name a checkpoint that exists
         st.best_val, st.best_step, st.evals_since_best = loop.previous_best
-    return True
 
 
-def train_step(t: Trainer, loop: Loop) -> tuple[torch.Tensor, float] | None:
+def train_step(t: Trainer, loop: Loop) -> tuple[torch.Tensor, float]:
     """One optimizer step: grad_accum micro-batches, the gradient all-reduce on the last only.
-    Returns (the summed loss, on the device; the LR multiplier), or None when the run diverged."""
+    Returns (the summed loss, on the device; the LR multiplier); a diverging run sets loop.end."""
     cfg, d, st = t.cfg, t.d, t.st
     progress = st.used_seconds / max(t.budget_seconds - loop.reserve_seconds, 1e-9)
     if cfg.max_steps:  # a max_steps run is reproducible: its schedule follows steps
@@ -350,40 +403,32 @@ def train_step(t: Trainer, loop: Loop) -> tuple[torch.Tensor, float] | None:
     mult = lr_multiplier(progress, cfg.warmup_frac, cfg.warmdown_frac, cfg.final_lr_frac)
     t.opt.set_lr_multiplier(mult)
     loss_sum = torch.zeros((), device=d.device)
-    autocast = autocast_for(d.device)
     for micro in range(t.grad_accum):
-        sync = micro == t.grad_accum - 1
-        with (contextlib.nullcontext() if sync or d.world_size == 1 else t.ddp.no_sync()), autocast:
-            loss = t.train_model(loop.x, loop.y) / t.grad_accum
-        loss.backward()
-        loss_sum += loss.detach()
+        defer = t.ddp if d.world_size > 1 and micro < t.grad_accum - 1 else None
+        loss_sum += forward_backward(t.train_model, loop.x, loop.y, t.grad_accum, defer_sync=defer)
         loop.data_state = t.batches.state()
         # Prefetch: on GPU the kernels queued above still run while the CPU slices the next batch.
         loop.x, loop.y = (v.to(d.device, non_blocking=True) for v in next(t.batches))
-    if not apply_update(t, loop):
-        return None
-    t.model.zero_grad(set_to_none=True)
+    apply_update(t, loop)
     st.tokens_seen += cfg.total_batch_size
     return loss_sum, mult
 
 
-def apply_update(t: Trainer, loop: Loop) -> bool:
-    """The optimizer step, skipped when the gradients are not finite; False after
-    MAX_NONFINITE_IN_A_ROW skips in a row. DDP leaves identical gradients on every rank, so every
-    rank reaches the same verdict."""
-    if gradients_finite(t.model):
-        t.opt.step()
+def apply_update(t: Trainer, loop: Loop) -> None:
+    """The optimizer step, skipped when the gradients are not finite; MAX_NONFINITE_IN_A_ROW skips in
+    a row end the run. DDP leaves identical gradients on every rank, so every rank reaches the same
+    verdict."""
+    if optimizer_step(t.model, t.opt):
         loop.bad_in_a_row = 0
-        return True
+        return
     t.st.nonfinite_steps += 1
     loop.bad_in_a_row += 1
     t.log(f"step {t.st.step + 1:06d} | non-finite loss or gradients: update skipped "
           f"({loop.bad_in_a_row} in a row, {t.st.nonfinite_steps} in all)")
-    if loop.bad_in_a_row < MAX_NONFINITE_IN_A_ROW:
-        return True
-    t.log(f"error: {loop.bad_in_a_row} non-finite steps in a row; stopping. The last good checkpoint is "
-          f"step {max(loop.last_saved_step, 0):06d}; lower the learning rates or check the data")
-    return False
+    if loop.bad_in_a_row >= MAX_NONFINITE_IN_A_ROW:
+        t.log(f"error: {loop.bad_in_a_row} non-finite steps in a row; stopping. The last good checkpoint is "
+              f"step {max(loop.last_saved_step, 0):06d}; lower the learning rates or check the data")
+        loop.end = 1
 
 
 def updated_step_seconds(previous: float, dt: float, warm: bool) -> float:

@@ -108,7 +108,7 @@ def test_trainer_chooses_records_and_keeps_the_depth_on_resume(tmp_path, corpus)
     depth = meta["model_config"]["depth"]
     assert meta["auto"]["depth"] == depth and meta["train_config"]["depth"] == depth
     assert meta["auto"]["reason"].startswith(f"auto: d{depth} ")
-    assert meta["used_seconds"] > 0
+    assert meta["state"]["used_seconds"] > 0
     second = run_train([*args, "--max_steps", "5"])
     assert f"auto: d{depth} kept from the checkpoint" in second.stdout
     assert run_meta(tmp_path, 5, tag="auto")["model_config"]["depth"] == depth

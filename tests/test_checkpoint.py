@@ -1,3 +1,5 @@
+"""Checkpoints: atomic files, the round trip, retention, serving resolution, parts per rank."""
+
 import json
 import pickle
 
@@ -10,10 +12,11 @@ from experiment import checkpoint as ckpt
 from experiment.dataloader import prepare
 from experiment.model import GPT, GPTConfig
 from experiment.optim import LRS, ShardedOptimizer, partition
-from experiment.checkpoint import Retention, RunState, load_checkpoint, save_checkpoint
+from experiment.checkpoint import Retention, RunState
 from experiment.distributed import Dist
 from experiment.config import TrainConfig, checkpoint_meta
 from experiment.runlog import RunLog
+from experiment.train import restore_checkpoint, write_checkpoint
 
 
 def _fake_step(run_dir, step, complete=True, world=1):
@@ -105,11 +108,13 @@ def saved_run(tmp_path, corpus):
 
 
 def _save(run, model, opt, prepared, step, val_loss, best, cfg=None, log=None):
-    st = RunState(step=step, tokens_seen=64 * step, used_seconds=2.5 * step, best_val=best[0], best_step=best[1])
+    st = RunState(step=step, tokens_seen=64 * step, used_seconds=2.5 * step, best_val=best[0], best_step=best[1],
+                  data_state={"epoch": 0, "cursor": 4 * step})
     cfg = cfg or TrainConfig()
-    assert save_checkpoint(run, model, opt, {"epoch": 0, "cursor": 4 * step}, st, val_loss,
-                           checkpoint_meta(cfg, prepared, 60.0), Retention(cfg.keep_last, bool(cfg.keep_best_optimizer)),
-                           Dist(0, 0, 1, torch.device("cpu")), log or RunLog(None))
+    assert write_checkpoint(run, model, opt, st, val_loss, checkpoint_meta(cfg, prepared, 60.0),
+                            Dist(0, 0, 1, torch.device("cpu"))) is None
+    log = log or RunLog(None)
+    log(f"saved step {step:06d}" + ckpt.retain(run, Retention(cfg.keep_last, bool(cfg.keep_best_optimizer)), log))
 
 
 def test_checkpoint_round_trip_gives_identical_logits_and_state(saved_run):
@@ -123,7 +128,7 @@ def test_checkpoint_round_trip_gives_identical_logits_and_state(saved_run):
 
     fresh = GPT(model.config)
     fresh_opt = ShardedOptimizer(fresh, **LRS)
-    st = load_checkpoint(run, 2, fresh, fresh_opt, Dist(0, 0, 1, torch.device("cpu")))
+    st = restore_checkpoint(run, 2, fresh, fresh_opt, Dist(0, 0, 1, torch.device("cpu")))
     assert (st.step, st.tokens_seen, st.used_seconds, st.best_step) == (2, 128, 5.0, 2)
     a, b = opt.shard_state()["state"], fresh_opt.shard_state()["state"]
     assert a.keys() == b.keys() and all(torch.equal(a[n][k], b[n][k]) for n in a for k in a[n])

@@ -1,7 +1,7 @@
-"""The CUDA paths of the trainer, on a real GPU: bf16 autocast, torch.compile, the KV cache, bf16
-weights with fp32 master shards across a resume, kill -9 during a save, SIGTERM.
+"""The trainer's CUDA paths on a real GPU: bf16, compile, the KV cache, bf16 masters, kill -9, SIGTERM.
 
-Marked `cuda` and skipped without CUDA. `python -m experiment.tools.bench gpucheck` runs them through
+bf16 autocast, torch.compile, the KV cache, bf16 weights with fp32 master shards across a resume,
+kill -9 during a save, SIGTERM. Marked `cuda` and skipped without CUDA. `python -m experiment.tools.bench gpucheck` runs them through
 pytest; without CUDA it passes --cuda-tests-on-cpu and they run at the same tiny sizes on the CPU.
 """
 

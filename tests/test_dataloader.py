@@ -1,3 +1,5 @@
+"""Data preparation and batches: validation errors, tokenizers, the cache, disjoint resumable per-rank windows."""
+
 import json
 import os
 import random

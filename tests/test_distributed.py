@@ -1,3 +1,5 @@
+"""Process-group setup and teardown, and the collective timeouts by phase."""
+
 import os
 import time
 from datetime import timedelta

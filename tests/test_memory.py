@@ -1,3 +1,5 @@
+"""The memory plan: activation counts, modes, the largest device batch that fits."""
+
 import subprocess
 import sys
 

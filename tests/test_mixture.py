@@ -1,3 +1,5 @@
+"""DATA_MIX: parsing, weighted windows per source, epochs per source."""
+
 import numpy as np
 import pytest
 

@@ -1,3 +1,5 @@
+"""The GPT: shapes, init, the KV cache against the full forward, overfitting one batch."""
+
 import math
 
 import pytest

@@ -1,3 +1,5 @@
+"""Muon + AdamW in ZeRO-1 shards: the partition, two ranks equal one, Newton-Schulz."""
+
 import os
 
 import pytest

@@ -1,10 +1,10 @@
-"""prepare's memory is bounded by its chunk size, not by the corpus (issue 11): a corpus twice the
-memory prepare may add is prepared under that limit, on two worker processes.
+"""prepare's memory is bounded by its chunk size, not by the corpus size.
 
+A corpus twice the memory prepare may add is prepared under that limit, on two worker processes.
 The limit is RLIMIT_DATA (the process's private writable memory: heap, anonymous maps, thread
 stacks), set after the imports (torch maps far more address space than RLIMIT_AS would allow). The
-workers are forked, so they inherit it. The code before issue 11 held the corpus as bytes, str,
-UTF-32 and int64 (about 30x its size) and fails here with MemoryError.
+workers are forked, so they inherit it. A prepare that held the corpus as bytes, str, UTF-32 and
+int64 (about 30x its size) fails here with MemoryError.
 """
 
 import json

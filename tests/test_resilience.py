@@ -1,5 +1,7 @@
-"""Surviving the things a day on rented GPUs brings: preemption, kill -9, restarts on another GPU
-count, several nodes, a full disk, a diverging loss. All on CPU with gloo ranks."""
+"""Surviving a day on rented GPUs: preemption, kill -9, elastic restarts, nodes, a full disk, divergence.
+
+Restarts on another GPU count, several nodes, a failed save, a diverging loss: all on CPU with gloo
+ranks."""
 
 import os
 import random
@@ -16,8 +18,8 @@ from conftest import ENV, REPO, TINY, run_meta, run_train, train_cmd, write_corp
 from experiment import checkpoint as ckpt
 from experiment.model import GPT, GPTConfig
 from experiment.optim import LRS, ShardedOptimizer
-from experiment.checkpoint import load_checkpoint
 from experiment.distributed import Dist
+from experiment.train import restore_checkpoint
 
 def _state(ws, step, tag="d2"):
     return ckpt.load_model_state(ws / "checkpoints" / tag, step)
@@ -223,7 +225,7 @@ def test_resume_on_another_world_size(elastic_runs, world_from, world_to, batch)
     for rank in range(world_to):
         model = GPT(GPTConfig(**meta["model_config"]))
         opt = ShardedOptimizer(model, rank, world_to, **LRS, communicate=False)
-        load_checkpoint(run_dir, 3, model, opt, Dist(rank, rank, world_to, torch.device("cpu")))
+        restore_checkpoint(run_dir, 3, model, opt, Dist(rank, rank, world_to, torch.device("cpu")))
         mine = opt.shard_state()["state"]
         assert restored.keys().isdisjoint(mine.keys())
         restored.update(mine)
@@ -307,7 +309,7 @@ def test_nonfinite_losses_skip_updates_and_a_streak_stops_the_run(tmp_path, corp
     out = capsys.readouterr().out
     assert code == 0 and "update skipped (2 in a row, 2 in all)" in out
     meta = run_meta(tmp_path, 6)
-    assert meta["nonfinite_steps"] == 2
+    assert meta["state"]["nonfinite_steps"] == 2
     assert all(torch.isfinite(t).all() for t in _state(tmp_path, 6).values())
 
     code = train.main([*base, "--max_steps", "40"])  # from the 8th call on, every loss is NaN

@@ -49,13 +49,14 @@ from pathlib import Path
 import torch
 
 from experiment import checkpoint as ckpt
-from experiment.tools import gpucheck, loadtest, prepbench, stepprofile, versus
-from experiment.distributed import autocast_for, resolve_device, sync
+from experiment.distributed import resolve_device, sync
 from experiment.files import default_workspace
+from experiment.hardware import peak_flops
 from experiment.memory import MODES, count_params, format_plan, plan_memory
 from experiment.model import GPT, GPTConfig, build_model
 from experiment.optim import LRS, ShardedOptimizer
-from experiment.hardware import peak_flops
+from experiment.step import forward_backward, optimizer_step
+from experiment.tools import gpucheck, loadtest, prepbench, stepprofile, versus
 from experiment.tools.probes import cpu_matmul_peak, probe_peak_memory
 
 
@@ -121,14 +122,11 @@ def cmd_throughput(args) -> int:
                        head_dim=args.head_dim, max_seq_len=args.seq)
     model = build_model(config, device)
     opt = ShardedOptimizer(model, **LRS)
-    autocast = autocast_for(device)
     x = torch.randint(0, config.vocab_size, (args.batch, args.seq), device=device)
 
     def step():
-        with autocast:
-            model(x, x).backward()
-        opt.step()
-        model.zero_grad(set_to_none=True)
+        forward_backward(model, x, x)
+        optimizer_step(model, opt)
 
     for _ in range(args.warmup):
         step()

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
-from experiment.tools import gpucheck_items
 from experiment.files import atomic_write_bytes, atomic_write_json, default_workspace
+from experiment.tools import gpucheck_items
 from experiment.tools.gpucheck_items import CPU_SIZES, GPU_FULL, GPU_QUICK, ITEMS, Ctx, Item
+
 
 class Report:
     """report.md and report.json, rewritten atomically after every item."""

@@ -17,16 +17,18 @@ from pathlib import Path
 import torch
 
 from experiment import checkpoint as ckpt
-from experiment.checkpoint import Retention, RunState, load_checkpoint, save_checkpoint
+from experiment.checkpoint import RunState
 from experiment.config import TrainConfig, checkpoint_meta, resolve
 from experiment.dataloader import prepare, write_demo_corpus
-from experiment.distributed import Dist, autocast_for, sync
+from experiment.distributed import Dist, sync
 from experiment.files import REPO_ROOT
 from experiment.hardware import free_memory, peak_flops
 from experiment.memory import checkpoint_bytes_per_rank, choose_mode, plan_memory
 from experiment.model import DTYPES, GPTConfig, build_model
 from experiment.optim import LRS, ShardedOptimizer
+from experiment.step import forward_backward, optimizer_step
 from experiment.tools.probes import cpu_matmul_peak, measure_speed, probe_peak_memory, profile_step
+from experiment.train import restore_checkpoint, write_checkpoint
 
 ITEMS = ("env", "correctness", "speed", "memory", "checkpoints", "e2e")
 GIB = 2**30
@@ -374,22 +376,22 @@ def _time_save_load(ctx: Ctx, depth: int, prepared) -> dict:
                         activation_checkpointing=activation_checkpointing)
     opt = ShardedOptimizer(model, **LRS, master_weights=precision == "bf16")
     x = torch.randint(0, VOCAB, (1, config.max_seq_len), device=ctx.device)
-    with autocast_for(ctx.device):
-        model(x, x).backward()
-    opt.step()  # creates the optimizer state a real checkpoint holds
-    model.zero_grad(set_to_none=True)
-    d, st = Dist(0, 0, 1, ctx.device), RunState(step=1, tokens_seen=x.numel(), used_seconds=1.0, best_val=9.0, best_step=1)
+    forward_backward(model, x, x)
+    optimizer_step(model, opt)  # creates the optimizer state a real checkpoint holds
+    d = Dist(0, 0, 1, ctx.device)
+    st = RunState(step=1, tokens_seen=x.numel(), used_seconds=1.0, best_val=9.0, best_step=1,
+                  data_state={"epoch": 0, "cursor": 0})
     try:
         sync(ctx.device)
         t0 = time.perf_counter()
-        if not save_checkpoint(run_dir, model, opt, {"epoch": 0, "cursor": 0}, st, 9.0,
-                               checkpoint_meta(cfg, prepared, 3600.0), Retention(1, False), d, log=lambda msg: None):
-            raise RuntimeError(f"save_checkpoint of d{depth} failed")
+        error = write_checkpoint(run_dir, model, opt, st, 9.0, checkpoint_meta(cfg, prepared, 3600.0), d)
+        if error is not None:
+            raise RuntimeError(f"saving a d{depth} checkpoint failed: {error}")
         save_s = time.perf_counter() - t0
         nbytes = sum(p.stat().st_size for p in run_dir.glob("*_000001*.pt"))
         cold = _drop_page_cache()
         t0 = time.perf_counter()
-        load_checkpoint(run_dir, 1, model, opt, d)
+        restore_checkpoint(run_dir, 1, model, opt, d)
         sync(ctx.device)
         load_s = time.perf_counter() - t0
     finally:
@@ -411,7 +413,7 @@ def check_checkpoints(ctx: Ctx) -> Item:
     ranks = [p + o for p, o in parts]
     rank0_old = sum(p for p, _ in parts) + parts[0][1]  # the whole model, not its part, plus its shard
     detail = (_table(["size", "weights", "GB written", "save s", "save GB/s", "load s", "load GB/s"], rows)
-              + f"\n\nSave = the trainer's save_checkpoint (state to host, torch.save, fsync, rename, meta); load = "
+              + f"\n\nSave = the trainer's write_checkpoint (state to host, torch.save, fsync, rename, meta); load = "
               f"its resume load. Extrapolated, not measured: d64 bf16 on 8 ranks writes {sum(ranks) / 1e9:.0f} GB per "
               f"checkpoint, {max(ranks) / 1e9:.1f} GB on the busiest rank. At the slowest save rate measured here "
               f"({rate:.2f} GB/s) one writer takes {max(ranks) / rate / 1e9:.0f} s for a rank's share; if the 8 ranks "

@@ -11,10 +11,11 @@ import time
 
 import torch
 
-from experiment.distributed import autocast_for, sync
+from experiment.distributed import sync
 from experiment.hardware import free_memory, mean_seconds
 from experiment.model import DTYPES, GPTConfig, build_model
-from experiment.optim import LRS, ShardedOptimizer, gradients_finite
+from experiment.optim import LRS, ShardedOptimizer
+from experiment.step import forward_backward, optimizer_step
 
 
 def probe_peak_memory(config: GPTConfig, world: int, batch: int, seq: int, precision: str,
@@ -28,14 +29,11 @@ def probe_peak_memory(config: GPTConfig, world: int, batch: int, seq: int, preci
     model = build_model(config, device, DTYPES[precision], draw_on_device=True,
                         activation_checkpointing=activation_checkpointing)
     opt = ShardedOptimizer(model, 0, world, **LRS, master_weights=precision == "bf16", communicate=False)
-    autocast = autocast_for(device)
     try:
         for _ in range(steps):
             x = torch.randint(0, config.vocab_size, (batch, seq), device=device)
-            with autocast:
-                model(x, x).backward()
-            opt.step()
-            model.zero_grad(set_to_none=True)
+            forward_backward(model, x, x)
+            optimizer_step(model, opt)
         if cuda:
             torch.cuda.synchronize(device)
             return {"allocated": torch.cuda.max_memory_allocated(device),
@@ -90,16 +88,11 @@ def measure_speed(config: GPTConfig, batch: int, precision: str, activation_chec
     flags = torch.zeros(4, dtype=torch.int32, device=device)
 
     def micro() -> None:
-        with autocast_for(device):
-            loss = run(x, x)
-        loss.backward()
+        forward_backward(run, x, x)
 
     def step(host_syncs: bool) -> None:
         micro()
-        if host_syncs:
-            gradients_finite(model)  # .item(): host sync 1
-        opt.step()
-        model.zero_grad(set_to_none=True)
+        optimizer_step(model, opt, check_finite=host_syncs)  # the finite-gradient check: host sync 1
         if host_syncs:
             flags.tolist()  # the trainer's per-step decision flags: host sync 2
 
@@ -130,10 +123,8 @@ def profile_step(config: GPTConfig, batch: int, precision: str, device: torch.de
     x = torch.randint(0, config.vocab_size, (batch, config.max_seq_len), device=device)
 
     def step():
-        with autocast_for(device):
-            model(x, x).backward()
-        opt.step()
-        model.zero_grad(set_to_none=True)
+        forward_backward(model, x, x)
+        optimizer_step(model, opt)
 
     try:
         step()

@@ -18,9 +18,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from experiment.dataloader import TokenBatches
-from experiment.distributed import autocast_for
 from experiment.model import GPTConfig, build_model
 from experiment.optim import LRS, ShardedOptimizer
+from experiment.step import forward_backward, optimizer_step
 
 # Op-name fragments per bucket, checked in order (the first match wins).
 BUCKETS = (
@@ -52,20 +52,17 @@ def profile_steps(config: GPTConfig, batch: int, tokens_per_step: int, steps: in
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, 1 << 20).astype(np.uint16)
     batches = TokenBatches(tokens, config.max_seq_len, batch)
     accum = max(1, tokens_per_step // (batch * config.max_seq_len))
-    autocast = autocast_for(device) if dtype is None else torch.autocast(device.type, dtype=dtype)
+    autocast = None if dtype is None else torch.autocast(device.type, dtype=dtype)  # None: the trainer's
     x, y = next(batches)
 
     def step():
         nonlocal x, y
         for _ in range(accum):
-            with autocast:
-                loss = model(x, y) / accum
-            loss.backward()
+            forward_backward(model, x, y, accum, autocast=autocast)
             with record_function(REGIONS[0]):
                 x, y = next(batches)
         with record_function(REGIONS[1]):
-            opt.step()
-            model.zero_grad(set_to_none=True)
+            optimizer_step(model, opt)
 
     for _ in range(3):
         step()

@@ -82,7 +82,7 @@ def run_ours(data: Path, seconds: float, val_fraction: float, workspace: Path, t
     auto = (meta.get("auto") or {}).get("reason")
     summary = (f"d{c['depth']} w{c['depth'] * c['aspect_ratio']} seq {c['max_seq_len']}, {step} steps x "
                f"{tokens_per_step} tokens" + (f" ({auto})" if auto else ""))
-    return Result(loss, curve, meta["used_seconds"], summary, (n_val - 1) // seq * seq)
+    return Result(loss, curve, meta["state"]["used_seconds"], summary, (n_val - 1) // seq * seq)
 
 
 # --------------------------------------------------------------------------------------- nanoGPT

@@ -1,3 +1,5 @@
+"""The bench commands run and print their numbers: generate, plan, throughput, speedrun, versus."""
+
 import json
 import re
 import subprocess

@@ -1,5 +1,7 @@
-"""gpucheck end to end on the CPU (where it runs every item at tiny sizes), and the trainer's
-warm-up rule that its end-to-end item caught on a GPU."""
+"""gpucheck end to end on the CPU (every item at tiny sizes), and the warm-up rule its e2e item caught.
+
+The trainer's warm-up rule (updated_step_seconds) is the one gpucheck's end-to-end item caught on a
+GPU."""
 
 import json
 import subprocess

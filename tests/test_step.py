@@ -1,0 +1,64 @@
+"""The training step is written once: the trainer's step and the tools' calls of it agree bit for bit."""
+
+import torch
+
+from conftest import TINY
+
+from experiment import train
+from experiment.config import parse_args, resolve
+from experiment.distributed import Dist
+from experiment.model import GPTConfig, build_model
+from experiment.optim import ShardedOptimizer
+from experiment.runlog import RunLog
+from experiment.step import forward_backward, optimizer_step
+
+
+def test_the_tools_step_gives_the_trainers_loss_gradients_and_update(tmp_path, corpus):
+    # 256 tokens per step in micro-batches of 4 x 32: two micro-batches accumulate per step.
+    cfg = resolve(parse_args([*map(str, TINY), "--data_dir", str(corpus), "--workspace", str(tmp_path),
+                              "--total_batch_size", "256", "--device", "cpu"]), cuda=False, world_size=1)
+    t = train.setup(cfg, Dist(0, 0, 1, torch.device("cpu")), tmp_path, tmp_path / "checkpoints" / cfg.model_tag,
+                    RunLog(None))
+    loop = train.start_loop(t)
+    assert t.grad_accum == 2
+
+    # What the trainer's step feeds its model and hands its optimizer.
+    inputs, handed = [], {}
+    t.model.register_forward_pre_hook(lambda module, args: inputs.append((args[0].clone(), args[1].clone())))
+    step = t.opt.step
+
+    def capture():
+        handed.update({n: p.grad.clone() for n, p in t.model.named_parameters()})
+        step()
+
+    t.opt.step = capture
+    tool_model = build_model(t.model.config)
+    tool_model.load_state_dict(t.model.state_dict())
+    tool_opt = ShardedOptimizer(tool_model, matrix_lr=cfg.matrix_lr, embedding_lr=cfg.embedding_lr,
+                                unembedding_lr=cfg.unembedding_lr)
+
+    loss_sum, mult = train.train_step(t, loop)
+    t.writer.close()
+    assert len(inputs) == 2 and handed
+
+    # A tool's step on the same micro-batches: forward_backward per micro-batch, then optimizer_step.
+    tool_loss = sum(forward_backward(tool_model, x, y, grad_accum=2) for x, y in inputs)
+    assert torch.equal(tool_loss, loss_sum)
+    assert all(torch.equal(p.grad, handed[n]) for n, p in tool_model.named_parameters())
+    tool_opt.set_lr_multiplier(mult)
+    assert optimizer_step(tool_model, tool_opt)
+    assert all(p.grad is None for p in tool_model.parameters())
+    trained = t.model.state_dict()
+    assert all(torch.equal(v, trained[n]) for n, v in tool_model.state_dict().items())
+
+
+def test_a_step_with_a_non_finite_gradient_is_skipped():
+    model = build_model(GPTConfig(vocab_size=64, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=16))
+    opt = ShardedOptimizer(model, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004)
+    before = {n: v.clone() for n, v in model.state_dict().items()}
+    x = torch.randint(0, 64, (2, 16))
+    forward_backward(model, x, x)
+    next(model.parameters()).grad[0, 0] = float("nan")
+    assert not optimizer_step(model, opt)
+    assert all(torch.equal(v, before[n]) for n, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
