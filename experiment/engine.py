@@ -16,18 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from experiment.model import (
-    GPT,
-    MLP,
-    Attention,
-    Block,
-    GPTConfig,
-    KVCache,
-    apply_rope,
-    context_window,
-    rms_norm,
-    sample_rows,
-)
+from experiment.model import (GPT, MLP, Attention, Block, GPTConfig, KVCache, apply_rope, context_window, rms_norm,
+                              sample_rows)
 
 
 class KVSlots:

@@ -29,17 +29,8 @@ from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError, Retention, RunState, pick_resume_step
 from experiment.config import ConfigError, TrainConfig, checkpoint_meta, parse_args, resolve
 from experiment.dataloader import DataError, Prepared, TokenBatches
-from experiment.distributed import (
-    PHASE_TIMEOUTS,
-    Dist,
-    ParentWatch,
-    StopSignal,
-    all_ranks_ok,
-    broadcast_object,
-    gather_objects,
-    resolve_device,
-    setup_distributed,
-)
+from experiment.distributed import (PHASE_TIMEOUTS, Dist, ParentWatch, StopSignal, all_ranks_ok, broadcast_object,
+                                    gather_objects, resolve_device, setup_distributed)
 from experiment.evaluation import evaluate
 from experiment.files import default_workspace
 from experiment.hardware import memory_gib, peak_flops

@@ -176,7 +176,7 @@ def test_demo_corpus_is_correct_arithmetic_and_deterministic(tmp_path):
         assert int(a) + int(b) == int(rhs)
 
 
-# ---------------------------------------------------------------- prepare in chunks (issue 11)
+# ---------------------------------------------------------------- prepare in chunks
 
 MIXED = "ab \n\tXyz" + "é日—😀"  # 1- to 4-byte UTF-8 characters
 

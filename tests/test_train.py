@@ -119,7 +119,7 @@ def test_budget_stop_two_ranks_then_second_launch_resumes(tmp_path, corpus):
     assert ckpt.complete_steps(run_dir)[-1] == final
     more = run_train([*args[:-6], "--training_hours", (budget + 2) / 3600, *args[-4:]], nproc=2, timeout=180)
     assert "resumed from" in more.stdout and ckpt.complete_steps(run_dir)[-1] > final
-    assert run_meta(tmp_path, ckpt.complete_steps(run_dir)[-1])["used_seconds"] <= budget + 2
+    assert run_meta(tmp_path, ckpt.complete_steps(run_dir)[-1])["state"]["used_seconds"] <= budget + 2
 
 
 def test_early_stop_after_evals_without_improvement(tmp_path, corpus):

@@ -1,7 +1,7 @@
 """`bench speedrun` and `bench versus`: our trainer for exactly S seconds of budget, and the same beside
 unmodified nanoGPT on the same machine, data and split, one after the other.
 
-    python -m experiment.tools.bench versus --nanogpt ../shared/anchors/nanogpt --seconds 180 [--repeats 3]
+    python -m experiment.tools.bench versus --nanogpt PATH_TO_NANOGPT --seconds 180 [--repeats 3]
 
 nanoGPT runs its README's "baby GPT" CPU command (4 layers, 4 heads, width 128, context 64, batch 12,
 no dropout, no compile) from a copy of its files, on Tiny Shakespeare char-level bins written here the
