@@ -3,16 +3,17 @@
 #   bash run.sh          create .venv if missing, install requirements.txt, train (demo on CPU)
 #   bash run.sh test     the test suite (pytest); exits with pytest's status
 #   bash run.sh serve    serve the best checkpoint of the most recent run
+#   bash run.sh sample   sample from it on the command line (--prompt TEXT --max_tokens N ...)
 #   bash run.sh gpucheck prove a GPU box in minutes (experiment/tools/gpucheck.py); --quick for less
-# Extra arguments go to the command (pytest, experiment.server, or env overrides for training).
+# Extra arguments go to the command (pytest, experiment.server, experiment.sample, gpucheck).
 set -euo pipefail
 cd "$(dirname "$0")"
 
-usage() { sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; }
 # Usage first: a typo must not wait for a venv and an install to learn it is one.
 case "${1:-train}" in
     -h|--help|help) usage; exit 0 ;;
-    train|test|serve|gpucheck) ;;
+    train|test|serve|sample|gpucheck) ;;
     *) echo "unknown command: $1" >&2; usage >&2; exit 2 ;;
 esac
 
@@ -33,6 +34,7 @@ case "$cmd" in
     train) exec bash experiment/run.sh "$@" ;;
     test) exec python -m pytest tests "$@" ;;
     serve) exec python -m experiment.server "$@" ;;
+    sample) exec python -m experiment.sample "$@" ;;
     gpucheck) exec python -m experiment.tools.bench gpucheck "$@" ;;
 esac
 

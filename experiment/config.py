@@ -30,62 +30,77 @@ class ConfigError(Exception):
     """A setting that cannot work; the message names the flag."""
 
 
-def _opt(help_text: str, default=None):
-    return field(default=default, metadata={"help": help_text})
+def opt(help_text: str, default=None, **kwargs):
+    """A config field with its flag's help (and argparse extras such as choices) in its metadata."""
+    return field(default=default, metadata={"help": help_text, **kwargs})
+
+
+def parse_flags(cls, argv, prog: str, description: str):
+    """An entry point's config dataclass from its command line: one --<field> flag per field, typed
+    int, float or str by the field's annotation, with the field's default, help and choices."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    types = {"int": int, "float": float, "str": str}
+    for f in dataclasses.fields(cls):
+        parser.add_argument(f"--{f.name}", type=types[str(f.type).split(" ")[0]], default=f.default,
+                            help=f.metadata["help"], choices=f.metadata.get("choices"))
+    return cls(**vars(parser.parse_args(argv)))
 
 
 @dataclass
 class TrainConfig:
-    depth: int | str | None = _opt("layers; model_dim = depth * aspect_ratio; auto: chosen at start from the "
+    depth: int | str | None = opt("layers; model_dim = depth * aspect_ratio; auto: chosen at start from the "
                                    "throughput measured here, the budget and the data (default 64 with CUDA, "
                                    "auto without)")
-    aspect_ratio: int | None = _opt("model_dim per layer (default 64 with CUDA, 32 without)")
-    head_dim: int | None = _opt("attention head size (default 128 with CUDA, 64 without)")
-    max_seq_len: int | None = _opt("context length (default 2048 with CUDA, 256 without)")
-    device_batch_size: int | None = _opt("sequences per micro-batch per rank (default: largest that fits "
+    aspect_ratio: int | None = opt("model_dim per layer (default 64 with CUDA, 32 without)")
+    head_dim: int | None = opt("attention head size (default 128 with CUDA, 64 without)")
+    max_seq_len: int | None = opt("context length (default 2048 with CUDA, 256 without)")
+    device_batch_size: int | None = opt("sequences per micro-batch per rank (default: largest that fits "
                                          "on CUDA, 16 on CPU)")
-    total_batch_size: int | None = _opt("tokens per optimizer step (default 524288 with CUDA, 4096 without)")
-    training_hours: float | None = _opt("wall-clock budget in hours (default 31 with CUDA, 0.05 without)")
-    budget_usd: float | None = _opt("if set: hours = budget_usd / (gpu_hourly_usd x world size)")
-    gpu_hourly_usd: float = _opt("price of one GPU-hour, for budget_usd", 4.0)
-    max_steps: int = _opt("stop after this many optimizer steps (0: budget only); for tests and benchmarks", 0)
-    data_dir: str | None = _opt("directory of *.txt (or one .txt); default $WORKSPACE/data, demo if empty")
-    workspace: str | None = _opt("root of data, prepared, checkpoints, tensorboard "
+    total_batch_size: int | None = opt("tokens per optimizer step (default 524288 with CUDA, 4096 without)")
+    training_hours: float | None = opt("wall-clock budget in hours (default 31 with CUDA, 0.05 without)")
+    budget_usd: float | None = opt("if set: hours = budget_usd / (gpu_hourly_usd x world size)")
+    gpu_hourly_usd: float = opt("price of one GPU-hour, for budget_usd", 4.0)
+    max_steps: int = opt("stop after this many optimizer steps (0: budget only); for tests and benchmarks", 0)
+    data_dir: str | None = opt("directory of *.txt (or one .txt); default $WORKSPACE/data, demo if empty")
+    workspace: str | None = opt("root of data, prepared, checkpoints, tensorboard "
                                  "(default /workspace/<project> if writable, else the repo)")
-    data_mix: str | None = _opt("source weights, e.g. web=0.65,code=0.34,math=0.01 (each *.txt or sub-directory "
+    data_mix: str | None = opt("source weights, e.g. web=0.65,code=0.34,math=0.01 (each *.txt or sub-directory "
                                 "of DATA_DIR is a source; default: by size)")
-    prepared_dir: str | None = _opt("a directory that prepare made (the pre-flight passes it): opened as is, "
+    prepared_dir: str | None = opt("a directory that prepare made (the pre-flight passes it): opened as is, "
                                     "DATA_DIR not read")
-    tokenizer: str = _opt("char, or a tiktoken encoding name", "char")
-    alphabet: str | None = _opt("allowed characters; data with any other one is rejected")
-    val_fraction: float = _opt("last fraction of the tokens held out for validation", 0.05)
-    model_tag: str | None = _opt("run directory name (default d<depth>, or auto)")
-    resume: str = _opt("auto: latest complete checkpoint; never; or a step number", "auto")
-    save_every_minutes: float | None = _opt("checkpoint cadence (default 60 with CUDA, 1 without)")
-    save_every_steps: int = _opt("also checkpoint every N steps (0: off)", 0)
-    keep_last: int = _opt("complete checkpoints kept, plus the best", 3)
-    keep_best_optimizer: int = _opt("1: a best checkpoint older than the last keep_last keeps its optimizer "
+    tokenizer: str = opt("char, or a tiktoken encoding name", "char")
+    alphabet: str | None = opt("allowed characters; data with any other one is rejected")
+    val_fraction: float = opt("last fraction of the tokens held out for validation", 0.05)
+    model_tag: str | None = opt("run directory name (default d<depth>, or auto)")
+    resume: str = opt("auto: latest complete checkpoint; never; or a step number", "auto")
+    save_every_minutes: float | None = opt("checkpoint cadence (default 60 with CUDA, 1 without)")
+    save_every_steps: int = opt("also checkpoint every N steps (0: off)", 0)
+    keep_last: int = opt("complete checkpoints kept, plus the best", 3)
+    keep_best_optimizer: int = opt("1: a best checkpoint older than the last keep_last keeps its optimizer "
                                     "shards (resumable); 0: only its model and meta (servable)", 0)
-    eval_every_minutes: float | None = _opt("eval cadence (default 30 with CUDA, 0.5 without)")
-    eval_every_steps: int = _opt("also eval every N steps (0: off)", 0)
-    eval_tokens: int | None = _opt("size of the fixed val slice (default 1048576 with CUDA, 65536 without)")
-    early_stop_evals: int = _opt("stop after N evals without improvement (0: off)", 0)
-    sample_tokens: int = _opt("tokens sampled at each eval", 64)
-    log_every_steps: int = _opt("step-line cadence", 10)
-    matrix_lr: float | None = _opt("Muon learning rate, hidden matrices (default 0.02 with CUDA, 0.04 without)")
-    embedding_lr: float = _opt("AdamW learning rate, embedding (scaled by (768/model_dim)^0.5)",
+    eval_every_minutes: float | None = opt("eval cadence (default 30 with CUDA, 0.5 without)")
+    eval_every_steps: int = opt("also eval every N steps (0: off)", 0)
+    eval_tokens: int | None = opt("size of the fixed val slice (default 1048576 with CUDA, 65536 without)")
+    early_stop_evals: int = opt("stop after N evals without improvement (0: off)", 0)
+    sample_tokens: int = opt("tokens sampled at each eval", 64)
+    eval_prompt: str | None = opt("the text each eval's sample continues, so samples compare from eval to eval "
+                                  "(default: the first 32 tokens of the val split)")
+    log_every_steps: int = opt("step-line cadence", 10)
+    matrix_lr: float | None = opt("Muon learning rate, hidden matrices (default 0.02 with CUDA, 0.04 without)")
+    embedding_lr: float = opt("AdamW learning rate, embedding (scaled by (768/model_dim)^0.5)",
                                LRS["embedding_lr"])
-    unembedding_lr: float = _opt("AdamW learning rate, lm_head (scaled likewise)", LRS["unembedding_lr"])
-    warmup_frac: float = _opt("fraction of the budget with linear LR warmup", 0.0)
-    warmdown_frac: float | None = _opt("final fraction of the budget with linear LR warmdown "
+    unembedding_lr: float = opt("AdamW learning rate, lm_head (scaled likewise)", LRS["unembedding_lr"])
+    warmup_frac: float = opt("fraction of the budget with linear LR warmup", 0.0)
+    warmdown_frac: float | None = opt("final fraction of the budget with linear LR warmdown "
                                        "(default 0.2 with CUDA, 0.4 without)")
-    final_lr_frac: float = _opt("LR multiplier at the end of warmdown", 0.0)
-    seed: int = _opt("init and data-order seed", 1337)
-    compile: str = _opt("torch.compile: auto (on with CUDA), on, off", "auto")
-    precision: str = _opt("weights: auto (fp32 unless only bf16 fits), fp32, or bf16 (bf16 weights and grads, "
+    final_lr_frac: float = opt("LR multiplier at the end of warmdown", 0.0)
+    seed: int = opt("init and data-order seed", 1337)
+    compile: str = opt("torch.compile: auto (on with CUDA), on, off", "auto")
+    precision: str = opt("weights: auto (fp32 unless only bf16 fits), fp32, or bf16 (bf16 weights and grads, "
                           "fp32 master shards)", "auto")
-    activation_checkpointing: str = _opt("recompute blocks in backward: auto (when needed to fit), on, off", "auto")
-    device: str = _opt("auto, cpu or cuda", "auto")
+    activation_checkpointing: str = opt("recompute blocks in backward: auto (when needed to fit), on, off", "auto")
+    device: str = opt("auto, cpu or cuda", "auto")
 
 
 def parse_args(argv=None) -> TrainConfig:

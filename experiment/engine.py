@@ -243,3 +243,27 @@ class Batch:
         for m, token in zip(members, tokens):
             m.tokens.append(token)
         return tokens
+
+
+def prompt_ids(tok, prompt: str, ctx: int) -> tuple[list[int], int]:
+    """(the token ids a prompt is decoded from, how many were cut from its left to fit the context).
+    ValueError names characters the vocabulary lacks."""
+    # Training windows start anywhere in the text, so a prompt is context enough; BOS (the start of
+    # a document) only stands in for an empty prompt.
+    ids = tok.encode(prompt) or [tok.bos_id]
+    dropped = max(0, len(ids) - ctx)  # the model sees at most its context; cut from the left
+    return ids[dropped:], dropped
+
+
+@torch.no_grad()
+def generate(model: GPT, ids: list[int], max_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+             top_p: float | None = None, generator: torch.Generator | None = None,
+             allowed_vocab: int | None = None):
+    """Yields up to max_tokens new token ids for one prompt, decoded as the server decodes a request:
+    a Batch of one, whose tokens are those the request gets in any batch (same seed, same tokens).
+    The sample command and the trainer's eval samples come here."""
+    batch = Batch(model, 1, allowed_vocab)
+    member, token = batch.join(ids, temperature, top_k, generator, top_p)
+    yield token
+    for _ in range(max_tokens - 1):
+        yield batch.step()[member]

@@ -9,6 +9,7 @@ import torch
 
 from experiment.dataloader import Prepared, demo_lines, val_batches
 from experiment.distributed import Dist, autocast_for
+from experiment.engine import generate
 from experiment.model import GPT
 
 
@@ -49,13 +50,14 @@ def _val_loss(model: GPT, tokens, seq_len: int, batch_size: int, max_tokens: int
     return (total[0] / total[1]).item()
 
 
-def sample_text(model: GPT, prepared: Prepared, n_tokens: int) -> str:
-    """A short sample from the start of a document (BOS)."""
-    tok = prepared.tokenizer()
+def sample_text(model: GPT, tok, prompt: list[int], n_tokens: int) -> str:
+    """The model's continuation of `prompt`, decoded as the server and the sample command decode
+    (seed 0, temperature 0.8): from one eval to the next only the model changes."""
     gen = torch.Generator().manual_seed(0)  # a private generator: sampling never shifts training RNG
-    out = model.generate([tok.bos_id], n_tokens, temperature=0.8, top_k=None, generator=gen,
-                         allowed_vocab=tok.n_real)
-    return tok.decode(list(out))
+    model.eval()
+    out = list(generate(model, prompt, n_tokens, temperature=0.8, generator=gen, allowed_vocab=tok.n_real))
+    model.train()
+    return tok.decode(out)
 
 
 def demo_accuracy(model: GPT, prepared: Prepared, n: int = 50) -> tuple[int, int]:

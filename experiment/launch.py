@@ -33,6 +33,20 @@ def prepare_data(cfg: TrainConfig, workspace: Path, log) -> Prepared:
     return prepare(data_dir, workspace, cfg.tokenizer, cfg.alphabet, cfg.val_fraction, cfg.max_seq_len)
 
 
+EVAL_PROMPT_TOKENS = 32  # the default eval prompt: this many tokens from the start of the val split
+
+
+def eval_prompt_ids(cfg: TrainConfig, prepared: Prepared) -> list[int]:
+    """The token ids every eval's sample continues: EVAL_PROMPT, else the start of the val split."""
+    if cfg.eval_prompt is None:
+        return [int(t) for t in prepared.tokens("val")[:EVAL_PROMPT_TOKENS]]
+    try:
+        ids = prepared.tokenizer().encode(cfg.eval_prompt) or [prepared.tokenizer().bos_id]
+    except ValueError as e:
+        raise ConfigError(f"--eval_prompt: {e}") from None
+    return ids[-cfg.max_seq_len :]
+
+
 def model_config(cfg: TrainConfig, prepared: Prepared) -> GPTConfig:
     return GPTConfig(vocab_size=prepared.meta["vocab_size"], depth=cfg.depth, aspect_ratio=cfg.aspect_ratio,
                      head_dim=cfg.head_dim, max_seq_len=cfg.max_seq_len)

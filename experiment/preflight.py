@@ -29,7 +29,8 @@ from experiment.config import ConfigError, TrainConfig, parse_args, resolve
 from experiment.dataloader import DataError, Prepared
 from experiment.distributed import resolve_device
 from experiment.files import atomic_write_json, default_workspace
-from experiment.launch import check_resume_target, depth_for, make_config, model_config, prepare_data
+from experiment.launch import (check_resume_target, depth_for, eval_prompt_ids, make_config, model_config,
+                               prepare_data)
 from experiment.mixture import source_weights
 from experiment.model import GPTConfig
 
@@ -97,6 +98,7 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
     config = model_config(dataclasses.replace(cfg, depth=depth), prepared) if depth else None
     if resume_step is not None:
         check_resume_target(run_dir, resume_step, config, prepared)
+    eval_prompt_ids(cfg, prepared)  # an EVAL_PROMPT the vocabulary cannot spell fails here, not at the first eval
     for line in plan_lines(cfg, prepared, config, world_size, resume_step, run_dir):
         log(line)
     if len(weights or []) > MANY_SOURCES:

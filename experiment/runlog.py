@@ -6,7 +6,6 @@ Off rank 0 the log is a no-op and the writer a null sink, so callers never branc
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 import traceback
 from pathlib import Path
@@ -50,31 +49,35 @@ class NullWriter:
 
 
 def report_eval(step: int, val_loss: float, val_bpc: float, by_source: dict[str, float] | None, st: RunState,
-                model: GPT, prepared: Prepared, sample_tokens: int, master: bool, log: RunLog, writer,
-                run_dir: Path) -> None:
-    """The eval line (with several sources, the weighted loss, then each source's), TensorBoard,
-    metrics.jsonl, a sample and (on the demo corpus) its accuracy."""
+                log: RunLog, writer) -> dict:
+    """The eval line (with several sources, the weighted loss, then each source's) and TensorBoard;
+    returns the eval's metrics record."""
     best = f"{st.best_val:.4f} @ {st.best_step:06d}" if st.best_step >= 0 else "- (step 0 is not saved)"
     log(f"step {step:06d} | val_loss {val_loss:.4f} | val_bpc {val_bpc:.4f} | best {best}")
     writer.add_scalar("val/loss", val_loss, step)
     writer.add_scalar("val/bpc", val_bpc, step)
-    record = {"step": step, "used_seconds": round(st.used_seconds, 3), "tokens_seen": st.tokens_seen,
+    record = {"kind": "eval", "step": step, "used_seconds": round(st.used_seconds, 3), "tokens_seen": st.tokens_seen,
               "val_loss": val_loss, "val_bpc": val_bpc}
     if by_source:
         log(f"step {step:06d} | val_loss by source | " + " | ".join(f"{n} {v:.4f}" for n, v in by_source.items()))
         for name, loss in by_source.items():
             writer.add_scalar(f"val/loss/{name}", loss, step)
         record["val_loss_by_source"] = by_source
-    if master:  # machine-readable curve: val loss against the budget seconds used
-        with open(run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-    if master and sample_tokens > 0:
-        log(f"sample | {sample_text(model, prepared, sample_tokens)!r}")
-        if any(Path(s["path"]).name == DEMO_FILE for s in prepared.meta["sources"]):
-            ok, n = demo_accuracy(model, prepared)
-            log(f"demo | {ok}/{n} sums of a separate draw completed correctly (greedy)")
-            writer.add_scalar("val/demo_accuracy", ok / n, step)
     writer.flush()
+    return record
+
+
+def report_sample(step: int, model: GPT, prepared: Prepared, prompt: list[int], n_tokens: int, log: RunLog, writer,
+                  report) -> None:
+    """Rank 0: the model's continuation of the eval prompt and (on the demo corpus) its accuracy."""
+    tok = prepared.tokenizer()
+    text = sample_text(model, tok, prompt, n_tokens)
+    log(f"sample | {tok.decode(prompt)!r} -> {text!r}")
+    report.sample(step, tok.decode(prompt), text)
+    if any(Path(s["path"]).name == DEMO_FILE for s in prepared.meta["sources"]):
+        ok, n = demo_accuracy(model, prepared)
+        log(f"demo | {ok}/{n} sums of a separate draw completed correctly (greedy)")
+        writer.add_scalar("val/demo_accuracy", ok / n, step)
 
 
 def log_step(log: RunLog, writer, step: int, loss: float, lr: float, lr_mult: float, dt: float, tok_s: float,

@@ -17,8 +17,8 @@ alone. Requests beyond the batch wait in a bounded queue; beyond that they get 5
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import html
 import json
 import math
 import os
@@ -31,7 +31,7 @@ import time
 import traceback
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -40,9 +40,10 @@ from urllib.parse import urlsplit
 import torch
 
 from experiment import checkpoint as ckpt
+from experiment.config import opt, parse_flags
 from experiment.dataloader import tokenizer_from_meta
 from experiment.distributed import resolve_device
-from experiment.engine import Batch, KVSlots
+from experiment.engine import Batch, KVSlots, prompt_ids
 from experiment.files import default_workspace
 from experiment.model import DTYPES
 
@@ -69,34 +70,25 @@ OPENAI_NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "presen
                   "frequency_penalty": 0, "logit_bias": {}, "suffix": None}
 
 
-def _opt(help_text: str, default=None, **kwargs):
-    return field(default=default, metadata={"help": help_text, **kwargs})
-
-
 @dataclass
 class ServeConfig:
-    checkpoint: str | None = _opt("model_*.pt or a run directory (default: the newest run's best)")
-    host: str = _opt("bind address; 0.0.0.0 exposes the server to the network", "127.0.0.1")
-    port: int = _opt("0 picks a free port", 8000)
-    device: str = _opt("where the model runs", "auto", choices=("auto", "cpu", "cuda"))
-    dtype: str = _opt("weights (and KV cache) dtype; auto: the checkpoint's own", "auto",
+    checkpoint: str | None = opt("model_*.pt or a run directory (default: the newest run's best)")
+    host: str = opt("bind address; 0.0.0.0 exposes the server to the network", "127.0.0.1")
+    port: int = opt("0 picks a free port", 8000)
+    device: str = opt("where the model runs", "auto", choices=("auto", "cpu", "cuda"))
+    dtype: str = opt("weights (and KV cache) dtype; auto: the checkpoint's own", "auto",
                       choices=("auto", *DTYPES))
-    workspace: str | None = _opt("where to look for runs (default as in run.sh)")
-    max_batch: int = _opt("requests decoded together (KV-cache slots, allocated at start)", 32)
-    max_queue: int = _opt("requests waiting for a slot; more get 503 with Retry-After", 256)
-    kv_cache_gib: float | None = _opt("KV-cache memory cap in GiB: the batch is the most slots that fit, at "
+    workspace: str | None = opt("where to look for runs (default as in run.sh)")
+    max_batch: int = opt("requests decoded together (KV-cache slots, allocated at start)", 32)
+    max_queue: int = opt("requests waiting for a slot; more get 503 with Retry-After", 256)
+    kv_cache_gib: float | None = opt("KV-cache memory cap in GiB: the batch is the most slots that fit, at "
                                       "most max_batch (default: no cap)")
-    threads: int = _opt("torch CPU threads (0: 1 on CPU, where a decode step's ops are too small to split "
+    threads: int = opt("torch CPU threads (0: 1 on CPU, where a decode step's ops are too small to split "
                         "across cores; torch's default with CUDA)", 0)
 
 
 def parse_config(argv=None) -> ServeConfig:
-    parser = argparse.ArgumentParser(prog="python -m experiment.server", description=__doc__.split("\n")[0])
-    types = {"int": int, "float": float, "str": str}
-    for f in dataclasses.fields(ServeConfig):
-        parser.add_argument(f"--{f.name}", type=types[f.type.split(" ")[0]], default=f.default,
-                            help=f.metadata["help"], choices=f.metadata.get("choices"))
-    return ServeConfig(**vars(parser.parse_args(argv)))
+    return parse_flags(ServeConfig, argv, "python -m experiment.server", __doc__.split("\n")[0])
 
 
 class BadRequest(Exception):
@@ -344,6 +336,7 @@ class Engine:
         tok = m["tokenizer"]
         return {
             "checkpoint": str(self.path), "step": m["step"], "val_loss": m["val_loss"],
+            "report": "/report" if (self.path.parent / "report.md").is_file() else None,
             "tokens_seen": ckpt.run_state(m).tokens_seen, "model_config": m["model_config"],
             "num_params": self.model.num_params(), "device": str(self.device),
             "dtype": str(self.model.wte.weight.dtype).removeprefix("torch."), "model_id": self.model_id,
@@ -437,13 +430,9 @@ class Engine:
 
     def submit(self, req: GenerateRequest) -> Job:
         """Queues the request for the engine thread (Overloaded if the queue is full)."""
-        ctx = self.model.config.max_seq_len
-        # Training windows start anywhere in the text, so a prompt is context enough; BOS (the start
-        # of a document) only stands in for an empty prompt.
-        ids = self.tok.encode(req.prompt) or [self.tok.bos_id]
-        dropped = max(0, len(ids) - ctx)  # the model sees at most its context; cut from the left
+        ids, dropped = prompt_ids(self.tok, req.prompt, self.model.config.max_seq_len)
         seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        job = Job(req, self.tok, ids[dropped:], dropped, seed)
+        job = Job(req, self.tok, ids, dropped, seed)
         self.scheduler.submit(job)
         return job
 
@@ -459,6 +448,7 @@ PAGE = """<!doctype html>
 </style></head><body>
 <h1>nanoGPT</h1>
 <p id="meta">loading model info...</p>
+<p><a id="report" href="/report" hidden>the run's report: loss curve, evals, samples</a></p>
 <textarea id="prompt" placeholder="Prompt"></textarea>
 <p><label>max tokens <input id="max_tokens" type="number" min="1" max="MAX_NEW" value="200"></label>
 <label>temperature <input id="temperature" type="number" min="0" max="MAX_T" step="0.1" value="0.8"></label>
@@ -471,6 +461,7 @@ const $ = id => document.getElementById(id);
 fetch('/info').then(r => r.json()).then(i => {
   const val = i.val_loss === null ? 'n/a' : i.val_loss.toFixed(4);
   $('meta').textContent = `step ${i.step} | val loss ${val} | ${i.num_params.toLocaleString()} params | ${i.checkpoint}`;
+  $('report').hidden = !i.report;
 });
 $('generate').onclick = async () => {
   $('error').textContent = ''; $('completion').textContent = '...';
@@ -486,7 +477,20 @@ $('generate').onclick = async () => {
 </script></body></html>
 """.replace("MAX_NEW", str(MAX_NEW_TOKENS)).replace("MAX_T", str(MAX_TEMPERATURE))
 
-GET_ROUTES = ("/", "/health", "/info", "/v1/models")
+# The run report the trainer writes beside the checkpoints (experiment/report.py), by route.
+REPORT_FILES = {"/report": "report.md", "/loss.svg": "loss.svg"}
+MAX_REPORT_BYTES = 4 * 2**20
+REPORT_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>run report</title>
+<style>body{font-family:system-ui,sans-serif;max-width:64rem;margin:2rem auto;padding:0 1rem}
+img{max-width:100%} pre{white-space:pre-wrap}</style></head><body>
+<p><a href="/">back to the prompt</a></p>
+<img id="loss" src="/loss.svg" alt="train and val loss">
+<pre>REPORT</pre>
+</body></html>
+"""
+
+GET_ROUTES = ("/", "/health", "/info", "/v1/models", *REPORT_FILES)
 POST_ROUTES = ("/generate", "/v1/completions")
 
 
@@ -553,10 +557,29 @@ class Handler(BaseHTTPRequestHandler):
                                                           "created": self.engine.created, "owned_by": "nanogpt"}]})
         elif self.route == "/":
             self._send(200, PAGE.encode(), "text/html; charset=utf-8")
+        elif self.route in REPORT_FILES:
+            self._report_file(REPORT_FILES[self.route])
         elif self.route in POST_ROUTES:
             self._error(405, f"method GET not allowed on {self.route}; use POST")
         else:
             self._error(404, f"no such path: {self.path[:100]}")
+
+    def _report_file(self, name: str) -> None:
+        """The served run's report (report.md as a page around loss.svg) or its picture, read now: a
+        run that is still training keeps rewriting both."""
+        path = self.engine.path.parent / name
+        try:
+            with open(path, "rb") as f:
+                data = f.read(MAX_REPORT_BYTES)
+        except OSError:
+            self._error(404, f"no {name} beside the served checkpoint ({path.parent}); the trainer writes it "
+                             "into the run directory at every eval")
+            return
+        if name == "loss.svg":
+            self._send(200, data, "image/svg+xml")
+        else:
+            text = html.escape(data.decode("utf-8", errors="replace"))
+            self._send(200, REPORT_PAGE.replace("REPORT", text).encode(), "text/html; charset=utf-8")
 
     def do_POST(self):
         if self.route not in POST_ROUTES:

@@ -38,7 +38,9 @@ from experiment.memory import choose_memory_mode, find_device_batch
 from experiment.mixture import MixedBatches, source_weights
 from experiment.model import DTYPES, GPT, GPTConfig, build_model
 from experiment.optim import ShardedOptimizer, lr_multiplier
-from experiment.runlog import NullWriter, RunLog, log_crash, log_step, planner_line, report_eval, source_epoch_lines
+from experiment.report import NullReport, RunReport
+from experiment.runlog import (NullWriter, RunLog, log_crash, log_step, planner_line, report_eval, report_sample,
+                               source_epoch_lines)
 from experiment.step import forward_backward, optimizer_step
 
 # The first steps after a (re)start hold torch.compile and allocator warm-up: tens of seconds on a
@@ -69,6 +71,8 @@ class Trainer:
     run_meta: dict  # what every checkpoint's meta records of the run
     flops_per_token: float
     peak: float | None  # the GPU's dense bf16 FLOP/s, for MFU; None on CPU or an unknown GPU
+    report: RunReport | NullReport  # metrics.jsonl, report.md and loss.svg on rank 0; a no-op elsewhere
+    eval_prompt: list[int]  # the token ids every eval's sample continues
 
     @property
     def max_steps(self) -> int:
@@ -95,10 +99,14 @@ class Loop:
     planned: bool = False
     bad_in_a_row: int = 0
     phase: str = "setup"  # which of PHASE_TIMEOUTS the process group waits: setup until warmed up
-    # The one way the loop stops: the exit code once the run must end. 0 (budget, max_steps, early
-    # stop, a stop signal) ends it after this step's save; 1 (a failed final save, a diverging run)
-    # ends it at once.
+    # The one way the loop stops (stop()): the exit code once the run must end. 0 (budget, max_steps,
+    # early stop, a stop signal) ends it after this step's save; 1 (a failed final save, a diverging
+    # run) ends it at once. `outcome` says why, for the report.
     end: int | None = None
+    outcome: str = "running"
+
+    def stop(self, code: int, outcome: str) -> None:
+        self.end, self.outcome = code, outcome
 
     def enter(self, phase: str, d: Dist) -> None:
         if phase != self.phase:
@@ -194,12 +202,35 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         grad_accum=cfg.total_batch_size // (cfg.device_batch_size * cfg.max_seq_len * d.world_size),
         budget_seconds=budget_seconds, run_meta=checkpoint_meta(cfg, prepared, budget_seconds, auto),
         flops_per_token=model.estimate_flops(cfg.max_seq_len),
-        peak=peak_flops(torch.cuda.get_device_name(d.device)) if cuda else None)
+        peak=peak_flops(torch.cuda.get_device_name(d.device)) if cuda else None,
+        report=RunReport(run_dir, report_facts(cfg, d, model, prepared, budget_seconds, auto), resume_step)
+        if d.master else NullReport(),
+        eval_prompt=launch.eval_prompt_ids(cfg, prepared))
     log(f"model {model.num_params():,} params (d{cfg.depth}, width {model_config.n_embd}, "
         f"{model_config.n_head} heads) | {t.flops_per_token:.3e} FLOP/token | batch {cfg.device_batch_size} x "
         f"{cfg.max_seq_len} x {d.world_size} ranks x {t.grad_accum} accum = {cfg.total_batch_size:,} tokens/step | "
         f"budget {cfg.training_hours:.3f}h | tensorboard {workspace / 'tensorboard' / cfg.model_tag}")
     return t
+
+
+def report_facts(cfg: TrainConfig, d: Dist, model: GPT, prepared: Prepared, budget_seconds: float,
+                 auto: dict | None) -> dict:
+    """What the run report says the run is: fixed at setup."""
+    c, meta = model.config, prepared.meta
+    accum = cfg.total_batch_size // (cfg.device_batch_size * cfg.max_seq_len * d.world_size)
+    device = torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "cpu"
+    return {
+        "model_tag": cfg.model_tag, "params": model.num_params(), "budget_seconds": budget_seconds,
+        "train_tokens": meta["split"]["train_tokens"], "config": dataclasses.asdict(cfg),
+        "model": f"d{c.depth}, width {c.n_embd}, {c.n_head} heads, context {c.max_seq_len}",
+        "device": f"{d.world_size} x {device}",
+        "batch": f"{cfg.total_batch_size:,} tokens/step = {cfg.device_batch_size} x {cfg.max_seq_len} x "
+                 f"{d.world_size} ranks x {accum} accumulated",
+        "data": f"{meta['split']['train_tokens']:,} train and {meta['split']['val_tokens']:,} val tokens "
+                f"({meta['tokenizer']} tokenizer, vocabulary {meta['vocab_used']}) in {prepared.dir}",
+        "best_file": "model_{step:06d}.pt" if d.world_size == 1 else f"model_{{step:06d}}_rank0..{d.world_size - 1}.pt",
+        "auto": (auto or {}).get("reason"),
+    }
 
 
 def restore_checkpoint(run_dir: Path, step: int, model: GPT, opt: ShardedOptimizer, d: Dist) -> RunState:
@@ -294,10 +325,12 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
             t.st.step, t.st.used_seconds = step, loop.used()
             loop.reserve_seconds = t.st.eval_seconds + t.st.save_seconds + t.st.step_seconds
             last_step, eval_due, save_due, signum = decide(t, loop, stop_signal.signum)
-            if last_step or signum:
-                loop.end = 0
+            if last_step:
+                loop.stop(0, "finished: the budget is spent" if step < t.max_steps else "finished: max_steps reached")
             if signum:  # preempted: save what we have now; an eval would spend the grace period
-                log(f"received {signal.Signals(signum).name}: saving step {step:06d} and exiting")
+                name = signal.Signals(signum).name
+                loop.stop(0, f"stopped by {name} at step {step}; the same command resumes it")
+                log(f"received {name}: saving step {step:06d} and exiting")
             elif (eval_due or save_due or last_step) and step != loop.last_eval_step:
                 maybe_eval(t, loop)
             maybe_save(t, loop, save_due, preempted=bool(signum))
@@ -310,6 +343,7 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
             record_step(t, loop, loss_sum, mult, t0)
     if not loop.end:  # None: a resume at or past max_steps had no step left to run
         finish(t, loop)
+    t.report.write(t.st, loop.outcome if loop.end is not None else "finished: no step was left to run")
     return loop.end or 0
 
 
@@ -342,11 +376,13 @@ def maybe_eval(t: Trainer, loop: Loop) -> None:
         st.best_val, st.best_step, st.evals_since_best = loop.val_loss, step, 0
     elif step > 0:
         st.evals_since_best += 1
-    report_eval(step, loop.val_loss, val_bpc, by_source, st, t.model, t.prepared, cfg.sample_tokens, t.d.master,
-                t.log, t.writer, t.run_dir)
+    t.report.add(report_eval(step, loop.val_loss, val_bpc, by_source, st, t.log, t.writer))
+    if t.d.master and cfg.sample_tokens > 0:
+        report_sample(step, t.model, t.prepared, t.eval_prompt, cfg.sample_tokens, t.log, t.writer, t.report)
+    t.report.write(st, "running")
     if cfg.early_stop_evals and st.evals_since_best >= cfg.early_stop_evals:
         t.log(f"early stop: {st.evals_since_best} evals without improvement")
-        loop.end = 0
+        loop.stop(0, f"finished: early stop after {st.evals_since_best} evals without improvement")
     st.eval_seconds = max(st.eval_seconds, time.time() - t0)
 
 
@@ -368,6 +404,7 @@ def maybe_save(t: Trainer, loop: Loop, save_due: bool, preempted: bool) -> None:
     loop.enter(phase, t.d)
     loop.last_save_time = time.time()  # a failed save is retried at the next due time, not every step
     st.save_seconds = max(st.save_seconds, time.time() - t0)
+    t.report.add({"kind": "save", "step": step, "seconds": round(time.time() - t0, 3), "ok": error is None})
     if error is None:
         loop.last_saved_step = step
         if t.d.master:
@@ -379,14 +416,14 @@ def maybe_save(t: Trainer, loop: Loop, save_due: bool, preempted: bool) -> None:
           + ("" if last_step else ", training goes on"))
     if last_step:
         t.log("error: the final checkpoint could not be written; the latest complete one is kept")
-        loop.end = 1
+        loop.stop(1, "failed: the final checkpoint could not be written (training.log says why)")
     elif st.best_step == step:  # best.json must name a checkpoint that exists
         st.best_val, st.best_step, st.evals_since_best = loop.previous_best
 
 
 def train_step(t: Trainer, loop: Loop) -> tuple[torch.Tensor, float]:
     """One optimizer step: grad_accum micro-batches, the gradient all-reduce on the last only.
-    Returns (the summed loss, on the device; the LR multiplier); a diverging run sets loop.end."""
+    Returns (the summed loss, on the device; the LR multiplier); a diverging run stops the loop."""
     cfg, d, st = t.cfg, t.d, t.st
     progress = st.used_seconds / max(t.budget_seconds - loop.reserve_seconds, 1e-9)
     if cfg.max_steps:  # a max_steps run is reproducible: its schedule follows steps
@@ -419,7 +456,7 @@ def apply_update(t: Trainer, loop: Loop) -> None:
     if loop.bad_in_a_row >= MAX_NONFINITE_IN_A_ROW:
         t.log(f"error: {loop.bad_in_a_row} non-finite steps in a row; stopping. The last good checkpoint is "
               f"step {max(loop.last_saved_step, 0):06d}; lower the learning rates or check the data")
-        loop.end = 1
+        loop.stop(1, f"failed: {loop.bad_in_a_row} non-finite steps in a row")
 
 
 def updated_step_seconds(previous: float, dt: float, warm: bool) -> float:
@@ -449,12 +486,16 @@ def record_step(t: Trainer, loop: Loop, loss_sum: torch.Tensor, mult: float, t0:
         mfu = t.flops_per_token * tok_s / (t.peak * d.world_size) if t.peak else None
         log_step(t.log, t.writer, st.step + 1, train_loss, t.opt.matrix_lr(), mult, dt, tok_s, mfu,
                  memory_gib(d.device), loop.used() / 3600, cfg.training_hours)
+        t.report.add({"kind": "train", "step": st.step + 1, "used_seconds": round(loop.used(), 3),
+                      "tokens_seen": st.tokens_seen, "loss": train_loss, "tok_s": tok_s, "mfu": mfu})
     if not loop.planned and loop.measured_time > 0 and st.step - (t.resume_step or 0) >= 10:
         loop.planned = True
         left = max(t.budget_seconds - st.used_seconds - loop.reserve_seconds, 0)
         rate = loop.measured_tokens / loop.measured_time
-        t.log(planner_line(rate, left, st.step + 1, st.tokens_seen, cfg.total_batch_size, cfg.training_hours,
-                           t.prepared.meta["split"]["train_tokens"], t.model.num_params()))
+        plan = planner_line(rate, left, st.step + 1, st.tokens_seen, cfg.total_batch_size, cfg.training_hours,
+                            t.prepared.meta["split"]["train_tokens"], t.model.num_params())
+        t.log(plan)
+        t.report.note("plan", plan.removeprefix("planner | "))
         total = st.tokens_seen + rate * left
         for line in autosize.data_lines(cfg.depth, launch.make_config(cfg, t.prepared), total,
                                         t.prepared.meta["split"]["train_tokens"], auto=t.run_meta["auto"] is not None):

@@ -46,6 +46,15 @@ def corpus(tmp_path) -> Path:
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory):
+    """A workspace with one tiny run (checkpoints/d2) trained by the real trainer, for serving and sampling."""
+    ws = tmp_path_factory.mktemp("serve")
+    run_train([*TINY, "--data_dir", write_corpus(ws), "--workspace", ws, "--max_steps", 30, "--total_batch_size", 256,
+               "--max_seq_len", 64])
+    return ws
+
+
 def train_cmd(args, nproc: int = 1, torchrun=("--standalone",)) -> list[str]:
     """The trainer as users run it: plain `python -m` for one process, torchrun (gloo) for more."""
     if nproc == 1 and not torchrun:

@@ -15,19 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import REPO, TINY, run_train, write_corpus
+from conftest import REPO
 from experiment import checkpoint as ckpt
 from experiment import server as server_module
 from experiment.dataloader import demo_lines
 from experiment.server import MAX_BODY_BYTES, MAX_NEW_TOKENS, ServeConfig, load_engine, make_server
-
-
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    ws = tmp_path_factory.mktemp("serve")
-    run_train([*TINY, "--data_dir", write_corpus(ws), "--workspace", ws, "--max_steps", 30, "--total_batch_size", 256,
-               "--max_seq_len", 64])
-    return ws
 
 
 @pytest.fixture(scope="module")
@@ -551,11 +543,12 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_page_answers_a_prompt_in_a_real_browser(server, tmp_path):
+@contextlib.contextmanager
+def chrome(tmp_path):
+    """A WebDriver session with headless Chromium (skips the test where Chromium is not installed)."""
     if not shutil.which("chromedriver") or not (shutil.which("chromium") or os.path.exists("/usr/bin/chromium")):
         pytest.skip("Chromium/ChromeDriver not installed (Debian: apt-get install chromium chromium-driver; "
                     ".ci/run does this where apt-get works)")
-    engine, port = server
     driver_port = _free_port()
     driver = subprocess.Popen(["chromedriver", f"--port={driver_port}"], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
@@ -571,6 +564,17 @@ def test_page_answers_a_prompt_in_a_real_browser(server, tmp_path):
                     raise
                 time.sleep(0.2)
         browser = WebDriver(driver_port, str(tmp_path / "profile"))
+        yield browser
+    finally:
+        if browser is not None:
+            browser.quit()
+        driver.terminate()
+        driver.wait(timeout=30)
+
+
+def test_page_answers_a_prompt_in_a_real_browser(server, tmp_path):
+    engine, port = server
+    with chrome(tmp_path) as browser:
         browser.s("POST", "/url", {"url": f"http://127.0.0.1:{port}/"})
         browser.type("#prompt", "12+34=")
         browser.type("#max_tokens", "12")
@@ -583,14 +587,52 @@ def test_page_answers_a_prompt_in_a_real_browser(server, tmp_path):
             time.sleep(0.2)
         shown = browser.text("#completion")
         meta = browser.text("#meta")
-    finally:
-        if browser is not None:
-            browser.quit()
-        driver.terminate()
-        driver.wait(timeout=30)
     expected = request(port, "POST", "/generate", {"prompt": "12+34=", "max_tokens": 12, "temperature": 0})[1]
     assert shown == expected["text"].strip() or shown == expected["text"]
     assert f"step {engine.meta['step']}" in meta and "val loss" in meta
+
+
+# Draws the report's loss picture into a canvas and counts its pixels: drawn (not white) and the
+# val curve's blue.
+COUNT_PIXELS = """
+const img = document.getElementById('loss');
+if (!img.complete || !img.naturalWidth) return null;
+const c = document.createElement('canvas');
+c.width = img.naturalWidth; c.height = img.naturalHeight;
+const g = c.getContext('2d');
+g.drawImage(img, 0, 0);
+const d = g.getImageData(0, 0, c.width, c.height).data;
+let drawn = 0, blue = 0;
+for (let i = 0; i < d.length; i += 4) {
+  if (d[i] < 235 || d[i + 1] < 235 || d[i + 2] < 235) drawn++;
+  if (d[i + 2] > 150 && d[i] < 80 && d[i + 1] < 130) blue++;
+}
+return [c.width, c.height, drawn, blue];
+"""
+
+
+def test_the_run_report_renders_in_a_real_browser(server, workspace, tmp_path):
+    engine, port = server
+    assert request(port, "GET", "/info")[1]["report"] == "/report"
+    status, svg = request(port, "GET", "/loss.svg")
+    assert status == 200 and svg.startswith("<svg")
+    with chrome(tmp_path) as browser:
+        browser.s("POST", "/url", {"url": f"http://127.0.0.1:{port}/"})
+        deadline = time.time() + 30
+        while not browser.s("POST", "/execute/sync", {"script": "return !document.getElementById('report').hidden",
+                                                      "args": []}):
+            assert time.time() < deadline, "the page never showed the report link"
+            time.sleep(0.2)
+        browser.s("POST", f"/element/{browser.find('#report')}/click", {})
+        deadline = time.time() + 30
+        while (counts := browser.s("POST", "/execute/sync", {"script": COUNT_PIXELS, "args": []})) is None:
+            assert time.time() < deadline, "the loss picture never loaded"
+            time.sleep(0.2)
+        text = browser.text("pre")
+    width, height, drawn, blue = counts
+    assert (width, height) == (980, 400)
+    assert drawn > 0.02 * width * height and blue > 200, counts  # axes, labels, curves; the val curve
+    assert text.startswith("# Run report: d2") and "## Evals" in text
 
 
 def test_serves_a_checkpoint_saved_at_a_preemption(tmp_path, workspace):

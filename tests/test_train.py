@@ -274,7 +274,8 @@ def test_each_source_gets_its_own_val_loss_and_the_total_is_weighted(tmp_path):
     proc = run_train([*TINY, "--data_dir", data, "--workspace", tmp_path, "--max_steps", 4, "--total_batch_size", 256])
     line = next(l for l in proc.stdout.splitlines() if "val_loss by source" in l)
     assert re.search(r"\| sums \d+\.\d{4} \| words \d+\.\d{4}$", line), line
-    record = json.loads((tmp_path / "checkpoints/d2/metrics.jsonl").read_text().splitlines()[-1])
+    records = map(json.loads, (tmp_path / "checkpoints/d2/metrics.jsonl").read_text().splitlines())
+    record = [r for r in records if r["kind"] == "eval"][-1]
     splits = ckpt.read_meta(tmp_path / "checkpoints/d2", 4)
     sizes = {"sums": 0, "words": 0}
     for name in sizes:

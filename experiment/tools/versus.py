@@ -36,6 +36,7 @@ from experiment.dataloader import Prepared
 from experiment.distributed import Dist
 from experiment.evaluation import evaluate
 from experiment.files import REPO_ROOT
+from experiment.report import read_records
 from experiment.tools.probes import cpu_matmul_peak
 
 BABY_GPT = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
@@ -76,7 +77,7 @@ def run_ours(data: Path, seconds: float, val_fraction: float, workspace: Path, t
     prepared = Prepared.load(meta["prepared"]["dir"])
     seq, n_val = model.config.max_seq_len, len(prepared.tokens("val"))
     loss, _, _ = evaluate(model, prepared, seq, 16, n_val, Dist(0, 0, 1, torch.device("cpu")))
-    curve = [(r["used_seconds"], r["val_loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").open())]
+    curve = [(r["used_seconds"], r["val_loss"]) for r in read_records(run_dir / "metrics.jsonl") if r["kind"] == "eval"]
     c = meta["model_config"]
     tokens_per_step = meta["train_config"]["total_batch_size"]
     auto = (meta.get("auto") or {}).get("reason")
