@@ -351,15 +351,17 @@ def decide(t: Trainer, loop: Loop, signum: int) -> tuple[int, int, int, int]:
     """(last step, eval due, save due, signal). Rank 0 decides the clock-driven flags; a stop signal
     may reach any rank. One all-reduce (max) gives every rank the same decisions, so none is left
     waiting in a collective."""
-    cfg, d, step = t.cfg, t.d, t.st.step
-    flags = torch.tensor([
-        d.master and (step >= t.max_steps or t.st.used_seconds + loop.reserve_seconds >= t.budget_seconds),
-        d.master and ((time.time() - loop.last_eval_time >= cfg.eval_every_minutes * 60)
-                      or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0) or step == 0),
-        d.master and ((time.time() - loop.last_save_time >= cfg.save_every_minutes * 60)
-                      or (cfg.save_every_steps > 0 and step % cfg.save_every_steps == 0 and step > 0)),
-        signum,
-    ], dtype=torch.int32, device=d.device)
+    cfg, d, st, step = t.cfg, t.d, t.st, t.st.step
+    eval_due = (time.time() - loop.last_eval_time >= cfg.eval_every_minutes * 60
+                or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0) or step == 0)
+    save_due = (time.time() - loop.last_save_time >= cfg.save_every_minutes * 60
+                or (cfg.save_every_steps > 0 and step % cfg.save_every_steps == 0 and step > 0))
+    # An eval (and the save a new best brings) or a save due now is paid for on top of the reserve
+    # for the final ones: when both no longer fit, this step is the last, and its eval the final one.
+    due_now = (st.eval_seconds + st.save_seconds) * eval_due + st.save_seconds * (save_due and not eval_due)
+    last = step >= t.max_steps or st.used_seconds + loop.reserve_seconds + due_now >= t.budget_seconds
+    flags = torch.tensor([d.master and last, d.master and eval_due, d.master and save_due, signum],
+                         dtype=torch.int32, device=d.device)
     return tuple(int(v) for v in d.all_reduce(flags, "max").tolist())
 
 

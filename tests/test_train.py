@@ -286,3 +286,23 @@ def test_each_source_gets_its_own_val_loss_and_the_total_is_weighted(tmp_path):
     by_source = record["val_loss_by_source"]
     assert by_source["sums"] != pytest.approx(by_source["words"], abs=0.01)
     assert record["val_loss"] == pytest.approx(sum(weights[n] * by_source[n] for n in by_source), rel=1e-9)
+
+
+def test_an_eval_due_when_the_budget_has_no_room_for_another_makes_this_step_the_last():
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from experiment import train
+    from experiment.checkpoint import RunState
+    from experiment.distributed import Dist
+
+    cfg = SimpleNamespace(eval_every_minutes=1.0, eval_every_steps=0, save_every_minutes=60.0, save_every_steps=0)
+    now = time.time()
+    for eval_ago, used, last in ((120, 95.0, 1), (10, 95.0, 0), (120, 92.0, 0)):
+        # reserve 4 s (eval 2 + save 1 + step 1) of a 100 s budget; an eval due now costs 3 s more
+        st = RunState(step=50, used_seconds=used, eval_seconds=2.0, save_seconds=1.0, step_seconds=1.0)
+        t = SimpleNamespace(cfg=cfg, d=Dist(0, 0, 1, torch.device("cpu")), st=st, max_steps=10**9, budget_seconds=100.0)
+        loop = SimpleNamespace(last_eval_time=now - eval_ago, last_save_time=now, reserve_seconds=4.0)
+        assert train.decide(t, loop, 0)[:2] == (last, int(eval_ago > 60)), (eval_ago, used)
