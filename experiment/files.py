@@ -47,7 +47,16 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def atomic_torch_save(path: Path, obj) -> None:
-    _atomic_write(Path(path), lambda f: torch.save(obj, f))
+    def write(f) -> None:
+        try:
+            torch.save(obj, f)
+        except RuntimeError as e:
+            # torch.save's zip writer reports a write the disk refused (full, gone) as RuntimeError
+            # ("[enforce fail at inline_container.cc] unexpected pos"): an I/O error, raised as one
+            # so callers that handle a failed write see it.
+            raise OSError(f"writing {path} failed: {e}") from e
+
+    _atomic_write(Path(path), write)
 
 
 def publish_dir(tmp: Path, final: Path) -> None:

@@ -30,16 +30,29 @@ class NullReport:
 
 
 class RunReport:
-    def __init__(self, run_dir: Path, facts: dict, resume_step: int | None):
-        """facts: what the run is (model, batch, data, budget, config), fixed at setup."""
-        self.run_dir, self.facts, self.samples = Path(run_dir), facts, []
+    def __init__(self, run_dir: Path, facts: dict, resume_step: int | None, log=print):
+        """facts: what the run is (model, batch, data, budget, config), fixed at setup; log: where a
+        failed write (a full disk) is reported, once until writes succeed again: the run goes on."""
+        self.run_dir, self.facts, self.samples, self.log, self.failing = Path(run_dir), facts, [], log, False
         self.path = self.run_dir / "metrics.jsonl"
         self.records = [r for r in read_records(self.path) if resume_step is not None and r["step"] <= resume_step]
 
     def add(self, record: dict) -> None:
         self.records.append(record)
+        self._try(self._append, record)
+
+    def _append(self, record: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+    def _try(self, write, *args) -> None:
+        try:
+            write(*args)
+            self.failing = False
+        except OSError as e:
+            if not self.failing:
+                self.log(f"warning: the run report could not be written ({e}); training goes on")
+            self.failing = True
 
     def note(self, key: str, value: str) -> None:
         """A fact learned during the run (the planner's projection), shown from the next write on."""
@@ -50,8 +63,8 @@ class RunReport:
 
     def write(self, state, status: str) -> None:
         """report.md and loss.svg from the records so far; `state` is the run's RunState."""
-        atomic_write_bytes(self.run_dir / "loss.svg", loss_svg(self.records, state.best_step).encode())
-        atomic_write_bytes(self.run_dir / "report.md", markdown(self, state, status).encode())
+        self._try(atomic_write_bytes, self.run_dir / "loss.svg", loss_svg(self.records, state.best_step).encode())
+        self._try(atomic_write_bytes, self.run_dir / "report.md", markdown(self, state, status).encode())
 
 
 def read_records(path: Path) -> list[dict]:

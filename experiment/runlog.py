@@ -1,4 +1,4 @@
-"""Rank 0's record of a run: the human lines (stdout and training.log), TensorBoard, metrics.jsonl.
+"""Rank 0's record of a run: the human lines (stdout and training.log), TensorBoard, the eval report.
 
 Off rank 0 the log is a no-op and the writer a null sink, so callers never branch on the rank.
 """
@@ -6,6 +6,7 @@ Off rank 0 the log is a no-op and the writer a null sink, so callers never branc
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -21,7 +22,7 @@ class RunLog:
     """Rank 0's human lines: stdout and the run's training.log. Off rank 0 every call is a no-op."""
 
     def __init__(self, path: Path | None):
-        self.path = path
+        self.path, self.failing = path, False
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -29,8 +30,15 @@ class RunLog:
         if self.path is None:
             return
         print(msg, flush=True)
-        with open(self.path, "a") as f:
-            f.write(msg + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(msg + "\n")
+            self.failing = False
+        except OSError as e:  # a full disk must not stop the run; stdout still has every line
+            if not self.failing:
+                print(f"warning: cannot append to {self.path} ({e}); lines go to stdout only", file=sys.stderr,
+                      flush=True)
+            self.failing = True
 
 
 def log_crash(log_path: Path, rank: int) -> None:

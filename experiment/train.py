@@ -203,7 +203,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         budget_seconds=budget_seconds, run_meta=checkpoint_meta(cfg, prepared, budget_seconds, auto),
         flops_per_token=model.estimate_flops(cfg.max_seq_len),
         peak=peak_flops(torch.cuda.get_device_name(d.device)) if cuda else None,
-        report=RunReport(run_dir, report_facts(cfg, d, model, prepared, budget_seconds, auto), resume_step)
+        report=RunReport(run_dir, report_facts(cfg, d, model, prepared, budget_seconds, auto), resume_step, log)
         if d.master else NullReport(),
         eval_prompt=launch.eval_prompt_ids(cfg, prepared))
     log(f"model {model.num_params():,} params (d{cfg.depth}, width {model_config.n_embd}, "

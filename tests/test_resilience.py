@@ -318,6 +318,37 @@ def test_nonfinite_losses_skip_updates_and_a_streak_stops_the_run(tmp_path, corp
     assert ckpt.complete_steps(tmp_path / "checkpoints/d2")[-1] == 7  # nothing saved after the streak began
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """tmp_path/checkpoints/d2 on a real 2 MiB tmpfs (room for one tiny checkpoint, not two); remount
+    it with more room through the returned function. Needs root (CI and the dev machines run as root)."""
+    run_dir = tmp_path / "checkpoints/d2"
+    run_dir.mkdir(parents=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(run_dir)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield lambda size: subprocess.run(["mount", "-o", f"remount,size={size}", str(run_dir)], check=True)
+    finally:
+        subprocess.run(["umount", "-l", str(run_dir)], capture_output=True)
+
+
+def test_a_full_disk_costs_a_save_not_the_run(tmp_path, corpus, small_disk):
+    # A real full filesystem: torch.save reports it as RuntimeError, not OSError.
+    args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256, "--max_steps", 6,
+            "--save_every_steps", 2, "--keep_last", 1]
+    proc = run_train(args, check=False)
+    run_dir = tmp_path / "checkpoints/d2"
+    assert "error: checkpoint step 000004 not saved" in proc.stdout and "writing checkpoint step 000004" in proc.stderr
+    assert "step 000006 | loss" in proc.stdout  # training went on after the failed save
+    assert proc.returncode == 1 and "the final checkpoint could not be written" in proc.stdout
+    assert ckpt.complete_steps(run_dir) == [2]  # the earlier checkpoint is kept, whole
+    assert not [p.name for p in run_dir.iterdir() if "_000004" in p.name or "_000006" in p.name or p.suffix == ".tmp"]
+    small_disk("16m")  # room again: the same command resumes from step 2 and finishes
+    again = run_train(args)
+    assert "resumed from" in again.stdout and ckpt.complete_steps(run_dir)[-1] == 6
+
+
 # ---------------------------------------------------------------- memory modes
 
 
