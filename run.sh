@@ -7,6 +7,7 @@
 #   bash run.sh gpucheck prove a GPU box in minutes (experiment/tools/gpucheck.py); --quick for less
 # Extra arguments go to the command (pytest, experiment.server, experiment.sample, gpucheck).
 set -euo pipefail
+here=$PWD  # relative DATA_DIR and WORKSPACE mean relative to where the user stands
 cd "$(dirname "$0")"
 
 usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; }
@@ -31,7 +32,7 @@ export PATH="$PWD/.venv/bin:$PATH"
 cmd=${1:-train}
 [ $# -gt 0 ] && shift
 case "$cmd" in
-    train) exec bash experiment/run.sh "$@" ;;
+    train) repo=$PWD && cd "$here" && exec bash "$repo/experiment/run.sh" "$@" ;;
     test) exec python -m pytest tests "$@" ;;
     serve) exec python -m experiment.server "$@" ;;
     sample) exec python -m experiment.sample "$@" ;;

@@ -17,7 +17,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def default_workspace() -> Path:
-    """/workspace/<project> on a rented box with a persistent volume, else the repository itself."""
+    """$WORKSPACE when set, so every entry point (trainer, server, sample, bench, gpucheck, prepare)
+    finds the same runs; else /workspace/<project> on a rented box with a persistent volume, else the
+    repository itself."""
+    if os.environ.get("WORKSPACE"):
+        return Path(os.environ["WORKSPACE"]).absolute()
     root = Path("/workspace")
     if root.is_dir() and os.access(root, os.W_OK):
         return root / REPO_ROOT.name

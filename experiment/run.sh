@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
 # The launcher to run in tmux. Every training setting is an env override named like its flag in
 # upper case (DEPTH, TRAINING_HOURS, DATA_DIR, ...: `python -m experiment.train --help` lists them
-# with their defaults); unset means train.py's default for the device (CUDA or CPU).
+# with their defaults), or an argument KEY=VALUE; unset means train.py's default for the device.
 #   NPROC_PER_NODE   processes per node (default: visible GPUs, or 1 without CUDA)
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   multi-node torchrun (c10d rendezvous)
 #   PREFLIGHT_WAIT_MINUTES   how long a node other than 0 waits for node 0 to prepare the data (120)
 set -euo pipefail
+# Arguments are settings too, KEY=VALUE, the same as env overrides (bash run.sh train DEPTH=24 ...);
+# they win over the environment. Their names are checked against the known ones below.
+given=()
+for arg in "$@"; do
+    if [[ ! "$arg" =~ ^([A-Z][A-Z0-9_]*)=(.*)$ ]]; then
+        echo "error: '$arg' is not a setting: arguments are KEY=VALUE, e.g. DEPTH=24 TRAINING_HOURS=10" >&2
+        exit 2
+    fi
+    export "${BASH_REMATCH[1]}=${BASH_REMATCH[2]}"
+    given+=("${BASH_REMATCH[1]}")
+done
 # Relative paths mean relative to where the user stands, not to the repo this script moves into.
 for var in DATA_DIR WORKSPACE; do
     if [ -n "${!var:-}" ] && [[ "${!var}" != /* ]]; then
@@ -33,8 +44,17 @@ MAX_RESTARTS=${MAX_RESTARTS:-3}
 SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-300}
 
 # Map env overrides to flags; the flag list comes from TrainConfig itself, so the two never drift.
+fields=$("$PYTHON" -c "import dataclasses, experiment.config as c; print(*[f.name for f in dataclasses.fields(c.TrainConfig)])")
+launcher="NPROC_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT MAX_RESTARTS SHUTDOWN_TIMEOUT PREFLIGHT_WAIT_MINUTES PYTHON"
+known=" ${fields^^} $launcher "
+for name in "${given[@]}"; do
+    if [[ "$known" != *" $name "* ]]; then
+        echo "error: $name is no setting; the settings are: ${fields^^} $launcher (docs/settings.md)" >&2
+        exit 2
+    fi
+done
 flags=()
-for name in $("$PYTHON" -c "import dataclasses, experiment.config as c; print(*[f.name for f in dataclasses.fields(c.TrainConfig)])"); do
+for name in $fields; do
     var=${name^^}
     if [ -n "${!var+set}" ]; then
         flags+=("--$name=${!var}")

@@ -511,11 +511,14 @@ def finish(t: Trainer, loop: Loop) -> None:
     t.writer.close()
     best = ckpt.read_best(t.run_dir) if t.d.master else None
     if best is not None:
-        path = ckpt.model_path(t.run_dir, best["step"])
+        # With several ranks the step is in parts, model_<step>_rank<r>.pt: name files that exist.
+        files = (ckpt.model_path(t.run_dir, best["step"]) if t.d.world_size == 1
+                 else t.run_dir / f"model_{best['step']:06d}_rank{{0..{t.d.world_size - 1}}}.pt")
         spent = loop.used()  # the final eval and save included
         t.log(f"done: step {t.st.step:06d}, {spent / 3600:.3f}h of {t.cfg.training_hours:.3f}h used "
-              f"({spent:.1f}s of {t.budget_seconds:.1f}s) | best checkpoint {path} (val_loss {best['val_loss']:.4f})")
-        t.log(f"serve it: bash run.sh serve   (or: python -m experiment.server --checkpoint {path})")
+              f"({spent:.1f}s of {t.budget_seconds:.1f}s) | best checkpoint {files} (val_loss {best['val_loss']:.4f})")
+        t.log(f"serve it: bash run.sh serve   (or: python -m experiment.server --checkpoint {t.run_dir}, which "
+              "serves its best)")
 
 
 # ---------------------------------------------------------------- entry

@@ -10,8 +10,8 @@ from experiment.sample import SEPARATOR
 from experiment.server import ServeConfig, load_engine
 
 
-def sample(*args, check=True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "experiment.sample", *map(str, args)], cwd=REPO, env=ENV,
+def sample(*args, check=True, env=ENV) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "experiment.sample", *map(str, args)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     assert not check or proc.returncode == 0, proc.stderr[-2000:]
     return proc
@@ -48,7 +48,8 @@ def test_samples_are_what_the_server_returns_for_the_same_seed(workspace):
 def test_a_file_of_prompts_and_the_newest_runs_best_by_default(workspace, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("1+1=\\n2+\n30+4=\n")  # \n inside a line stands for a newline
-    out = sample("--workspace", workspace, "--prompt_file", prompts, "--max_tokens", 6, "--temperature", 0)
+    # WORKSPACE in the environment is where every entry point looks for runs, as the trainer does
+    out = sample("--prompt_file", prompts, "--max_tokens", 6, "--temperature", 0, env={**ENV, "WORKSPACE": workspace})
     first, second, rest = out.stdout.split(SEPARATOR + "\n")
     assert first.startswith("1+1=\n2+") and second.startswith("30+4=") and rest == ""
 

@@ -112,6 +112,9 @@ def test_budget_stop_two_ranks_then_second_launch_resumes(tmp_path, corpus):
     assert list((tmp_path / "tensorboard/d2").glob("events.out.tfevents.*"))
     log = (run_dir / "training.log").read_text()
     assert "done:" in log and re.search(r"step \d{6} \| val_loss \d\.\d{4} \| val_bpc", log)
+    # two ranks saved the best step in parts: the last lines name those and the run directory to serve
+    assert f"best checkpoint {run_dir}/model_{best['step']:06d}_rank{{0..1}}.pt" in log
+    assert f"--checkpoint {run_dir}, which serves its best" in log
     assert ckpt.optim_path(run_dir, final, 1).exists()
 
     again = run_train(args, nproc=2, timeout=180)  # budget spent: resumes, trains nothing more
@@ -178,6 +181,31 @@ def test_launcher_maps_env_overrides_to_flags(tmp_path, corpus):
     assert ckpt.complete_steps(tmp_path / "ws/checkpoints/envtag") == [1]
     # The pre-flight prepared the data; the trainer opened that directory.
     assert "preflight | data " in proc.stdout and config["prepared_dir"].startswith(str(tmp_path / "ws/prepared/"))
+
+
+def test_launcher_arguments_are_settings_and_anything_else_exits_2(tmp_path, corpus):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DEPTH": "64", "PATH": f"{os.path.dirname(sys.executable)}:"
+           f"{os.environ['PATH']}"}
+
+    def launch(*args):
+        return subprocess.run(["bash", str(REPO / "run.sh"), "train", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    proc = launch("DEPTH=2", "ASPECT_RATIO=32", "HEAD_DIM=32", "MAX_SEQ_LEN=32", "TOTAL_BATCH_SIZE=256",
+                  "MAX_STEPS=1", "SAMPLE_TOKENS=0", "MODEL_TAG=argtag", f"DATA_DIR={corpus}", "WORKSPACE=ws")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    config = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("config "))[7:])
+    assert (config["depth"], config["model_tag"]) == (2, "argtag")  # the argument wins over DEPTH=64 in the env
+    assert ckpt.complete_steps(tmp_path / "ws/checkpoints/argtag") == [1]
+    for bad, message in ((["--depth=2"], "'--depth=2' is not a setting"), (["DEPHT=2"], "DEPHT is no setting")):
+        proc = launch(*bad)
+        assert proc.returncode == 2 and message in proc.stderr and "config {" not in proc.stdout, proc.stderr
 
 
 def _launch(tmp_path, **env):
