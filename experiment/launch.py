@@ -9,6 +9,7 @@ directory, opened as is), so the two agree by construction.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 from pathlib import Path
 
 from experiment import checkpoint as ckpt
@@ -31,6 +32,27 @@ def prepare_data(cfg: TrainConfig, workspace: Path, log) -> Prepared:
         data_dir = write_demo_corpus(workspace / "demo_data").parent
         log(f"no *.txt in {workspace / 'data'}: training on the built-in arithmetic demo ({data_dir})")
     return prepare(data_dir, workspace, cfg.tokenizer, cfg.alphabet, cfg.val_fraction, cfg.max_seq_len)
+
+
+LOCK_FILE = ".lock"  # in the run directory: experiment/run.sh holds a flock on it for the run's lifetime
+
+
+def check_not_running(run_dir: Path) -> None:
+    """ConfigError naming the holder when another launch holds the run directory's lock (a second
+    trainer on the same checkpoints would interleave its steps with the first's). The lock is a
+    flock, so it dies with its holder: after a crash or kill -9 the same command goes on."""
+    path = Path(run_dir) / LOCK_FILE
+    if not path.is_file():
+        return
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "a process that has not said who it is"
+            raise ConfigError(f"{run_dir} is in use by a running launch ({holder}); wait for it, stop it, or "
+                              "choose another MODEL_TAG") from None
+        fcntl.flock(f, fcntl.LOCK_UN)
 
 
 EVAL_PROMPT_TOKENS = 32  # the default eval prompt: this many tokens from the start of the val split

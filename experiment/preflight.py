@@ -29,7 +29,7 @@ from experiment.config import ConfigError, TrainConfig, parse_args, resolve
 from experiment.dataloader import DataError, Prepared
 from experiment.distributed import resolve_device
 from experiment.files import atomic_write_json, default_workspace
-from experiment.launch import (check_resume_target, depth_for, eval_prompt_ids, make_config, model_config,
+from experiment.launch import (check_not_running, check_resume_target, depth_for, eval_prompt_ids, make_config, model_config,
                                prepare_data)
 from experiment.mixture import source_weights
 from experiment.model import GPTConfig
@@ -91,6 +91,7 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
     plan_file = workspace / "preflight" / f"{cfg.model_tag}.json"
     if node_rank > 0:
         return wait_for_node0(plan_file, started, wait_minutes, log)
+    check_not_running(run_dir)  # before minutes of data preparation, not after
     prepared = prepare_data(cfg, workspace, log)
     weights = source_weights(prepared.meta, cfg.data_mix)
     resume_step = ckpt.pick_resume_step(run_dir, cfg.resume)
@@ -108,7 +109,7 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
         log(f"preflight | source {source['name']} | weight {w:.3f}{' (DATA_MIX)' if cfg.data_mix else ' (by size)'} | "
             f"{source['train'][1] - source['train'][0]:,} train, {source['val'][1] - source['val'][0]:,} val tokens")
     plan = {"prepared": str(prepared.dir), "resume_step": resume_step, "world_size": world_size,
-            "written_at": time.time()}
+            "run_dir": str(run_dir), "written_at": time.time()}
     atomic_write_json(plan_file, plan)
     return plan
 

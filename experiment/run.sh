@@ -84,8 +84,23 @@ plan_file=$(mktemp)
 trap 'rm -f "$plan_file"' EXIT
 "$PYTHON" -m experiment.preflight --world_size=$((NPROC_PER_NODE * NNODES)) --node_rank="$NODE_RANK" \
     --wait_minutes="${PREFLIGHT_WAIT_MINUTES:-120}" --plan_file="$plan_file" "${flags[@]}" || exit $?
-prepared=$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["prepared"])' "$plan_file")
+mapfile -t plan < <("$PYTHON" -c 'import json, sys; p = json.load(open(sys.argv[1])); print(p["prepared"]); print(p["run_dir"])' "$plan_file")
+prepared=${plan[0]} run_dir=${plan[1]}
 flags+=("--prepared_dir=$prepared")
+
+# One run per run directory: node 0 holds a flock on <run_dir>/.lock from here on; exec keeps the
+# descriptor open in torchrun, so the lock lives exactly as long as the launch (the kernel drops it
+# when torchrun exits or is killed: the same command after a crash resumes). The pre-flight already
+# refused a directory whose lock was held; this closes the window between the two.
+if [ "$NODE_RANK" = 0 ]; then
+    mkdir -p "$run_dir"
+    exec {lock_fd}>>"$run_dir/.lock"
+    if ! flock -n "$lock_fd"; then
+        echo "error: $run_dir is in use by a running launch ($(cat "$run_dir/.lock")); wait for it, stop it, or choose another MODEL_TAG" >&2
+        exit 2
+    fi
+    printf 'pid %s on %s since %s\n' "$$" "$(hostname)" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" > "$run_dir/.lock"
+fi
 
 echo "launcher | gpus visible $n_gpu | nproc_per_node $NPROC_PER_NODE | nnodes $NNODES | node_rank $NODE_RANK |" \
      "max_restarts $MAX_RESTARTS | shutdown_timeout ${SHUTDOWN_TIMEOUT}s"

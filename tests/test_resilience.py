@@ -9,6 +9,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -88,6 +89,33 @@ def test_second_signal_exits_at_once(tmp_path, corpus):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     assert not ckpt.complete_steps(tmp_path / "checkpoints/d2")
+
+
+def test_a_second_launch_on_a_running_run_exits_2_and_one_after_a_kill_resumes(tmp_path, corpus):
+    env = {**ENV, "DEPTH": "2", "ASPECT_RATIO": "32", "HEAD_DIM": "32", "MAX_SEQ_LEN": "32", "DEVICE_BATCH_SIZE": "4",
+           "TOTAL_BATCH_SIZE": "256", "SAMPLE_TOKENS": "0", "DATA_DIR": str(corpus), "WORKSPACE": str(tmp_path),
+           "SAVE_EVERY_STEPS": "5", "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    launch = ["bash", str(REPO / "experiment/run.sh")]
+    run_dir = tmp_path / "checkpoints/d2"
+    first = subprocess.Popen(launch, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             text=True, start_new_session=True)
+    try:
+        for line in first.stdout:  # until it trains (and saved step 5)
+            if line.startswith("saved step 000005"):
+                break
+        second = subprocess.run(launch, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"{run_dir} is in use by a running launch (pid {first.pid} on " in second.stderr
+        assert "launcher | " not in second.stdout  # refused by the pre-flight, before any worker
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # kill -9 of the whole launch: the lock dies with it
+        first.wait(timeout=60)
+    time.sleep(1)  # the killed workers' last writes
+    last = ckpt.complete_steps(run_dir)[-1]
+    again = subprocess.run(launch + [f"MAX_STEPS={last + 3}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0 and f"resumed from {ckpt.model_path(run_dir, last)}" in again.stdout, again.stderr
+    assert ckpt.complete_steps(run_dir)[-1] == last + 3
 
 
 # ---------------------------------------------------------------- kill -9 anywhere
