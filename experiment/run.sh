@@ -45,7 +45,7 @@ SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-300}
 
 # Map env overrides to flags; the flag list comes from TrainConfig itself, so the two never drift.
 fields=$("$PYTHON" -c "import dataclasses, experiment.config as c; print(*[f.name for f in dataclasses.fields(c.TrainConfig)])")
-launcher="NPROC_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT MAX_RESTARTS SHUTDOWN_TIMEOUT PREFLIGHT_WAIT_MINUTES PYTHON"
+launcher="NPROC_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT MAX_RESTARTS SHUTDOWN_TIMEOUT PREFLIGHT_WAIT_MINUTES PYTHON ON_EXIT"
 known=" ${fields^^} $launcher "
 for name in "${given[@]}"; do
     if [[ "$known" != *" $name "* ]]; then
@@ -109,4 +109,17 @@ echo "launcher | ${launch[*]} -m experiment.train ${flags[*]}"
 # train.py prints the fully resolved configuration next and appends its lines (and any crash's
 # traceback) to training.log in the run directory.
 rm -f "$plan_file"
+# ON_EXIT: a watcher in its own session (the signals that stop the run do not reach it, and it does
+# not hold the run's lock) waits for this process, torchrun after the exec below, to be gone, then
+# runs the command once with the outcome in RUN_STATUS, RUN_OUTCOME, BEST_CHECKPOINT, ...
+if [ -n "${ON_EXIT:-}" ]; then
+    mkdir -p "$run_dir"
+    watcher=(setsid "$PYTHON" -m experiment.onexit "$$" "$run_dir" "$(date +%s)" "$ON_EXIT")
+    if [ -n "${lock_fd:-}" ]; then
+        "${watcher[@]}" {lock_fd}>&- </dev/null >>"$run_dir/on_exit.log" 2>&1 &
+    else
+        "${watcher[@]}" </dev/null >>"$run_dir/on_exit.log" 2>&1 &
+    fi
+    echo "launcher | ON_EXIT runs once the run ends (its output: $run_dir/on_exit.log)"
+fi
 exec "${launch[@]}" -m experiment.train "${flags[@]}"

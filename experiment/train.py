@@ -343,7 +343,9 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
             record_step(t, loop, loss_sum, mult, t0)
     if not loop.end:  # None: a resume at or past max_steps had no step left to run
         finish(t, loop)
-    t.report.write(t.st, loop.outcome if loop.end is not None else "finished: no step was left to run")
+    outcome = loop.outcome if loop.end is not None else "finished: no step was left to run"
+    t.report.add({"kind": "end", "step": t.st.step, "outcome": outcome, "code": loop.end or 0, "time": time.time()})
+    t.report.write(t.st, outcome)
     return loop.end or 0
 
 

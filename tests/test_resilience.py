@@ -118,6 +118,46 @@ def test_a_second_launch_on_a_running_run_exits_2_and_one_after_a_kill_resumes(t
     assert ckpt.complete_steps(run_dir)[-1] == last + 3
 
 
+def _wait_for_file(path, seconds=30):
+    deadline = time.time() + seconds
+    while not (path.is_file() and path.read_text().endswith("\n")):
+        assert time.time() < deadline, f"{path} never written"
+        time.sleep(0.2)
+    return path.read_text()
+
+
+def test_on_exit_runs_once_when_the_run_ends_however_it_ends(tmp_path, corpus):
+    out = tmp_path / "on_exit.txt"
+    env = {**ENV, "DEPTH": "2", "ASPECT_RATIO": "32", "HEAD_DIM": "32", "MAX_SEQ_LEN": "32", "DEVICE_BATCH_SIZE": "4",
+           "TOTAL_BATCH_SIZE": "256", "SAMPLE_TOKENS": "0", "DATA_DIR": str(corpus), "WORKSPACE": str(tmp_path),
+           "SAVE_EVERY_STEPS": "5", "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+           "ON_EXIT": f'echo "$RUN_STATUS|$RUN_OUTCOME|$BEST_CHECKPOINT|$BEST_VAL_LOSS" >> {out}'}
+    launch = ["bash", str(REPO / "experiment/run.sh")]
+    run_dir = tmp_path / "checkpoints/d2"
+    done = subprocess.run([*launch, "MAX_STEPS=3"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    status, outcome, best, val = _wait_for_file(out).strip().split("|")
+    assert (status, outcome, best) == ("finished", "finished: max_steps reached", str(ckpt.model_path(run_dir, 3)))
+    assert float(val) == ckpt.read_best(run_dir)["val_loss"]
+
+    # kill -9 of the whole launch: the watcher, in its own session, still reports it, once
+    out.unlink()
+    killed = subprocess.Popen(launch, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True, start_new_session=True)
+    try:
+        for line in killed.stdout:
+            if line.startswith("saved step"):
+                break
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait(timeout=60)
+    lines = _wait_for_file(out).splitlines()
+    time.sleep(3)  # no second run of the command
+    assert lines == out.read_text().splitlines() and len(lines) == 1
+    assert lines[0].startswith("failed|failed: the run ended without its last words")
+    assert "on_exit | " in (run_dir / "on_exit.log").read_text()
+
+
 # ---------------------------------------------------------------- kill -9 anywhere
 
 

@@ -23,6 +23,8 @@ LAUNCHER = (
     ("SHUTDOWN_TIMEOUT", "300", "seconds torchrun waits after SIGTERM/SIGINT before it kills the workers"),
     ("PREFLIGHT_WAIT_MINUTES", "120", "how long a node other than 0 waits for node 0's pre-flight"),
     ("PYTHON", "python, else python3", "the interpreter the launcher runs"),
+    ("ON_EXIT", "unset", "a shell command run once when the launch ends for any reason, with RUN_STATUS, RUN_OUTCOME, "
+                "RUN_DIR, BEST_CHECKPOINT and BEST_VAL_LOSS set (output: on_exit.log in the run directory)"),
 )
 
 HEADER = """# Settings
