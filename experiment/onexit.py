@@ -4,9 +4,10 @@ early stop, a stop signal, a crash, torchrun giving up, the launcher killed).
     python -m experiment.onexit PID RUN_DIR SINCE COMMAND      (started by experiment/run.sh)
 
 experiment/run.sh starts this watcher in its own session just before it becomes torchrun (exec keeps
-its pid, PID), so the signals that stop the run do not reach it. It waits for PID to be gone, reads
-how the run ended (the trainer's last "end" record in metrics.jsonl written after SINCE; none means
-the run died without saying why), and runs COMMAND through the shell with:
+its pid, PID), so the signals that stop the run do not reach it. It waits for PID to be gone and for
+the trainer's last words (its "end" record in metrics.jsonl, written after SINCE; workers of a
+killed launcher still save and say them; none within WORKERS_GRACE_SECONDS means the run died
+without saying why), and runs COMMAND through the shell with:
 
     RUN_STATUS      finished | stopped | failed
     RUN_OUTCOME     the trainer's words, e.g. "finished: the budget is spent"
@@ -30,6 +31,9 @@ from experiment import checkpoint as ckpt
 from experiment.report import read_records
 
 POLL_SECONDS = 2.0
+# Workers whose launcher was killed finish their step, save and exit by themselves (ParentWatch:
+# poll 2 s, hard exit 45 s later); their last words come within this long after the launcher is gone.
+WORKERS_GRACE_SECONDS = 60.0
 
 
 def alive(pid: int) -> bool:
@@ -42,11 +46,16 @@ def alive(pid: int) -> bool:
     return True
 
 
-def outcome_env(run_dir: Path, since: float) -> dict[str, str]:
-    """The RUN_* and BEST_* variables of a launch that started at `since` (seconds since the epoch)."""
+def last_words(run_dir: Path, since: float) -> str | None:
+    """The trainer's outcome of a launch that started at `since` (seconds since the epoch), if it said one."""
     ends = [r for r in read_records(run_dir / "metrics.jsonl") if r.get("kind") == "end" and r["time"] >= since]
-    outcome = ends[-1]["outcome"] if ends else "failed: the run ended without its last words (a crash, torchrun " \
-                                                 "giving up, or the launcher killed); see training.log"
+    return ends[-1]["outcome"] if ends else None
+
+
+def outcome_env(run_dir: Path, since: float) -> dict[str, str]:
+    """The RUN_* and BEST_* variables of a launch that started at `since`."""
+    outcome = last_words(run_dir, since) or ("failed: the run ended without its last words (a crash, torchrun "
+                                             "giving up, or every process killed); see training.log")
     env = {"RUN_STATUS": outcome.split(":")[0], "RUN_OUTCOME": outcome, "RUN_DIR": str(run_dir),
            "BEST_CHECKPOINT": "", "BEST_VAL_LOSS": ""}
     best = ckpt.read_best(run_dir) if run_dir.is_dir() else None
@@ -59,6 +68,9 @@ def outcome_env(run_dir: Path, since: float) -> dict[str, str]:
 def main(argv=None) -> int:
     pid, run_dir, since, command = (argv or sys.argv[1:])
     while alive(int(pid)):
+        time.sleep(POLL_SECONDS)
+    deadline = time.time() + WORKERS_GRACE_SECONDS
+    while last_words(Path(run_dir), float(since)) is None and time.time() < deadline:
         time.sleep(POLL_SECONDS)
     env = outcome_env(Path(run_dir), float(since))
     print(f"on_exit | {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} | {env['RUN_OUTCOME']} | running: "

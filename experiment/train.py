@@ -329,7 +329,7 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
                 loop.stop(0, "finished: the budget is spent" if step < t.max_steps else "finished: max_steps reached")
             if signum:  # preempted: save what we have now; an eval would spend the grace period
                 name = signal.Signals(signum).name
-                loop.stop(0, f"stopped by {name} at step {step}; the same command resumes it")
+                loop.stop(0, f"stopped: {name} at step {step}; the same command resumes it")
                 log(f"received {name}: saving step {step:06d} and exiting")
             elif (eval_due or save_due or last_step) and step != loop.last_eval_step:
                 maybe_eval(t, loop)
