@@ -4,17 +4,18 @@
 #   bash run.sh test     the test suite (pytest); exits with pytest's status
 #   bash run.sh serve    serve the best checkpoint of the most recent run
 #   bash run.sh sample   sample from it on the command line (--prompt TEXT --max_tokens N ...)
+#   bash run.sh plan     what the data and budget support on the GPUs you would rent (--json); no GPU
 #   bash run.sh gpucheck prove a GPU box in minutes (experiment/tools/gpucheck.py); --quick for less
-# Extra arguments go to the command (pytest, experiment.server, experiment.sample, gpucheck).
+# Extra arguments go to the command (pytest, experiment.server, .sample, .plan, gpucheck).
 set -euo pipefail
 here=$PWD  # relative DATA_DIR and WORKSPACE mean relative to where the user stands
 cd "$(dirname "$0")"
 
-usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; }
 # Usage first: a typo must not wait for a venv and an install to learn it is one.
 case "${1:-train}" in
     -h|--help|help) usage; exit 0 ;;
-    train|test|serve|sample|gpucheck) ;;
+    train|test|serve|sample|plan|gpucheck) ;;
     *) echo "unknown command: $1" >&2; usage >&2; exit 2 ;;
 esac
 
@@ -31,11 +32,18 @@ export PATH="$PWD/.venv/bin:$PATH"
 
 cmd=${1:-train}
 [ $# -gt 0 ] && shift
+if [ "$cmd" = test ]; then
+    exec python -m pytest tests "$@"
+fi
+# The other commands run where the user stands, so that paths they are given (DATA_DIR, --checkpoint,
+# --prompt_file) mean what they say; the code is found through PYTHONPATH.
+repo=$PWD
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+cd "$here"
 case "$cmd" in
-    train) repo=$PWD && cd "$here" && exec bash "$repo/experiment/run.sh" "$@" ;;
-    test) exec python -m pytest tests "$@" ;;
+    train) exec bash "$repo/experiment/run.sh" "$@" ;;
     serve) exec python -m experiment.server "$@" ;;
     sample) exec python -m experiment.sample "$@" ;;
+    plan) exec python -m experiment.plan "$@" ;;
     gpucheck) exec python -m experiment.tools.bench gpucheck "$@" ;;
 esac
-
