@@ -62,8 +62,9 @@ def eval_prompt_ids(cfg: TrainConfig, prepared: Prepared) -> list[int]:
     """The token ids every eval's sample continues: EVAL_PROMPT, else the start of the val split."""
     if cfg.eval_prompt is None:
         return [int(t) for t in prepared.tokens("val")[:EVAL_PROMPT_TOKENS]]
+    tok = prepared.tokenizer()
     try:
-        ids = prepared.tokenizer().encode(cfg.eval_prompt) or [prepared.tokenizer().bos_id]
+        ids = tok.encode(cfg.eval_prompt) or [tok.bos_id]
     except ValueError as e:
         raise ConfigError(f"--eval_prompt: {e}") from None
     return ids[-cfg.max_seq_len :]

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from experiment import autosize
 from experiment.config import CUDA_DEFAULTS, opt, parse_flags
@@ -34,7 +35,7 @@ from experiment.dataloader import DataError, list_sources
 from experiment.files import default_workspace
 from experiment.hardware import peak_flops
 from experiment.memory import checkpoint_bytes_per_rank, choose_mode, count_params
-from experiment.model import GPTConfig
+from experiment.model import GPT, GPTConfig
 
 # Measured on one H100 80GB HBM3 (reports/gpucheck-h100.md, run 2: compiled, bf16, 524,288
 # tokens/step): MFU against the 989 TFLOP/s peak, by depth. Other depths take the nearest.
@@ -76,8 +77,6 @@ class Gpus:
 def parse_gpus(spec: str | None) -> Gpus:
     """'8xH100-PCIe' -> 8 GPUs named 'H100 PCIe'; None: the GPUs visible here, else 8xH100-PCIe."""
     if spec is None:
-        import torch
-
         if torch.cuda.is_available():
             spec = f"{torch.cuda.device_count()}x{torch.cuda.get_device_name(0)}"
         else:
@@ -115,9 +114,9 @@ def mfu(depth: int) -> float:
 
 
 def flops_per_token(config: GPTConfig) -> float:
-    """As GPT.estimate_flops: 6 per matmul weight (the embedding is a lookup) + attention scores."""
-    matmul_params = count_params(config) - config.vocab_size * config.n_embd
-    return 6 * matmul_params + 12 * config.n_layer * config.n_embd * config.max_seq_len
+    """The model's own count (GPT.estimate_flops), on the meta device: nothing is allocated."""
+    with torch.device("meta"):
+        return GPT(config).estimate_flops()
 
 
 def rung(depth: int, cfg: PlanConfig, gpus: Gpus, train_tokens: int, budget_s: float, vocab: int) -> dict:

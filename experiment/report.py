@@ -19,6 +19,7 @@ from experiment.files import atomic_write_bytes
 
 KEPT_SAMPLES = 3  # the latest eval samples the report shows
 TABLE_ROWS = 12  # the latest evals and saves the report lists
+MAX_TRAIN_POINTS = 2000  # of the train curve in the picture: a day's step lines thinned evenly
 PALETTE = ("#d9480f", "#2b8a3e", "#7048e8", "#c2255c", "#0b7285", "#e67700")  # per-source val curves
 
 
@@ -183,6 +184,7 @@ def loss_svg(records: list[dict], best_step: int) -> str:
 def _series(records: list[dict]) -> list[tuple[str, str, list[tuple]]]:
     """(label, style, [(seconds, tokens, loss)]) per curve."""
     train = [(r["used_seconds"], r["tokens_seen"], r["loss"]) for r in records if r.get("kind") == "train"]
+    train = train[:: max(1, -(-len(train) // MAX_TRAIN_POINTS))]
     evals = [r for r in records if r.get("kind") == "eval"]
     out = [("train", 'stroke="#adb5bd" stroke-width="1.5"', train),
            ("val", 'stroke="#1c5bd9" stroke-width="2.5"', [(r["used_seconds"], r["tokens_seen"], r["val_loss"])

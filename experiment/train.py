@@ -194,16 +194,18 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
 
         writer = SummaryWriter(log_dir=str(workspace / "tensorboard" / cfg.model_tag))
     budget_seconds = cfg.training_hours * 3600
+    grad_accum = cfg.total_batch_size // (cfg.device_batch_size * cfg.max_seq_len * d.world_size)
     t = Trainer(
         cfg=cfg, d=d, log=log, run_dir=run_dir, prepared=prepared, model=model, opt=opt, ddp=ddp,
         train_model=torch.compile(ddp) if use_compile else ddp,
         batches=make_batches(cfg, d, prepared, weights, st.data_state, log), weights=weights, writer=writer, st=st,
         resume_step=resume_step,
-        grad_accum=cfg.total_batch_size // (cfg.device_batch_size * cfg.max_seq_len * d.world_size),
+        grad_accum=grad_accum,
         budget_seconds=budget_seconds, run_meta=checkpoint_meta(cfg, prepared, budget_seconds, auto),
         flops_per_token=model.estimate_flops(cfg.max_seq_len),
         peak=peak_flops(torch.cuda.get_device_name(d.device)) if cuda else None,
-        report=RunReport(run_dir, report_facts(cfg, d, model, prepared, budget_seconds, auto), resume_step, log)
+        report=RunReport(run_dir, report_facts(cfg, d, model, prepared, budget_seconds, grad_accum, auto),
+                         resume_step, log)
         if d.master else NullReport(),
         eval_prompt=launch.eval_prompt_ids(cfg, prepared))
     log(f"model {model.num_params():,} params (d{cfg.depth}, width {model_config.n_embd}, "
@@ -213,11 +215,10 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     return t
 
 
-def report_facts(cfg: TrainConfig, d: Dist, model: GPT, prepared: Prepared, budget_seconds: float,
+def report_facts(cfg: TrainConfig, d: Dist, model: GPT, prepared: Prepared, budget_seconds: float, accum: int,
                  auto: dict | None) -> dict:
     """What the run report says the run is: fixed at setup."""
     c, meta = model.config, prepared.meta
-    accum = cfg.total_batch_size // (cfg.device_batch_size * cfg.max_seq_len * d.world_size)
     device = torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "cpu"
     return {
         "model_tag": cfg.model_tag, "params": model.num_params(), "budget_seconds": budget_seconds,

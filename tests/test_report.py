@@ -93,3 +93,11 @@ def test_an_eval_prompt_the_vocabulary_cannot_spell_exits_2(tmp_path, corpus):
     proc = run_train([*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256,
                       "--max_steps", 2, "--eval_prompt", "hello"], check=False)
     assert proc.returncode == 2 and "--eval_prompt" in proc.stderr
+
+
+def test_a_days_step_lines_are_thinned_in_the_picture():
+    records = [{"kind": "train", "step": s, "used_seconds": s, "tokens_seen": s * 100, "loss": 3 - s / 1e5}
+               for s in range(30_001)]
+    train = ET.fromstring(loss_svg(records, best_step=-1)).findall(f".//{SVG}polyline")[0]
+    points = train.get("points").split()
+    assert 1000 < len(points) <= 2000 and points[0].startswith(f"{64:.1f},")  # the first point kept
