@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import os
+import socket
+import time
 from pathlib import Path
 
 from experiment import checkpoint as ckpt
@@ -34,25 +37,52 @@ def prepare_data(cfg: TrainConfig, workspace: Path, log) -> Prepared:
     return prepare(data_dir, workspace, cfg.tokenizer, cfg.alphabet, cfg.val_fraction, cfg.max_seq_len)
 
 
-LOCK_FILE = ".lock"  # in the run directory: experiment/run.sh holds a flock on it for the run's lifetime
+# In the run directory, each a flock that lives as long as its holder (the kernel drops it when the
+# process exits or is killed): experiment/run.sh holds the first for the launch, rank 0 of the
+# trainer the second for its own life, which can outlast a killed launcher by the seconds its last
+# save takes.
+LOCK_FILES = (".lock", ".lock.trainer")
 
 
 def check_not_running(run_dir: Path) -> None:
-    """ConfigError naming the holder when another launch holds the run directory's lock (a second
-    trainer on the same checkpoints would interleave its steps with the first's). The lock is a
-    flock, so it dies with its holder: after a crash or kill -9 the same command goes on."""
-    path = Path(run_dir) / LOCK_FILE
-    if not path.is_file():
-        return
-    with open(path, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "a process that has not said who it is"
-            raise ConfigError(f"{run_dir} is in use by a running launch ({holder}); wait for it, stop it, or "
-                              "choose another MODEL_TAG") from None
-        fcntl.flock(f, fcntl.LOCK_UN)
+    """ConfigError naming the holder when a launch or a trainer holds one of the run directory's
+    locks (a second trainer on the same checkpoints would interleave its steps with the first's).
+    After a crash or a kill -9 the locks are gone and the same command goes on."""
+    for name in LOCK_FILES:
+        path = Path(run_dir) / name
+        if not path.is_file():
+            continue
+        with open(path, "a+") as f:
+            if not _try_lock(f):
+                f.seek(0)
+                holder = f.read().strip() or "a process that has not said who it is"
+                raise ConfigError(f"{run_dir} is in use by a running launch ({holder}); wait for it, stop it, or "
+                                  "choose another MODEL_TAG")
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def hold_trainer_lock(run_dir: Path):
+    """Rank 0: take the run directory's trainer lock for this process's life (keep the returned
+    file open); ConfigError if another trainer holds it."""
+    f = open(Path(run_dir) / LOCK_FILES[1], "a+")
+    if not _try_lock(f):
+        f.seek(0)
+        holder = f.read().strip()
+        f.close()
+        raise ConfigError(f"{run_dir} is in use by another trainer ({holder}); wait for it or stop it")
+    f.truncate(0)
+    f.write(f"trainer pid {os.getpid()} on {socket.gethostname()} since "
+            f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
+    f.flush()
+    return f
+
+
+def _try_lock(f) -> bool:
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
 EVAL_PROMPT_TOKENS = 32  # the default eval prompt: this many tokens from the start of the val split

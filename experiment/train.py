@@ -73,6 +73,7 @@ class Trainer:
     peak: float | None  # the GPU's dense bf16 FLOP/s, for MFU; None on CPU or an unknown GPU
     report: RunReport | NullReport  # metrics.jsonl, report.md and loss.svg on rank 0; a no-op elsewhere
     eval_prompt: list[int]  # the token ids every eval's sample continues
+    lock: object  # rank 0: the run directory's trainer lock, held while this process lives; else None
 
     @property
     def max_steps(self) -> int:
@@ -121,13 +122,16 @@ class Loop:
 # ---------------------------------------------------------------- setup
 
 
-def prepare_data(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) -> tuple[Prepared, int | None]:
-    """Rank 0 opens the data and picks the resume step; a failure there reaches every rank. Under
-    experiment/run.sh the data is the pre-flight's prepared directory (--prepared_dir), so no rank
-    waits in this broadcast while another prepares; a bare torchrun prepares here."""
-    setup = None
+def prepare_data(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path,
+                 log: RunLog) -> tuple[Prepared, int | None, object]:
+    """Rank 0 takes the run directory's trainer lock, opens the data and picks the resume step; a
+    failure there reaches every rank. Under experiment/run.sh the data is the pre-flight's prepared
+    directory (--prepared_dir), so no rank waits in this broadcast while another prepares; a bare
+    torchrun prepares here. Returns (data, resume step, the lock: rank 0's open file, else None)."""
+    setup, lock = None, None
     if d.master:
         try:
+            lock = launch.hold_trainer_lock(run_dir)
             prepared = launch.prepare_data(cfg, workspace, log)
             setup = {"prepared": str(prepared.dir), "resume_step": pick_resume_step(run_dir, cfg.resume)}
         except (DataError, ConfigError, CheckpointError) as e:
@@ -135,7 +139,7 @@ def prepare_data(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log:
     setup = broadcast_object(setup, d)
     if "error" in setup:
         raise ConfigError(setup["error"])
-    return Prepared.load(setup["prepared"]), setup["resume_step"]
+    return Prepared.load(setup["prepared"]), setup["resume_step"], lock
 
 
 def build_model_and_optimizer(cfg: TrainConfig, d: Dist, model_config: GPTConfig,
@@ -168,7 +172,7 @@ def build_model_and_optimizer(cfg: TrainConfig, d: Dist, model_config: GPTConfig
 def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) -> Trainer:
     cuda = d.device.type == "cuda"
     log(f"world {d.world_size} x {torch.cuda.get_device_name(d.device) if cuda else 'cpu'} | torch {torch.__version__}")
-    prepared, resume_step = prepare_data(cfg, d, workspace, run_dir, log)
+    prepared, resume_step, lock = prepare_data(cfg, d, workspace, run_dir, log)
     auto, probe_seconds = choose_depth(cfg, d, prepared, run_dir, resume_step, log) if cfg.depth == "auto" else (None, 0)
     model_config = launch.model_config(cfg, prepared)
     if resume_step is not None:
@@ -207,7 +211,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         report=RunReport(run_dir, report_facts(cfg, d, model, prepared, budget_seconds, grad_accum, auto),
                          resume_step, log)
         if d.master else NullReport(),
-        eval_prompt=launch.eval_prompt_ids(cfg, prepared))
+        eval_prompt=launch.eval_prompt_ids(cfg, prepared), lock=lock)
     log(f"model {model.num_params():,} params (d{cfg.depth}, width {model_config.n_embd}, "
         f"{model_config.n_head} heads) | {t.flops_per_token:.3e} FLOP/token | batch {cfg.device_batch_size} x "
         f"{cfg.max_seq_len} x {d.world_size} ranks x {t.grad_accum} accum = {cfg.total_batch_size:,} tokens/step | "
@@ -320,6 +324,15 @@ def start_loop(t: Trainer) -> Loop:
 
 def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) -> int:
     t = setup(cfg, d, workspace, run_dir, log)
+    try:
+        return train_loop(t)
+    finally:
+        if t.lock is not None:  # a later run in this process (the tests) takes it again
+            t.lock.close()
+
+
+def train_loop(t: Trainer) -> int:
+    d, log = t.d, t.log
     loop = start_loop(t)
     with StopSignal(announce=d.master) as stop_signal:
         for step in range(t.st.step, t.max_steps + 1):

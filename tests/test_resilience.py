@@ -109,13 +109,19 @@ def test_a_second_launch_on_a_running_run_exits_2_and_one_after_a_kill_resumes(t
         assert f"{run_dir} is in use by a running launch (pid {first.pid} on " in second.stderr
         assert "launcher | " not in second.stdout  # refused by the pre-flight, before any worker
     finally:
-        os.killpg(first.pid, signal.SIGKILL)  # kill -9 of the whole launch: the lock dies with it
+        os.killpg(first.pid, signal.SIGKILL)  # kill -9 of the launch: the lock dies with it
         first.wait(timeout=60)
-    time.sleep(1)  # the killed workers' last writes
+    # Its worker outlives the launcher: it saves a last checkpoint and exits by itself (ParentWatch),
+    # holding the trainer lock until then (test_the_trainer_lock_is_held_while_its_process_lives).
+    deadline = time.time() + 90
+    while subprocess.run(["pgrep", "-f", "--", f"--workspace={tmp_path}"], capture_output=True).returncode == 0:
+        assert time.time() < deadline, "the killed launch's worker is still running"
+        time.sleep(0.5)
     last = ckpt.complete_steps(run_dir)[-1]
     again = subprocess.run(launch + [f"MAX_STEPS={last + 3}"], cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=300)
-    assert again.returncode == 0 and f"resumed from {ckpt.model_path(run_dir, last)}" in again.stdout, again.stderr
+    assert again.returncode == 0 and f"resumed from {ckpt.model_path(run_dir, last)}" in again.stdout, [
+        l for l in again.stdout.splitlines() if "resum" in l or "preflight" in l]
     assert ckpt.complete_steps(run_dir)[-1] == last + 3
 
 
@@ -125,6 +131,19 @@ def _wait_for_file(path, seconds=30):
         assert time.time() < deadline, f"{path} never written"
         time.sleep(0.2)
     return path.read_text()
+
+
+def test_the_trainer_lock_is_held_while_its_process_lives(tmp_path):
+    from experiment.config import ConfigError
+    from experiment.launch import check_not_running, hold_trainer_lock
+
+    lock = hold_trainer_lock(tmp_path)
+    for refused in (lambda: check_not_running(tmp_path), lambda: hold_trainer_lock(tmp_path)):
+        with pytest.raises(ConfigError, match=f"in use by .*trainer pid {os.getpid()} on "):
+            refused()
+    lock.close()  # as when its process ends
+    check_not_running(tmp_path)
+    hold_trainer_lock(tmp_path).close()
 
 
 def test_on_exit_runs_once_when_the_run_ends_however_it_ends(tmp_path, corpus):
