@@ -64,6 +64,7 @@ def check_not_running(run_dir: Path) -> None:
 def hold_trainer_lock(run_dir: Path):
     """Rank 0: take the run directory's trainer lock for this process's life (keep the returned
     file open); ConfigError if another trainer holds it."""
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
     f = open(Path(run_dir) / LOCK_FILES[1], "a+")
     if not _try_lock(f):
         f.seek(0)
