@@ -1,12 +1,20 @@
-"""DEPTH=auto: the model size that the budget and the data support, from throughput measured here.
+"""DEPTH=auto: the model size that the budget and the data support.
 
 The rule (fitted from the README's sweep of budget x depth on a 2-core CPU, "DEPTH=auto"): a depth is
-eligible if the budget, at its measured tok/s, gives it at least MIN_TOKENS_PER_PARAM tokens per
-parameter and repeats the training data at most MAX_EPOCHS times; of those, take the one nearest
-TOKENS_PER_PARAM tokens per parameter (in log). A faster machine or a longer budget buys more tokens,
-so a larger model; a small corpus rules out the small models that would cycle through it many
-times. When none is eligible, the largest depth that still gets MIN_TOKENS_PER_PARAM (the budget
-outruns the data: the planner warns), else the smallest.
+eligible if the budget, at its tok/s, gives it at least MIN_TOKENS_PER_PARAM tokens per parameter
+and repeats the training data at most MAX_EPOCHS times; of those, take the one nearest
+TOKENS_PER_PARAM tokens per parameter (in log), which trains for the whole budget. A faster machine
+or a longer budget buys more tokens, so a larger model; a small corpus rules out the small models
+that would cycle through it many times. When none is eligible, the budget outruns the data: take
+the largest depth that MAX_EPOCHS passes give MIN_TOKENS_PER_PARAM (else the smallest), and train
+it for those passes only. The run stops there (train.py), and the rest of the budget, which would
+only repeat the data, is left unspent. A still larger model is not taken to burn the hours: in the
+CPU proof (docs/plan.md) the next depth up did no better.
+
+The tok/s: on CPU measured here, a few eager steps per depth (probe_and_choose); on CUDA predicted
+(predicted_tok_per_s: the MFU measured on an H100 x the GPU's peak x the GPUs), since measuring a
+compiled step takes minutes per depth. The trainer then times the chosen depth's first steps and
+says when the rule, at that measured rate, would have picked another depth.
 
 The same arithmetic answers an explicit DEPTH: `supported_depth` is the largest depth on the ladder
 that MAX_EPOCHS passes over the data give MIN_TOKENS_PER_PARAM tokens per parameter, the most the
@@ -16,14 +24,16 @@ than MAX_GOOD_EPOCHS times.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
+from experiment import config
 from experiment.hardware import mean_seconds
-from experiment.memory import count_params
-from experiment.model import GPTConfig, build_model
+from experiment.memory import choose_mode, count_params
+from experiment.model import GPT, GPTConfig, build_model
 from experiment.optim import LRS, ShardedOptimizer
 from experiment.runlog import MAX_GOOD_EPOCHS
 from experiment.step import forward_backward, optimizer_step
@@ -34,12 +44,17 @@ TOKENS_PER_PARAM = 9.0
 # Fitted: the winners repeated Tiny Shakespeare 4.8 (d2, 60 s), 3.0 (d4, 180 s) and 4.0 (d6, 600 s)
 # times; the losers the rule must exclude, 13.9 (d2, 180 s) and 11.4 (d4, 600 s). Repeating data
 # past about 4 epochs stops paying (Muennighoff et al. 2023); 8 lies between the two groups.
-MAX_EPOCHS = 8
+MAX_EPOCHS = config.MAX_EPOCHS
 # Fitted: the 600 s winner (d6) got 1.5 tokens/param; losers that got less: d6 at 180 s (0.39), d8 at
 # 180 s (0.2).
 MIN_TOKENS_PER_PARAM = 1.0
 LADDER = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64)
 PROBE_STEPS = 2  # timed steps per candidate at the run's micro-batch, after one warm-up step
+
+# Measured on one H100 80GB HBM3 (reports/gpucheck-h100.md, run 2: compiled, bf16, 524,288
+# tokens/step): MFU against the 989 TFLOP/s peak, by depth. Other depths take the nearest.
+MEASURED_MFU = {12: 0.441, 20: 0.494, 24: 0.528}
+MFU_SOURCE = "reports/gpucheck-h100.md"
 
 
 @dataclass
@@ -48,12 +63,18 @@ class Candidate:
     width: int
     params: int
     tok_per_s: float  # measured, all ranks together
-    tokens: float  # in the budget at that rate
-    epochs: float
+    tokens: float  # in the budget at that rate, at most MAX_EPOCHS passes over the data
+    epochs: float  # the passes those tokens make
+    budget_epochs: float = 0.0  # the passes the whole budget would make at that rate
 
     @property
     def tokens_per_param(self) -> float:
         return self.tokens / self.params
+
+    @property
+    def seconds(self) -> float:
+        """The training seconds those tokens take: the budget, or less when the data runs out first."""
+        return self.tokens / self.tok_per_s
 
 
 def ladder(aspect_ratio: int, head_dim: int) -> list[int]:
@@ -76,17 +97,67 @@ def measure_tok_per_s(config: GPTConfig, batch: int, device: torch.device) -> fl
     return batch * config.max_seq_len / mean_seconds(device, PROBE_STEPS, step)
 
 
+def mfu(depth: int) -> float:
+    return MEASURED_MFU[min(MEASURED_MFU, key=lambda d: abs(d - depth))]
+
+
+def flops_per_token(config: GPTConfig) -> float:
+    """The model's own count (GPT.estimate_flops), on the meta device: nothing is allocated."""
+    with torch.device("meta"):
+        return GPT(config).estimate_flops()
+
+
+def predicted_tok_per_s(config: GPTConfig, peak: float, gpus: int) -> float:
+    """A prediction, not a measurement: the nearest measured MFU x the GPUs' dense bf16 peak, over the
+    model's training FLOPs per token; scaling over GPUs taken as linear."""
+    return mfu(config.depth) * peak * gpus / flops_per_token(config)
+
+
 def candidate(config: GPTConfig, tok_per_s: float, budget_s: float, train_tokens: int) -> Candidate:
-    tokens = tok_per_s * budget_s
-    return Candidate(config.depth, config.n_embd, count_params(config), tok_per_s, tokens, tokens / train_tokens)
+    return at_rate(Candidate(config.depth, config.n_embd, count_params(config), tok_per_s, 0.0, 0.0), tok_per_s,
+                   budget_s, train_tokens)
+
+
+def at_rate(c: Candidate, tok_per_s: float, budget_s: float, train_tokens: int) -> Candidate:
+    """The candidate at another tok/s: the tokens that buys in the budget, at most MAX_EPOCHS passes."""
+    tokens = min(tok_per_s * budget_s, MAX_EPOCHS * train_tokens)
+    return dataclasses.replace(c, tok_per_s=tok_per_s, tokens=tokens, epochs=tokens / train_tokens,
+                               budget_epochs=tok_per_s * budget_s / train_tokens)
+
+
+def check_prediction(candidates: list[dict], depth: int, measured: float, budget_s: float,
+                     train_tokens: int) -> str:
+    """The trainer's measured tok/s at the chosen depth against the prediction it was chosen by: all
+    depths' predictions scaled by the same factor, and the rule asked again."""
+    cands = [Candidate(**c) for c in candidates]
+    factor = measured / next(c.tok_per_s for c in cands if c.depth == depth)
+    again = choose([at_rate(c, c.tok_per_s * factor, budget_s, train_tokens) for c in cands])
+    head = f"auto | measured {measured:,.0f} tok/s, {factor:.2f}x the predicted: "
+    if again.depth == depth:
+        return head + f"at that rate the rule picks d{depth} too"
+    return head + (f"warning: at that rate the rule picks d{again.depth}; this run keeps d{depth} (a fresh run with "
+                   f"DEPTH={again.depth} MAX_EPOCHS={MAX_EPOCHS} follows the measured rate)")
 
 
 def choose(candidates: list[Candidate]) -> Candidate:
     trained = [c for c in candidates if c.tokens_per_param >= MIN_TOKENS_PER_PARAM]
-    eligible = [c for c in trained if c.epochs <= MAX_EPOCHS]
+    eligible = [c for c in trained if c.budget_epochs <= MAX_EPOCHS]
     if eligible:
         return min(eligible, key=lambda c: abs(math.log(c.tokens_per_param / TOKENS_PER_PARAM)))
     return max(trained, key=lambda c: c.params) if trained else min(candidates, key=lambda c: c.params)
+
+
+def predict_and_choose(make_config, peak: float, gpus: int, gpu_bytes: int, budget_s: float,
+                       train_tokens: int) -> tuple[Candidate, list[Candidate]]:
+    """CUDA: every ladder depth that the memory plan fits on these GPUs (at one sequence per
+    micro-batch), at its predicted tok/s; then choose."""
+    candidates = []
+    for depth in ladder(make_config(2).aspect_ratio, make_config(2).head_dim):
+        config = make_config(depth)
+        if choose_mode(config, gpus, 1, config.max_seq_len, gpu_bytes) is None:
+            break
+        candidates.append(candidate(config, predicted_tok_per_s(config, peak, gpus), budget_s, train_tokens))
+    return choose(candidates), candidates
 
 
 def probe_and_choose(make_config, batch: int, device: torch.device, world_size: int, budget_s: float,
@@ -107,16 +178,24 @@ def probe_and_choose(make_config, batch: int, device: torch.device, world_size: 
         candidates.append(candidate(config, rate, budget_s, train_tokens))
         c = candidates[-1]
         if c.tokens_per_param < MIN_TOKENS_PER_PARAM or (c.tokens_per_param < TOKENS_PER_PARAM / 2
-                                                          and c.epochs <= MAX_EPOCHS):
+                                                          and c.budget_epochs <= MAX_EPOCHS):
             break
     return choose(candidates), candidates
 
 
-def reason(c: Candidate, candidates: list[Candidate]) -> str:
-    measured = ", ".join(f"d{x.depth} {x.tok_per_s:,.0f}" for x in candidates)
-    return (f"auto: d{c.depth} w{c.width}, {c.tokens / 1e6:.1f}M tokens in budget, {c.tokens / c.params:.1f} "
-            f"tokens/param, {c.epochs:.1f} epochs (nearest {TOKENS_PER_PARAM:g} tokens/param of those with "
-            f">= {MIN_TOKENS_PER_PARAM:g} and <= {MAX_EPOCHS} epochs; measured tok/s: {measured})")
+def reason(c: Candidate, candidates: list[Candidate], how: str = "measured") -> str:
+    rates = ", ".join(f"d{x.depth} {x.tok_per_s:,.0f}" for x in candidates)
+    return (f"auto: d{c.depth} w{c.width}, {c.tokens / 1e6:.1f}M tokens in {c.seconds / 3600:.3f}h, "
+            f"{c.tokens / c.params:.1f} tokens/param, {c.epochs:.1f} epochs ({rule(c)}; {how} tok/s: {rates})")
+
+
+def rule(c: Candidate) -> str:
+    """Which branch of the rule chose c, in words."""
+    if c.budget_epochs <= MAX_EPOCHS:
+        return (f"nearest {TOKENS_PER_PARAM:g} tokens/param of those with >= {MIN_TOKENS_PER_PARAM:g} in at most "
+                f"{MAX_EPOCHS} epochs of the budget")
+    return (f"the budget outruns the data: the largest depth with >= {MIN_TOKENS_PER_PARAM:g} tokens/param in "
+            f"{MAX_EPOCHS} epochs, stopped there")
 
 
 def supported_depth(make_config, train_tokens: int) -> int | None:

@@ -14,16 +14,18 @@ from dataclasses import dataclass, field
 from experiment.dataloader import Prepared
 from experiment.optim import LRS
 
-# CPU defaults are the recommended small-budget settings (the README's Performance section, Tiny
+# DEPTH=auto on both (experiment/autosize.py). CPU defaults are the recommended small-budget settings (the README's Performance section, Tiny
 # Shakespeare on 2 cores): the depth by the auto rule, a narrow shape (width 32 per layer) that sees
 # many tokens, and Muon at twice the GPU learning rate.
-CUDA_DEFAULTS = dict(depth=64, aspect_ratio=64, head_dim=128, matrix_lr=0.02, warmdown_frac=0.2,
+CUDA_DEFAULTS = dict(depth="auto", aspect_ratio=64, head_dim=128, matrix_lr=0.02, warmdown_frac=0.2,
                      max_seq_len=2048, total_batch_size=524288, training_hours=31.0,
                      save_every_minutes=60.0, eval_every_minutes=30.0, eval_tokens=1 << 20)
 CPU_DEFAULTS = dict(depth="auto", aspect_ratio=32, head_dim=64, matrix_lr=0.04, warmdown_frac=0.4,
                     max_seq_len=256, total_batch_size=4096, training_hours=0.05,
                     save_every_minutes=1.0, eval_every_minutes=0.5, eval_tokens=1 << 16)
 CPU_DEVICE_BATCH = 16
+MAX_EPOCHS = 8  # DEPTH=auto's cap on passes over the data (experiment/autosize.py says why)
+GUARDS = ("demo", "repeat", "disk")  # the pre-flight's guards on CUDA, which ALLOW passes (preflight.py)
 
 
 class ConfigError(Exception):
@@ -50,8 +52,8 @@ def parse_flags(cls, argv, prog: str, description: str):
 @dataclass
 class TrainConfig:
     depth: int | str | None = opt("layers; model_dim = depth * aspect_ratio; auto: chosen at start from the "
-                                   "throughput measured here, the budget and the data (default 64 with CUDA, "
-                                   "auto without)")
+                                   "throughput (measured on CPU, predicted on CUDA), the budget and the data",
+                                   "auto")
     aspect_ratio: int | None = opt("model_dim per layer (default 64 with CUDA, 32 without)")
     head_dim: int | None = opt("attention head size (default 128 with CUDA, 64 without)")
     max_seq_len: int | None = opt("context length (default 2048 with CUDA, 256 without)")
@@ -61,6 +63,11 @@ class TrainConfig:
     training_hours: float | None = opt("wall-clock budget in hours (default 31 with CUDA, 0.05 without)")
     budget_usd: float | None = opt("if set: hours = budget_usd / (gpu_hourly_usd x world size)")
     gpu_hourly_usd: float = opt("price of one GPU-hour, for budget_usd", 4.0)
+    max_epochs: float | None = opt("stop after this many passes over the training data, the LR schedule planned "
+                                    "for them (default 8 with DEPTH=auto, none with an explicit DEPTH; 0: none)")
+    allow: str = opt("pre-flight guards to pass on CUDA, comma-separated: demo (train on the built-in demo data), "
+                     "repeat (an explicit DEPTH whose budget repeats the data more than 8 times), disk (less free "
+                     "space than the checkpoints need)", "")
     max_steps: int = opt("stop after this many optimizer steps (0: budget only); for tests and benchmarks", 0)
     data_dir: str | None = opt("directory of *.txt (or one .txt); default $WORKSPACE/data, demo if empty")
     workspace: str | None = opt("root of data, prepared, checkpoints, tensorboard "
@@ -136,6 +143,13 @@ def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
     cfg = dataclasses.replace(cfg, **{k: v for k, v in defaults.items() if getattr(cfg, k) is None})
     if not (cfg.depth == "auto" or isinstance(cfg.depth, int) and cfg.depth > 0):
         raise ConfigError(f"--depth must be a positive number of layers or auto, got {cfg.depth!r}")
+    if cfg.max_epochs is None:
+        cfg.max_epochs = float(MAX_EPOCHS if cfg.depth == "auto" else 0)
+    if cfg.max_epochs < 0:
+        raise ConfigError(f"--max_epochs must be >= 0 (0: no limit), got {cfg.max_epochs}")
+    unknown = set(filter(None, cfg.allow.split(","))) - set(GUARDS)
+    if unknown:
+        raise ConfigError(f"--allow: unknown guard(s) {', '.join(sorted(unknown))}; the guards are {', '.join(GUARDS)}")
     if cfg.model_tag is None:
         cfg.model_tag = "auto" if cfg.depth == "auto" else f"d{cfg.depth}"
     if cfg.budget_usd is not None:

@@ -31,10 +31,18 @@ def prepare_data(cfg: TrainConfig, workspace: Path, log) -> Prepared:
                             "leave PREPARED_DIR unset to prepare DATA_DIR")
         return Prepared.load(directory)
     data_dir = Path(cfg.data_dir) if cfg.data_dir else workspace / "data"
-    if cfg.data_dir is None and not (data_dir.is_dir() and any(data_dir.rglob("*.txt"))):
+    if uses_demo(cfg, workspace):
         data_dir = write_demo_corpus(workspace / "demo_data").parent
         log(f"no *.txt in {workspace / 'data'}: training on the built-in arithmetic demo ({data_dir})")
     return prepare(data_dir, workspace, cfg.tokenizer, cfg.alphabet, cfg.val_fraction, cfg.max_seq_len)
+
+
+def uses_demo(cfg: TrainConfig, workspace: Path) -> bool:
+    """True when the run trains on the built-in demo: no DATA_DIR or PREPARED_DIR, and no *.txt in
+    <workspace>/data."""
+    data_dir = workspace / "data"
+    return (cfg.data_dir is None and cfg.prepared_dir is None
+            and not (data_dir.is_dir() and any(data_dir.rglob("*.txt"))))
 
 
 # In the run directory, each a flock that lives as long as its holder (the kernel drops it when the

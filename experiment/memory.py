@@ -108,6 +108,14 @@ def checkpoint_bytes_per_rank(config: GPTConfig, world: int, precision: str) -> 
     return list(zip(part, shard))
 
 
+def checkpoint_bytes(config: GPTConfig, world: int, gpu_bytes: int, precision: str = "auto") -> int:
+    """One checkpoint's bytes, all ranks together, in the precision the memory plan picks at one
+    sequence per micro-batch (bf16 when nothing fits)."""
+    mode = choose_mode(config, world, 1, config.max_seq_len, gpu_bytes, precision)
+    weights = mode.precision if mode else ("bf16" if precision == "auto" else precision)
+    return sum(part + shard for part, shard in checkpoint_bytes_per_rank(config, world, weights))
+
+
 def choose_mode(config: GPTConfig, world_size: int, batch: int, seq: int, gpu_bytes: int,
                 precision: str = "auto", activation_checkpointing: str = "auto") -> MemoryPlan | None:
     """The cheapest mode (fp32 before bf16, no recompute before recompute) that fits, honouring

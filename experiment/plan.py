@@ -7,13 +7,12 @@ Every flag is also an env override named like it in upper case (TOKENS, GPUS, DA
 for experiment/run.sh. For each depth on DEPTH=auto's ladder (the CUDA shape: width 64 per layer,
 heads of 128, context 2048) it prints the parameters, the predicted training tok/s, the hours that
 1, 4 and MAX_EPOCHS passes over the data take, the tokens per parameter the useful hours buy, and
-the checkpoint size, the disk retention needs and the minutes a save takes. Then the recommendation,
-by DEPTH=auto's rule (experiment/autosize.py) over the useful hours: a depth whose MAX_EPOCHS passes
-give it at least MIN_TOKENS_PER_PARAM tokens per parameter, the one nearest TOKENS_PER_PARAM; the
+the checkpoint size, the disk retention needs and the minutes a save takes. Then the recommendation:
+the depth DEPTH=auto picks on those GPUs (experiment/autosize.py, from the same predictions), the
 hours worth paying for (never past MAX_EPOCHS passes) and the dollars the budget leaves unspent.
 
 The tok/s are predictions, not measurements: the MFU measured on one H100 at d12-d24
-(MEASURED_MFU, from reports/gpucheck-h100.md) times the GPU's dense bf16 peak times the GPU count,
+(autosize.MEASURED_MFU, from reports/gpucheck-h100.md) times the GPU's dense bf16 peak times the GPU count,
 divided by the model's training FLOPs per token. Scaling over GPUs is taken as linear.
 """
 
@@ -34,13 +33,9 @@ from experiment.config import CUDA_DEFAULTS, opt, parse_flags
 from experiment.dataloader import DataError, list_sources
 from experiment.files import default_workspace
 from experiment.hardware import peak_flops
-from experiment.memory import checkpoint_bytes_per_rank, choose_mode, count_params
-from experiment.model import GPT, GPTConfig
+from experiment.memory import checkpoint_bytes, choose_mode
+from experiment.model import GPTConfig
 
-# Measured on one H100 80GB HBM3 (reports/gpucheck-h100.md, run 2: compiled, bf16, 524,288
-# tokens/step): MFU against the 989 TFLOP/s peak, by depth. Other depths take the nearest.
-MEASURED_MFU = {12: 0.441, 20: 0.494, 24: 0.528}
-MFU_SOURCE = "reports/gpucheck-h100.md"
 GPU_MEMORY_GIB = (("H200", 141), ("H100", 80), ("A100", 80))  # by name fragment, most specific first
 # Network volumes of GPU clouds write about 200-400 MB/s (RunPod's documentation); the low end.
 DEFAULT_WRITE_GBPS = 0.3
@@ -109,28 +104,17 @@ def count_tokens(cfg: PlanConfig) -> tuple[int, str]:
     return total, f"characters in {len(files)} file(s) of {data_dir}"
 
 
-def mfu(depth: int) -> float:
-    return MEASURED_MFU[min(MEASURED_MFU, key=lambda d: abs(d - depth))]
-
-
-def flops_per_token(config: GPTConfig) -> float:
-    """The model's own count (GPT.estimate_flops), on the meta device: nothing is allocated."""
-    with torch.device("meta"):
-        return GPT(config).estimate_flops()
-
-
 def rung(depth: int, cfg: PlanConfig, gpus: Gpus, train_tokens: int, budget_s: float, vocab: int) -> dict:
     config = GPTConfig(vocab_size=vocab, depth=depth, aspect_ratio=CUDA_DEFAULTS["aspect_ratio"],
                        head_dim=CUDA_DEFAULTS["head_dim"], max_seq_len=cfg.max_seq_len)
-    params = count_params(config)
-    tok_s = mfu(depth) * gpus.peak * gpus.count / flops_per_token(config)
-    pass_s = train_tokens / tok_s
-    useful_s = min(budget_s, autosize.MAX_EPOCHS * pass_s)
-    mode = choose_mode(config, gpus.count, 1, cfg.max_seq_len, gpus.memory_bytes)
-    ckpt = sum(p + o for p, o in checkpoint_bytes_per_rank(config, gpus.count, mode.precision if mode else "bf16"))
-    return {"depth": depth, "params": params, "tok_per_s": tok_s, "fits": mode is not None,
-            "hours_per_pass": pass_s / 3600, "useful_hours": useful_s / 3600, "tokens": tok_s * useful_s,
-            "tokens_per_param": tok_s * useful_s / params, "epochs": tok_s * useful_s / train_tokens,
+    c = autosize.candidate(config, autosize.predicted_tok_per_s(config, gpus.peak, gpus.count), budget_s,
+                           train_tokens)
+    fits = choose_mode(config, gpus.count, 1, cfg.max_seq_len, gpus.memory_bytes) is not None
+    ckpt = checkpoint_bytes(config, gpus.count, gpus.memory_bytes)
+    return {"depth": depth, "params": c.params, "tok_per_s": c.tok_per_s, "fits": fits,
+            "hours_per_pass": train_tokens / c.tok_per_s / 3600, "useful_hours": c.seconds / 3600,
+            "tokens": c.tokens, "tokens_per_param": c.tokens_per_param, "epochs": c.epochs,
+            "budget_epochs": c.budget_epochs,
             "checkpoint_gb": ckpt / 1e9, "disk_peak_gb": (cfg.keep_last + 2) * ckpt / 1e9,
             "save_minutes": ckpt / (cfg.disk_write_gbps * 1e9) / 60}
 
@@ -146,7 +130,7 @@ def plan(cfg: PlanConfig) -> dict:
     rungs = [rung(d, cfg, gpus, train_tokens, hours * 3600, vocab) for d in ladder]
     fitting = [r for r in rungs if r["fits"]]
     candidates = [autosize.Candidate(r["depth"], r["depth"] * CUDA_DEFAULTS["aspect_ratio"], r["params"],
-                                     r["tok_per_s"], r["tokens"], r["epochs"]) for r in fitting]
+                                     r["tok_per_s"], r["tokens"], r["epochs"], r["budget_epochs"]) for r in fitting]
     best = autosize.choose(candidates)
     chosen = next(r for r in fitting if r["depth"] == best.depth)
     per_hour = cfg.gpu_hourly_usd * gpus.count
@@ -154,17 +138,12 @@ def plan(cfg: PlanConfig) -> dict:
             "unspent_usd": (hours - chosen["useful_hours"]) * per_hour, "budget_hours": hours,
             "budget_usd": hours * per_hour, "usd_per_hour": per_hour, "tokens": tokens, "train_tokens": train_tokens,
             "counted": counted, "gpus": f"{gpus.count} x {gpus.name}", "peak_flops": gpus.peak,
-            "mfu_source": MFU_SOURCE, "rule": rule(), "rungs": rungs}
-
-
-def rule() -> str:
-    return (f"the depth nearest {autosize.TOKENS_PER_PARAM:g} tokens/param among those that get at least "
-            f"{autosize.MIN_TOKENS_PER_PARAM:g} within {autosize.MAX_EPOCHS} passes over the data; it trains "
-            f"at most {autosize.MAX_EPOCHS} passes (repeated data is worth less and less: Muennighoff et al. 2023)")
+            "mfu_source": autosize.MFU_SOURCE, "rule": autosize.rule(best) + f"; never more than {autosize.MAX_EPOCHS} "
+            "passes (repeated data is worth less and less: Muennighoff et al. 2023)", "rungs": rungs}
 
 
 def table(p: dict) -> str:
-    measured = ", ".join(f"d{d} {100 * m:.1f}%" for d, m in MEASURED_MFU.items())
+    measured = ", ".join(f"d{d} {100 * m:.1f}%" for d, m in autosize.MEASURED_MFU.items())
     lines = [f"plan | data: {p['train_tokens']:,} training tokens ({p['tokens']:,} {p['counted']}, "
              "minus the val split)",
              f"plan | GPUs: {p['gpus']} at {p['peak_flops'] / 1e12:.0f} TFLOP/s bf16 each | "
@@ -176,7 +155,7 @@ def table(p: dict) -> str:
              f"{f'{autosize.MAX_EPOCHS} passes h':>11} {'useful h':>9} {'tok/param':>9} {'ckpt GB':>8} "
              f"{'disk GB':>8} {'save min':>8}"]
     for r in p["rungs"]:
-        measured_depth = min(MEASURED_MFU) <= r["depth"] <= max(MEASURED_MFU)
+        measured_depth = min(autosize.MEASURED_MFU) <= r["depth"] <= max(autosize.MEASURED_MFU)
         rate = f"{r['tok_per_s']:,.0f}" + ("" if measured_depth else "*")
         lines.append(f"{'d' + str(r['depth']):>5} {_count(r['params']):>8} {rate:>11} "
                      f"{r['hours_per_pass']:>9.2f} {4 * r['hours_per_pass']:>11.2f} "

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiment import autosize
+from experiment import autosize, guards
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError
 from experiment.config import ConfigError, TrainConfig, parse_args, resolve
@@ -30,7 +30,7 @@ from experiment.dataloader import DataError, Prepared
 from experiment.distributed import resolve_device
 from experiment.files import atomic_write_json, default_workspace
 from experiment.launch import (check_not_running, check_resume_target, depth_for, eval_prompt_ids, make_config, model_config,
-                               prepare_data)
+                               prepare_data, uses_demo)
 from experiment.mixture import source_weights
 from experiment.model import GPTConfig
 
@@ -46,7 +46,8 @@ def plan_lines(cfg: TrainConfig, prepared: Prepared, config: GPTConfig | None, w
                resume_step: int | None, run_dir: Path) -> list[str]:
     split = prepared.meta["split"]
     resume = f"resumes step {resume_step:06d} of {run_dir}" if resume_step is not None else f"fresh run in {run_dir}"
-    model = (f"model d{config.depth} width {config.n_embd}, {config.n_head} heads" if config else
+    chosen = " (DEPTH=auto, from the predicted tok/s)" if config and cfg.depth == "auto" and resume_step is None else ""
+    model = (f"model d{config.depth}{chosen} width {config.n_embd}, {config.n_head} heads" if config else
              "model auto (depth chosen at start from the throughput measured there)")
     supported = autosize.supported_depth(make_config(cfg, prepared), split["train_tokens"])
     return [
@@ -77,31 +78,42 @@ def wait_for_node0(plan_file: Path, started: float, wait_minutes: float, log) ->
         time.sleep(WAIT_POLL_SECONDS)
 
 
-def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: float, log) -> dict:
+def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: float, log,
+              gpu: guards.Gpu | None = None) -> dict:
     """Returns the plan ({"prepared": dir, "resume_step": step or None, ...}); raises ConfigError,
-    DataError or CheckpointError for a user's error."""
+    DataError or CheckpointError for a user's error. `gpu`: the GPU to plan for (the tests hand one
+    in on a CPU); None: this machine's, if CUDA is what the run uses."""
     started = time.time()
-    try:
-        cuda = resolve_device(cfg.device).type == "cuda"
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    cfg = resolve(cfg, cuda, world_size)
+    if gpu is None:
+        try:
+            gpu = guards.local_gpu() if resolve_device(cfg.device).type == "cuda" else None
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    cfg = resolve(cfg, gpu is not None, world_size)
     workspace = Path(cfg.workspace) if cfg.workspace else default_workspace()
     run_dir = workspace / "checkpoints" / cfg.model_tag
     plan_file = workspace / "preflight" / f"{cfg.model_tag}.json"
     if node_rank > 0:
         return wait_for_node0(plan_file, started, wait_minutes, log)
     check_not_running(run_dir)  # before minutes of data preparation, not after
+    demo = uses_demo(cfg, workspace)
     prepared = prepare_data(cfg, workspace, log)
     weights = source_weights(prepared.meta, cfg.data_mix)
     resume_step = ckpt.pick_resume_step(run_dir, cfg.resume)
-    depth = depth_for(cfg, run_dir, resume_step)
+    depth, train_tokens = depth_for(cfg, run_dir, resume_step), prepared.meta["split"]["train_tokens"]
+    if depth is None and gpu is not None:
+        depth = guards.auto_depth(cfg, make_config(cfg, prepared), gpu, world_size, train_tokens)
     config = model_config(dataclasses.replace(cfg, depth=depth), prepared) if depth else None
     if resume_step is not None:
         check_resume_target(run_dir, resume_step, config, prepared)
     eval_prompt_ids(cfg, prepared)  # an EVAL_PROMPT the vocabulary cannot spell fails here, not at the first eval
     for line in plan_lines(cfg, prepared, config, world_size, resume_step, run_dir):
         log(line)
+    gpu_plan = guards.gpu_plan(cfg, config, gpu, world_size, train_tokens) if gpu and config else None
+    if gpu_plan:
+        log(guards.plan_line(cfg, gpu_plan, world_size, gpu))
+    if gpu is not None:
+        guards.check(cfg, gpu_plan, demo, workspace, run_dir)
     if len(weights or []) > MANY_SOURCES:
         log(f"warning: {len(weights)} sources (each *.txt at the top of DATA_DIR is one): each is evaluated at "
             "every eval and needs a DATA_MIX weight; group files into sub-directories (one source each)")

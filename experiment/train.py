@@ -74,6 +74,7 @@ class Trainer:
     report: RunReport | NullReport  # metrics.jsonl, report.md and loss.svg on rank 0; a no-op elsewhere
     eval_prompt: list[int]  # the token ids every eval's sample continues
     lock: object  # rank 0: the run directory's trainer lock, held while this process lives; else None
+    max_tokens: float  # MAX_EPOCHS passes over the training data: the run stops there; inf without a cap
 
     @property
     def max_steps(self) -> int:
@@ -211,7 +212,8 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         report=RunReport(run_dir, report_facts(cfg, d, model, prepared, budget_seconds, grad_accum, auto),
                          resume_step, log)
         if d.master else NullReport(),
-        eval_prompt=launch.eval_prompt_ids(cfg, prepared), lock=lock)
+        eval_prompt=launch.eval_prompt_ids(cfg, prepared), lock=lock,
+        max_tokens=cfg.max_epochs * prepared.meta["split"]["train_tokens"] if cfg.max_epochs else math.inf)
     log(f"model {model.num_params():,} params (d{cfg.depth}, width {model_config.n_embd}, "
         f"{model_config.n_head} heads) | {t.flops_per_token:.3e} FLOP/token | batch {cfg.device_batch_size} x "
         f"{cfg.max_seq_len} x {d.world_size} ranks x {t.grad_accum} accum = {cfg.total_batch_size:,} tokens/step | "
@@ -274,22 +276,31 @@ def write_checkpoint(run_dir: Path, model: GPT, opt: ShardedOptimizer, st: RunSt
 
 def choose_depth(cfg: TrainConfig, d: Dist, prepared: Prepared, run_dir: Path, resume_step: int | None,
                  log: RunLog) -> tuple[dict, float]:
-    """DEPTH=auto: sets cfg.depth. A resume keeps its checkpoint's depth; a fresh run measures the
-    ladder on every rank at once (so each rank sees the load training will put on the machine) and
-    takes rank 0's choice. Returns (what the checkpoint meta records, seconds the probe took)."""
+    """DEPTH=auto: sets cfg.depth. A resume keeps its checkpoint's depth. A fresh run on a GPU whose
+    peak is known predicts each depth's tok/s (autosize.predict_and_choose: no compile per depth);
+    otherwise every rank measures the ladder at once (so each sees the load training will put on the
+    machine). Rank 0's choice is taken. Returns (what the checkpoint meta records, seconds the
+    choice took)."""
     if resume_step is not None:
         meta = ckpt.read_meta(run_dir, resume_step)
         cfg.depth, auto = meta["model_config"]["depth"], meta.get("auto") or {}
         log(f"auto: d{cfg.depth} kept from the checkpoint ({auto.get('reason', 'no reason recorded')})")
         return auto, 0.0
     t0 = time.time()
-    chosen, candidates = autosize.probe_and_choose(
-        launch.make_config(cfg, prepared), cfg.device_batch_size or 1, d.device, d.world_size,
-        cfg.training_hours * 3600, prepared.meta["split"]["train_tokens"])
-    auto = broadcast_object({"depth": chosen.depth, "reason": autosize.reason(chosen, candidates),
+    make_config, train_tokens = launch.make_config(cfg, prepared), prepared.meta["split"]["train_tokens"]
+    peak = peak_flops(torch.cuda.get_device_name(d.device)) if d.device.type == "cuda" else None
+    if peak:
+        gpu_bytes = torch.cuda.get_device_properties(d.device).total_memory
+        chosen, candidates = autosize.predict_and_choose(make_config, peak, d.world_size, gpu_bytes,
+                                                         cfg.training_hours * 3600, train_tokens)
+    else:
+        chosen, candidates = autosize.probe_and_choose(make_config, cfg.device_batch_size or 1, d.device,
+                                                       d.world_size, cfg.training_hours * 3600, train_tokens)
+    how = "predicted" if peak else "measured"
+    auto = broadcast_object({"depth": chosen.depth, "reason": autosize.reason(chosen, candidates, how), "how": how,
                              "candidates": [dataclasses.asdict(c) for c in candidates]}, d)
     cfg.depth = auto["depth"]
-    log(f"{auto['reason']} | probe {time.time() - t0:.1f}s, counted in the budget")
+    log(f"{auto['reason']} | took {time.time() - t0:.1f}s, counted in the budget")
     return auto, time.time() - t0
 
 
@@ -340,7 +351,7 @@ def train_loop(t: Trainer) -> int:
             loop.reserve_seconds = t.st.eval_seconds + t.st.save_seconds + t.st.step_seconds
             last_step, eval_due, save_due, signum = decide(t, loop, stop_signal.signum)
             if last_step:
-                loop.stop(0, "finished: the budget is spent" if step < t.max_steps else "finished: max_steps reached")
+                loop.stop(0, last_outcome(t))
             if signum:  # preempted: save what we have now; an eval would spend the grace period
                 name = signal.Signals(signum).name
                 loop.stop(0, f"stopped: {name} at step {step}; the same command resumes it")
@@ -375,10 +386,19 @@ def decide(t: Trainer, loop: Loop, signum: int) -> tuple[int, int, int, int]:
     # An eval (and the save a new best brings) or a save due now is paid for on top of the reserve
     # for the final ones: when both no longer fit, this step is the last, and its eval the final one.
     due_now = (st.eval_seconds + st.save_seconds) * eval_due + st.save_seconds * (save_due and not eval_due)
-    last = step >= t.max_steps or st.used_seconds + loop.reserve_seconds + due_now >= t.budget_seconds
+    last = (step >= t.max_steps or st.tokens_seen >= t.max_tokens
+            or st.used_seconds + loop.reserve_seconds + due_now >= t.budget_seconds)
     flags = torch.tensor([d.master and last, d.master and eval_due, d.master and save_due, signum],
                          dtype=torch.int32, device=d.device)
     return tuple(int(v) for v in d.all_reduce(flags, "max").tolist())
+
+
+def last_outcome(t: Trainer) -> str:
+    if t.st.step >= t.max_steps:
+        return "finished: max_steps reached"
+    if t.st.tokens_seen >= t.max_tokens:
+        return f"finished: {t.cfg.max_epochs:g} passes over the training data (MAX_EPOCHS), before the budget"
+    return "finished: the budget is spent"
 
 
 def maybe_eval(t: Trainer, loop: Loop) -> None:
@@ -446,6 +466,8 @@ def train_step(t: Trainer, loop: Loop) -> tuple[torch.Tensor, float]:
     progress = st.used_seconds / max(t.budget_seconds - loop.reserve_seconds, 1e-9)
     if cfg.max_steps:  # a max_steps run is reproducible: its schedule follows steps
         progress = max(progress, st.step / cfg.max_steps)
+    # The schedule ends where the run does: at the budget, or at MAX_EPOCHS passes when those come first.
+    progress = max(progress, st.tokens_seen / t.max_tokens)
     mult = lr_multiplier(progress, cfg.warmup_frac, cfg.warmdown_frac, cfg.final_lr_frac)
     t.opt.set_lr_multiplier(mult)
     loss_sum = torch.zeros((), device=d.device)
@@ -508,19 +530,40 @@ def record_step(t: Trainer, loop: Loop, loss_sum: torch.Tensor, mult: float, t0:
                       "tokens_seen": st.tokens_seen, "loss": train_loss, "tok_s": tok_s, "mfu": mfu})
     if not loop.planned and loop.measured_time > 0 and st.step - (t.resume_step or 0) >= 10:
         loop.planned = True
-        left = max(t.budget_seconds - st.used_seconds - loop.reserve_seconds, 0)
-        rate = loop.measured_tokens / loop.measured_time
-        plan = planner_line(rate, left, st.step + 1, st.tokens_seen, cfg.total_batch_size, cfg.training_hours,
-                            t.prepared.meta["split"]["train_tokens"], t.model.num_params())
-        t.log(plan)
-        t.report.note("plan", plan.removeprefix("planner | "))
-        total = st.tokens_seen + rate * left
-        for line in autosize.data_lines(cfg.depth, launch.make_config(cfg, t.prepared), total,
-                                        t.prepared.meta["split"]["train_tokens"], auto=t.run_meta["auto"] is not None):
+        plan_from_measured_rate(t, loop, loop.measured_tokens / loop.measured_time)
+
+
+def plan_from_measured_rate(t: Trainer, loop: Loop, rate: float) -> None:
+    """Once, from the tok/s measured over the first warm steps: the projection to the end of the run
+    (the budget, or MAX_EPOCHS passes when they come first: then the seconds left unspent), the data
+    warnings, and for a predicted DEPTH=auto choice the measured rate against the prediction."""
+    cfg, st, train_tokens = t.cfg, t.st, t.prepared.meta["split"]["train_tokens"]
+    left = max(t.budget_seconds - st.used_seconds - loop.reserve_seconds, 0)
+    to_cap = (t.max_tokens - st.tokens_seen) / rate
+    plan = planner_line(rate, min(left, to_cap), st.step + 1, st.tokens_seen, cfg.total_batch_size,
+                        cfg.training_hours, train_tokens, t.model.num_params())
+    t.log(plan)
+    t.report.note("plan", plan.removeprefix("planner | "))
+    if to_cap < left:
+        t.log(f"planner | MAX_EPOCHS={cfg.max_epochs:g}: the data's passes end about {to_cap / 3600:.3f}h from now; the "
+              f"run stops there with about {unspent_text(t, left - to_cap)} of the budget unspent (MAX_EPOCHS=0 "
+              "trains the whole budget)")
+    total = min(st.tokens_seen + rate * left, t.max_tokens)
+    for line in autosize.data_lines(cfg.depth, launch.make_config(cfg, t.prepared), total, train_tokens,
+                                    auto=t.run_meta["auto"] is not None):
+        t.log(line)
+    if t.weights:
+        for line in source_epoch_lines(total, t.weights, t.prepared.meta["source_splits"]):
             t.log(line)
-        if t.weights:
-            for line in source_epoch_lines(total, t.weights, t.prepared.meta["source_splits"]):
-                t.log(line)
+    auto = t.run_meta["auto"] or {}
+    if auto.get("how") == "predicted" and t.resume_step is None:
+        t.log(autosize.check_prediction(auto["candidates"], cfg.depth, rate, t.budget_seconds, train_tokens))
+
+
+def unspent_text(t: Trainer, seconds: float) -> str:
+    """Seconds, hours, and on GPUs the dollars at GPU_HOURLY_USD."""
+    usd = f", ${seconds / 3600 * t.cfg.gpu_hourly_usd * t.d.world_size:,.0f}" if t.d.device.type == "cuda" else ""
+    return f"{seconds:,.0f}s ({seconds / 3600:.2f}h{usd})"
 
 
 def finish(t: Trainer, loop: Loop) -> None:
@@ -531,10 +574,13 @@ def finish(t: Trainer, loop: Loop) -> None:
         files = (ckpt.model_path(t.run_dir, best["step"]) if t.d.world_size == 1
                  else t.run_dir / f"model_{best['step']:06d}_rank{{0..{t.d.world_size - 1}}}.pt")
         spent = loop.used()  # the final eval and save included
-        t.log(f"done: step {t.st.step:06d}, {spent / 3600:.3f}h of {t.cfg.training_hours:.3f}h used "
-              f"({spent:.1f}s of {t.budget_seconds:.1f}s) | best checkpoint {files} (val_loss {best['val_loss']:.4f})")
         t.log(f"serve it: bash run.sh serve   (or: python -m experiment.server --checkpoint {t.run_dir}, which "
               "serves its best)")
+        unspent = (f" | the data's {t.cfg.max_epochs:g} passes are done: {unspent_text(t, t.budget_seconds - spent)} "
+                   "of the budget unspent" if t.st.tokens_seen >= t.max_tokens else "")
+        t.log(f"done: step {t.st.step:06d}, {spent / 3600:.3f}h of {t.cfg.training_hours:.3f}h used "
+              f"({spent:.1f}s of {t.budget_seconds:.1f}s) | best checkpoint {files} (val_loss {best['val_loss']:.4f})"
+              + unspent)
 
 
 # ---------------------------------------------------------------- entry

@@ -1,5 +1,6 @@
 """DEPTH=auto: the rule, the probe, and the trainer keeping the choice across a resume."""
 
+import dataclasses
 import json
 import math
 
@@ -41,11 +42,38 @@ def test_rule_picks_the_sweeps_winners_from_their_measured_speeds():
         assert choose(cands).depth == winners[budget], budget
 
 
-def test_a_budget_that_outruns_the_data_takes_the_largest_trained_depth():
-    cands = ladder_at(80_000, 60_000, 10**6)  # every depth would repeat the data more than 8 times
-    cands = [c for c in cands if c.epochs > autosize.MAX_EPOCHS]
-    trained = [c for c in cands if c.tokens_per_param >= autosize.MIN_TOKENS_PER_PARAM]
-    assert choose(cands) is max(trained, key=lambda c: c.params)
+def test_a_budget_that_outruns_the_data_buys_no_bigger_model_and_no_more_passes():
+    # A 10^6-token corpus: past the budget where the chosen depth's 8 passes fit, more budget changes
+    # nothing, and the candidates' tokens never exceed 8 passes.
+    chosen = [choose(ladder_at(80_000, s, 10**6)) for s in (60_000, 600_000, 6_000_000)]
+    assert len({(c.depth, c.tokens) for c in chosen}) == 1
+    assert chosen[0].depth == supported_depth(make_config, 10**6)  # the largest that 8 passes train
+    assert chosen[0].tokens == autosize.MAX_EPOCHS * 10**6 and chosen[0].seconds < 60_000
+    assert all(c.epochs <= autosize.MAX_EPOCHS for c in ladder_at(80_000, 6_000_000, 10**6))
+
+
+def test_cuda_predicts_each_depth_and_stops_where_memory_ends():
+    gpu = lambda d: GPTConfig(vocab_size=256, depth=d, aspect_ratio=64, head_dim=128, max_seq_len=2048)
+    peak = 989e12
+    chosen, cands = autosize.predict_and_choose(gpu, peak, 8, 80 * 2**30, 31 * 3600, 332_500_000)
+    assert [c.depth for c in cands] == autosize.ladder(64, 128)  # 8 x 80 GB fit every depth with ZeRO-1
+    assert all(a.tok_per_s > b.tok_per_s for a, b in zip(cands, cands[1:]))
+    assert chosen is choose(cands) and chosen.epochs == autosize.MAX_EPOCHS  # 31 h outlast 8 passes
+    assert cands[0].tok_per_s == pytest.approx(autosize.predicted_tok_per_s(gpu(2), peak, 8))
+    _, one_small = autosize.predict_and_choose(gpu, peak, 1, 24 * 2**30, 31 * 3600, 332_500_000)
+    assert 0 < len(one_small) < len(cands)  # one 24 GB GPU: the ladder ends where the memory plan says no
+
+
+def test_the_measured_rate_checks_a_predicted_choice():
+    gpu = lambda d: GPTConfig(vocab_size=256, depth=d, aspect_ratio=64, head_dim=128, max_seq_len=2048)
+    budget, tokens = 3 * 3600, 10**10  # a budget shorter than the data: the rate decides the depth
+    chosen, cands = autosize.predict_and_choose(gpu, 989e12, 8, 80 * 2**30, budget, tokens)
+    dicts = [dataclasses.asdict(c) for c in cands]
+    same = autosize.check_prediction(dicts, chosen.depth, chosen.tok_per_s * 1.1, budget, tokens)
+    assert "1.10x the predicted" in same and f"the rule picks d{chosen.depth} too" in same
+    slow = autosize.check_prediction(dicts, chosen.depth, chosen.tok_per_s / 20, budget, tokens)
+    assert "warning: at that rate the rule picks d" in slow and f"this run keeps d{chosen.depth}" in slow
+    assert int(slow.split("picks d")[1].split(";")[0]) < chosen.depth
 
 
 def test_choice_is_the_candidate_nearest_the_target_ratio():
@@ -84,7 +112,7 @@ def test_probe_measures_the_ladder_and_stops_below_half_the_target():
     assert all(c.tok_per_s > 0 for c in cands) and chosen in cands
     def stops(c):
         return c.tokens_per_param < autosize.MIN_TOKENS_PER_PARAM or (
-            c.tokens_per_param < autosize.TOKENS_PER_PARAM / 2 and c.epochs <= autosize.MAX_EPOCHS)
+            c.tokens_per_param < autosize.TOKENS_PER_PARAM / 2 and c.budget_epochs <= autosize.MAX_EPOCHS)
     assert stops(cands[-1]) or len(cands) == len(autosize.ladder(32, 32))
     assert not any(stops(c) for c in cands[:-1])
 
@@ -93,7 +121,10 @@ def test_depth_flag_takes_auto_or_a_positive_number():
     assert parse_args(["--depth", "auto"]).depth == "auto"
     assert parse_args(["--depth", "6"]).depth == 6
     assert resolve(parse_args([]), cuda=False, world_size=1).depth == "auto"
-    assert resolve(parse_args([]), cuda=True, world_size=1).depth == 64
+    assert resolve(parse_args([]), cuda=True, world_size=1).depth == "auto"
+    assert resolve(parse_args([]), cuda=True, world_size=1).max_epochs == autosize.MAX_EPOCHS
+    assert resolve(parse_args(["--depth", "6"]), cuda=True, world_size=1).max_epochs == 0
+    assert resolve(parse_args(["--depth", "6", "--max_epochs", "3"]), cuda=True, world_size=1).max_epochs == 3
     assert resolve(parse_args(["--depth", "auto"]), cuda=False, world_size=1).model_tag == "auto"
     with pytest.raises(ConfigError, match="--depth must be"):
         resolve(TrainConfig(depth=0), cuda=False, world_size=1)
@@ -113,3 +144,24 @@ def test_trainer_chooses_records_and_keeps_the_depth_on_resume(tmp_path, corpus)
     assert f"auto: d{depth} kept from the checkpoint" in second.stdout
     assert run_meta(tmp_path, 5, tag="auto")["model_config"]["depth"] == depth
     assert json.loads(json.dumps(meta["auto"]["candidates"]))[0]["depth"] == 2
+
+
+def test_a_run_stops_after_max_epochs_passes_its_schedule_ended_and_says_what_it_left_unspent(tmp_path, corpus):
+    # 40k characters, 1 h of budget: a tiny model passes over them in seconds. Half a pass, then stop.
+    args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256, "--max_epochs", 0.5]
+    proc = run_train(args)
+    train_tokens = json.loads(next((tmp_path / "prepared").glob("*/meta.json")).read_text())["split"]["train_tokens"]
+    steps = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("step ") and "| loss" in line]
+    assert steps[-1] == math.ceil(train_tokens / 2 / 256)  # the step that reaches half a pass is the last
+    assert "MAX_EPOCHS=0.5: the data's passes end about" in proc.stdout
+    done = next(line for line in proc.stdout.splitlines() if line.startswith("done:"))
+    assert proc.stdout.strip().splitlines()[-1] == done  # the last line
+    used, budget = (float(x.rstrip("s")) for x in done.split("(")[1].split(")")[0].split(" of "))
+    assert used < 300 and budget == 3600
+    assert "the data's 0.5 passes are done:" in done and "of the budget unspent" in done
+    unspent = float(done.split("passes are done: ")[1].split("s (")[0].replace(",", ""))
+    assert unspent == pytest.approx(budget - used, abs=1)
+    last_lr = [line for line in proc.stdout.splitlines() if line.startswith(f"step {steps[-1]:06d} | loss")][0]
+    assert float(last_lr.split("| lr ")[1].split()[0]) < 0.04 * 0.05  # warmdown ends with the data
+    end = json.loads((tmp_path / "checkpoints/d2/metrics.jsonl").read_text().splitlines()[-1])
+    assert end["outcome"].startswith("finished: 0.5 passes over the training data")

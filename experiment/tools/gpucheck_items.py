@@ -439,7 +439,8 @@ def _e2e_env(ctx: Ctx, ws: Path) -> dict:
     env.update(PYTHON=sys.executable, PYTHONUNBUFFERED="1", WORKSPACE=str(ws), MASTER_PORT=str(port),
                TRAINING_HOURS=str(s.e2e_seconds / 3600), DEPTH=str(s.e2e_depth), MODEL_TAG="e2e",
                SAVE_EVERY_MINUTES="1000", EVAL_EVERY_MINUTES=str(s.e2e_seconds / 4 / 60), SAMPLE_TOKENS="0",
-               LOG_EVERY_STEPS="20", MAX_RESTARTS="0", SHUTDOWN_TIMEOUT="120")
+               LOG_EVERY_STEPS="20", MAX_RESTARTS="0", SHUTDOWN_TIMEOUT="120",
+               ALLOW="demo,repeat")  # the check trains the demo on purpose, minutes on a small corpus
     if ctx.cuda:  # d12 at 16 x 2048 tokens a step: many short steps, so the stop lands close to the budget
         env.update(DEVICE_BATCH_SIZE="16", TOTAL_BATCH_SIZE=str(16 * 2048), EVAL_TOKENS=str(1 << 18))
     else:

@@ -38,6 +38,8 @@ for the device the run is on: the first value with CUDA, the second without.
 
 
 def default(field: dataclasses.Field) -> str:
+    if field.default == "":
+        return "empty"
     if field.default is not None:
         return f"`{field.default}`"
     if field.name in CUDA_DEFAULTS:

@@ -1,0 +1,116 @@
+"""The pre-flight's plan on CUDA and its guards: the costly mistakes refused before the GPUs bill.
+
+On CUDA the pre-flight predicts the run (gpu_plan): the depth (DEPTH=auto decides it here by the
+same prediction the trainer uses), its tok/s, the passes over the data the budget buys, the hours
+the run will train, one checkpoint's size and the disk that retention needs. Then the guards, each
+a ConfigError (exit 2, after the plan line) unless ALLOW names it:
+
+    demo    the run would train on the built-in demo data (the corpus is not where it looks)
+    repeat  the run would repeat the training data more than MAX_EPOCHS times (an explicit DEPTH
+            with the budget's hours: more than the data can use; MAX_EPOCHS=8 stops it there)
+    disk    the free space under WORKSPACE (plus what the run directory already holds, which
+            retention replaces) is below the planned peak: KEEP_LAST + the best + the one being
+            written
+
+They only decide, from what they are handed: the tests give them a CUDA-shaped config on a CPU.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from experiment import autosize
+from experiment.config import MAX_EPOCHS, ConfigError, TrainConfig
+from experiment.hardware import peak_flops
+from experiment.memory import checkpoint_bytes
+
+
+@dataclass
+class Gpu:
+    name: str
+    peak: float | None  # dense bf16 FLOP/s; None for a GPU hardware.py does not know
+    memory_bytes: int
+
+
+@dataclass
+class GpuPlan:
+    depth: int
+    tok_per_s: float  # predicted, all GPUs
+    budget_epochs: float  # passes over the training data the whole budget buys
+    epochs: float  # the passes the run trains: the budget's, or MAX_EPOCHS when fewer
+    hours: float  # the hours those take
+    checkpoint_bytes: int
+    disk_peak_bytes: int
+
+
+def local_gpu() -> Gpu:
+    name = torch.cuda.get_device_name(0)
+    return Gpu(name, peak_flops(name), torch.cuda.get_device_properties(0).total_memory)
+
+
+def auto_depth(cfg: TrainConfig, make_config, gpu: Gpu, world_size: int, train_tokens: int) -> int | None:
+    """The depth DEPTH=auto will build on these GPUs (the trainer predicts the same); None when the
+    GPU's peak is unknown (the trainer then measures at start)."""
+    if gpu.peak is None:
+        return None
+    chosen, _ = autosize.predict_and_choose(make_config, gpu.peak, world_size, gpu.memory_bytes,
+                                            cfg.training_hours * 3600, train_tokens)
+    return chosen.depth
+
+
+def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: int) -> GpuPlan | None:
+    if gpu.peak is None:
+        return None
+    rate = autosize.predicted_tok_per_s(config, gpu.peak, world_size)
+    budget_epochs = rate * cfg.training_hours * 3600 / train_tokens
+    epochs = min(budget_epochs, cfg.max_epochs or budget_epochs)
+    ckpt = checkpoint_bytes(config, world_size, gpu.memory_bytes, cfg.precision)
+    return GpuPlan(config.depth, rate, budget_epochs, epochs, epochs * train_tokens / rate / 3600, ckpt,
+                   (cfg.keep_last + 2) * ckpt)
+
+
+def plan_line(cfg: TrainConfig, p: GpuPlan, world_size: int, gpu: Gpu) -> str:
+    unspent = cfg.training_hours - p.hours
+    stop = (f"stops after {p.epochs:g} passes at {p.hours:.2f}h, {unspent:.2f}h (${unspent * cfg.gpu_hourly_usd * world_size:,.0f}) "
+            f"of the {cfg.training_hours:g}h budget unspent" if p.epochs < p.budget_epochs - 1e-9
+            else f"trains the whole {cfg.training_hours:g}h budget, {p.epochs:.1f} passes over the data")
+    return (f"preflight | plan d{p.depth}: {p.tok_per_s:,.0f} tok/s PREDICTED on {world_size} x {gpu.name} (MFU "
+            f"measured on one H100, {autosize.MFU_SOURCE}) | {stop} | checkpoint {p.checkpoint_bytes / 1e9:.1f} GB, "
+            f"disk peak {p.disk_peak_bytes / 1e9:.1f} GB")
+
+
+def check(cfg: TrainConfig, p: GpuPlan | None, demo: bool, workspace: Path, run_dir: Path) -> None:
+    """ConfigError naming every guard that fails and is not in ALLOW, each with its way out."""
+    allowed = set(filter(None, cfg.allow.split(",")))
+    errors = []
+    if demo and "demo" not in allowed:
+        errors.append(f"no *.txt in {workspace / 'data'}: this would train on the built-in demo data; put the "
+                      "corpus there or set DATA_DIR (ALLOW=demo trains on the demo)")
+    if p is not None and p.epochs > MAX_EPOCHS and "repeat" not in allowed:
+        errors.append(f"d{p.depth} would see the training data {p.epochs:.1f} times in the {cfg.training_hours:g}h "
+                      f"budget (predicted), past {MAX_EPOCHS} (repeated data is worth less and less); use DEPTH=auto, "
+                      f"MAX_EPOCHS={MAX_EPOCHS} (stops there), fewer TRAINING_HOURS, or ALLOW=repeat")
+    if p is not None and "disk" not in allowed:
+        free = free_bytes(workspace) + held_bytes(run_dir)
+        if free < p.disk_peak_bytes:
+            errors.append(f"{workspace} has {free / 1e9:.1f} GB free (with what {run_dir.name} holds now), below the "
+                          f"planned peak {p.disk_peak_bytes / 1e9:.1f} GB ({cfg.keep_last} + 2 checkpoints of "
+                          f"{p.checkpoint_bytes / 1e9:.1f} GB); free space, lower KEEP_LAST, or ALLOW=disk")
+    if errors:
+        raise ConfigError("; and ".join(errors))
+
+
+def free_bytes(path: Path) -> int:
+    path = Path(path)
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def held_bytes(run_dir: Path) -> int:
+    """What the run directory holds now: retention deletes its old checkpoints as new ones come."""
+    return sum(f.stat().st_size for f in Path(run_dir).glob("*") if f.is_file()) if Path(run_dir).is_dir() else 0

@@ -1,0 +1,91 @@
+"""The pre-flight on CUDA, decided on this CPU: a CUDA-shaped config and an H100 handed in. Its plan
+line, DEPTH=auto decided by prediction, and the guards (demo data, repeated data, disk), each
+passed by ALLOW."""
+
+import os
+import subprocess
+
+import pytest
+
+from experiment import preflight
+from experiment.config import ConfigError, parse_args
+from experiment.guards import Gpu, free_bytes
+from experiment.hardware import peak_flops
+
+H100 = Gpu("NVIDIA H100 PCIe", peak_flops("H100 PCIe"), 80 * 2**30)
+
+
+def run_preflight(ws, *flags, world_size=8):
+    """The pre-flight for 8 H100s (CUDA defaults but a 64-token context, which the tiny corpus can fill).
+    Returns (plan or the ConfigError, the lines it printed)."""
+    lines = []
+    cfg = parse_args(["--workspace", str(ws), "--max_seq_len", "64", *map(str, flags)])
+    try:
+        return preflight.preflight(cfg, world_size, 0, 1, lines.append, gpu=H100), lines
+    except ConfigError as e:
+        return e, lines
+
+
+def test_auto_is_predicted_and_stops_at_max_epochs_with_the_budget_left_said(tmp_path, corpus):
+    plan, lines = run_preflight(tmp_path, "--data_dir", corpus)
+    assert isinstance(plan, dict), plan
+    text = "\n".join(lines)
+    assert "model d2 (DEPTH=auto, from the predicted tok/s)" in text
+    line = next(x for x in lines if x.startswith("preflight | plan d2:"))
+    # 31 h of 8 H100s would pass over a 40k-character corpus many thousand times: 8 passes, then stop.
+    assert "PREDICTED on 8 x NVIDIA H100 PCIe" in line and "stops after 8 passes at 0.00h" in line
+    assert "of the 31h budget unspent" in line and "disk peak" in line
+
+
+def test_training_on_the_demo_data_is_refused_unless_allowed(tmp_path):
+    error, lines = run_preflight(tmp_path)
+    assert isinstance(error, ConfigError) and "built-in demo data" in str(error) and "ALLOW=demo" in str(error)
+    assert any(x.startswith("preflight | plan d") for x in lines)  # the plan line comes before the error
+    plan, _ = run_preflight(tmp_path, "--allow", "demo")
+    assert isinstance(plan, dict), plan
+
+
+def test_an_explicit_depth_that_repeats_the_data_is_refused_unless_capped_or_allowed(tmp_path, corpus):
+    error, lines = run_preflight(tmp_path, "--data_dir", corpus, "--depth", 12)
+    assert isinstance(error, ConfigError), error
+    assert "d12 would see the training data" in str(error) and "past 8" in str(error)
+    assert "ALLOW=repeat" in str(error) and "MAX_EPOCHS=8" in str(error)
+    assert any("trains the whole 31h budget" in x for x in lines)
+    for way_out in (["--max_epochs", 8], ["--allow", "repeat"], ["--training_hours", 0.0000001]):
+        plan, _ = run_preflight(tmp_path, "--data_dir", corpus, "--depth", 12, *way_out)
+        assert isinstance(plan, dict), (way_out, plan)
+
+
+def test_less_free_disk_than_the_checkpoints_need_is_refused_naming_both_numbers(tmp_path, corpus):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(ws)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        assert free_bytes(ws / "checkpoints/d24") <= 4 * 2**20  # measured on the nearest existing parent
+        error, _ = run_preflight(ws, "--data_dir", corpus, "--depth", 24, "--max_epochs", 8)
+        assert isinstance(error, ConfigError), error
+        message = str(error)
+        assert "GB free" in message and "below the planned peak" in message and "ALLOW=disk" in message
+        assert "3 + 2 checkpoints of" in message
+        plan, _ = run_preflight(ws, "--data_dir", corpus, "--depth", 24, "--max_epochs", 8, "--allow", "disk")
+        assert isinstance(plan, dict), plan
+    finally:
+        subprocess.run(["umount", "-l", str(ws)], capture_output=True)
+
+
+def test_every_failing_guard_is_named_in_one_error(tmp_path):
+    error, _ = run_preflight(tmp_path, "--depth", 12)
+    assert "demo" in str(error) and "would see the training data" in str(error)
+
+
+def test_an_unknown_guard_is_a_config_error(tmp_path, corpus):
+    error, _ = run_preflight(tmp_path, "--data_dir", corpus, "--allow", "demo,disks")
+    assert isinstance(error, ConfigError) and "--allow: unknown guard(s) disks" in str(error)
+
+
+def test_guards_stay_off_on_cpu(tmp_path):
+    cfg = parse_args(["--workspace", str(tmp_path), "--depth", "2", "--training_hours", "10", "--device", "cpu"])
+    plan = preflight.preflight(cfg, 1, 0, 1, lambda line: None)  # the demo, repeated thousands of times
+    assert plan["resume_step"] is None
