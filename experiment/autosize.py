@@ -216,7 +216,7 @@ def data_lines(depth: int, make_config, total_tokens: float, train_tokens: int, 
              f"over at most {MAX_EPOCHS} epochs); d{depth} has {params:,} params"]
     epochs = total_tokens / train_tokens
     if epochs > MAX_GOOD_EPOCHS:
-        fix = "more data or a smaller budget" if auto else "DEPTH=auto, a smaller DEPTH, more data or a smaller budget"
+        fix = "more data" if auto else "DEPTH=auto, a smaller DEPTH, more data or a smaller budget"
         lines.append(f"warning: d{depth} will see the training data {epochs:.1f} times in the budget (past "
                      f"{MAX_GOOD_EPOCHS}, repeated tokens are worth less and less); consider {fix}")
     return lines

@@ -8,7 +8,9 @@ dicts, meta, rank and world size); the trainer turns its model and optimizer int
     (world > 1: each rank writes the weights it owns, so no rank writes the whole model),
     optim_<step>_rank<r>.pt, meta_<step>.json, best.json. A step counts only once its meta file
     exists: meta is written last, after every rank's files are on disk, so a crash mid-save leaves an
-    incomplete step that is never loaded.
+    incomplete step that is never loaded. The meta records each file's size and CRC-32 as written
+    ("files"), so a file damaged later (a partial copy, a volume error) is found before it is loaded.
+An export (export_model) is one file, the model in bf16 with its meta, for download and serving.
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ from typing import Callable
 
 import torch
 
-from experiment.files import atomic_torch_save, atomic_write_json
+from experiment.files import atomic_torch_save, atomic_write_json, file_sum
 from experiment.model import GPT, GPTConfig, build_model
 
 META_RE = re.compile(r"^meta_(\d{6,})\.json$")
 MODEL_RE = re.compile(r"^model_(\d{6,})(?:_rank\d+)?\.pt$")  # the whole model or one rank's part
 STEP_FILE_RE = re.compile(r"^(?:model|optim)_(\d{6,})(?:_rank\d+)?\.pt$")
+# A step's files are checked against their recorded CRC-32 when they total at most this (a read of
+# seconds); larger steps are checked by size, which finds a truncated file, the common damage.
+CHECKSUM_MAX_BYTES = 2 * 10**9
+EXPORT_FORMAT = "nanogpt-budget-export-1"
 
 
 class CheckpointError(Exception):
@@ -133,6 +139,24 @@ def drop_old_best_optimizer(run_dir: Path, keep_last: int) -> int | None:
     return int(best["step"]) if shards else None
 
 
+def damaged_files(run_dir: Path, step: int, prefix: str = "") -> list[str]:
+    """What is wrong with the step's files whose names start with `prefix` (all, or "model_"),
+    against the sizes and CRC-32s its meta recorded: sizes always, checksums when those files total
+    at most CHECKSUM_MAX_BYTES. Empty when intact, or when the meta predates the record."""
+    recorded = {n: info for n, info in read_meta(run_dir, step).get("files", {}).items() if n.startswith(prefix)}
+    checksums = sum(info["bytes"] for info in recorded.values()) <= CHECKSUM_MAX_BYTES
+    problems = []
+    for name, info in sorted(recorded.items()):
+        path = Path(run_dir) / name
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+        elif path.stat().st_size != info["bytes"]:
+            problems.append(f"{path}: {path.stat().st_size:,} bytes, its meta records {info['bytes']:,}")
+        elif checksums and file_sum(path)["crc32"] != info["crc32"]:
+            problems.append(f"{path}: CRC-32 differs from the one its meta records")
+    return problems
+
+
 def is_resumable(run_dir: Path, step: int) -> bool:
     """A complete step with every rank's optimizer shard on disk (retention drops an old best's)."""
     world = read_meta(run_dir, step)["world_size"]
@@ -211,16 +235,19 @@ def load_model_state(run_dir: Path, step: int) -> dict:
 def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> tuple[GPT, dict]:
     """Rebuild the model from its meta alone, its weights assigned straight from the (memory-mapped)
     files in `dtype` (None: the dtype it was saved in) on `device`: a bf16 d64 serves from one GPU
-    without an fp32 copy anywhere. Returns (model in eval mode, meta)."""
+    without an fp32 copy anywhere. `path` is a step's model file (its files are checked against the
+    sizes and checksums its meta recorded) or an export. Returns (model in eval mode, meta)."""
     path = Path(path)
     m = MODEL_RE.match(path.name)
     if not m:
-        raise CheckpointError(f"{path}: expected a file named model_<step>.pt or model_<step>_rank<r>.pt")
+        return _load_export(path, device, dtype)
     step = int(m.group(1))
     meta_file = meta_path(path.parent, step)
     if not meta_file.exists():
         raise CheckpointError(f"{path}: incomplete checkpoint ({meta_file.name} missing)")
     meta = read_json(meta_file)
+    if damaged := damaged_files(path.parent, step, prefix="model_"):
+        raise CheckpointError(f"{path}: step {step:06d} is damaged: {'; '.join(damaged)}")
     if dtype is None:
         name = meta.get("weights_dtype", "float32")  # metas from before the field: fp32
         if name not in ("float32", "bfloat16", "float16"):
@@ -229,6 +256,41 @@ def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     try:
         model = build_model(GPTConfig(**meta["model_config"]), device, dtype, load_model_state(path.parent, step))
     except (RuntimeError, OSError, KeyError) as e:
+        raise CheckpointError(f"{path}: cannot load weights ({e})") from e
+    return model.eval(), meta
+
+
+def export_model(src: Path, out: Path) -> dict:
+    """One file, `out`, holding the model of the step `src` names (a model_<step>.pt, or any part
+    of a step saved in parts) in bf16 with its meta: what a user downloads and serves. The step's
+    model files are checked first. Returns the step, the bytes written and their CRC-32."""
+    src = Path(src)
+    m = MODEL_RE.match(src.name)
+    if not m or not meta_path(src.parent, int(m.group(1))).is_file():
+        raise CheckpointError(f"{src}: expected a complete step's model file (model_<step>.pt) or its run directory")
+    run_dir, step = src.parent, int(m.group(1))
+    if damaged := damaged_files(run_dir, step, prefix="model_"):
+        raise CheckpointError(f"{src}: step {step:06d} is damaged: {'; '.join(damaged)}")
+    meta = {k: v for k, v in read_meta(run_dir, step).items() if k not in ("files", "data_positions")}
+    state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_model_state(run_dir, step).items()}
+    meta.update(weights_dtype="bfloat16", exported_from=str(src))
+    return {"step": step, **atomic_torch_save(Path(out), {"format": EXPORT_FORMAT, "meta": meta, "model": state})}
+
+
+def _load_export(path: Path, device, dtype: torch.dtype | None) -> tuple[GPT, dict]:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    try:
+        obj = load_tensors(path)
+    except Exception as e:  # a damaged zip, or not torch's format at all
+        raise CheckpointError(f"{path}: cannot read it ({e})") from e
+    if not isinstance(obj, dict) or obj.get("format") != EXPORT_FORMAT:
+        raise CheckpointError(f"{path}: expected model_<step>.pt, model_<step>_rank<r>.pt or an export "
+                              "(python -m experiment.export)")
+    meta = obj["meta"]
+    try:
+        model = build_model(GPTConfig(**meta["model_config"]), device, dtype or torch.bfloat16, obj["model"])
+    except (RuntimeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: cannot load weights ({e})") from e
     return model.eval(), meta
 
@@ -271,24 +333,27 @@ class Retention:
 
 
 def save_checkpoint(run_dir: Path, step: int, model_data: dict, optimizer_data: dict, meta: dict, rank: int = 0,
-                    world_size: int = 1, all_ok: Callable[[bool], bool] = bool) -> str | None:
+                    world_size: int = 1, all_ok: Callable[[bool], bool] = bool,
+                    gather: Callable[[dict], list] = lambda files: [files]) -> str | None:
     """Rank `rank`'s files of `step`: its model data (the whole model in one process, else the part
     it owns) and its optimizer shard; then, once every rank's files are on disk, rank 0 writes `meta`
-    last as the completion marker (and best.json when meta's state names this step the best).
-    `all_ok(ok)` is True on every rank iff ok on every rank (a collective; with one process, bool).
+    last as the completion marker, with every rank's file sizes and CRC-32s (and best.json when
+    meta's state names this step the best). `all_ok(ok)` is True on every rank iff ok on every rank,
+    `gather(obj)` every rank's obj (collectives; with one process, trivial).
 
     Returns None when the step is complete, else why it is not, on every rank alike: its files are
     removed and the checkpoints before it are untouched (a full disk costs one save, not the run).
     """
-    error = _write_rank_files(run_dir, step, model_data, optimizer_data, rank, world_size)
+    error, files = _write_rank_files(run_dir, step, model_data, optimizer_data, rank, world_size)
     if not all_ok(error is None):  # every rank's files are on disk before meta can complete the step
         if rank == 0:
             remove_incomplete(run_dir)
         return error or "another rank failed"
+    files = {name: info for part in gather(files) for name, info in part.items()}
     error = None
     if rank == 0:
         try:
-            atomic_write_json(meta_path(run_dir, step), meta)
+            atomic_write_json(meta_path(run_dir, step), {**meta, "files": files})
             if meta["state"]["best_step"] == step:
                 atomic_write_json(run_dir / "best.json", {"step": step, "val_loss": meta["val_loss"]})
         except OSError as e:
@@ -298,17 +363,17 @@ def save_checkpoint(run_dir: Path, step: int, model_data: dict, optimizer_data: 
 
 
 def _write_rank_files(run_dir: Path, step: int, model_data: dict, optimizer_data: dict, rank: int,
-                      world_size: int) -> str | None:
-    """This rank's model file or part and its optimizer shard; the error, if any."""
+                      world_size: int) -> tuple[str | None, dict]:
+    """This rank's model file or part and its optimizer shard: (the error, if any; {file name:
+    {"bytes", "crc32"}})."""
+    # every rank writes what it owns: no rank writes (and no rank waits on) the whole model
+    model_file = model_path(run_dir, step) if world_size == 1 else model_part_path(run_dir, step, rank)
     try:
-        # every rank writes what it owns: no rank writes (and no rank waits on) the whole model
-        atomic_torch_save(model_path(run_dir, step) if world_size == 1 else model_part_path(run_dir, step, rank),
-                          model_data)
-        atomic_torch_save(optim_path(run_dir, step, rank), optimizer_data)
+        return None, {p.name: atomic_torch_save(p, data)
+                      for p, data in ((model_file, model_data), (optim_path(run_dir, step, rank), optimizer_data))}
     except OSError as e:
         print(f"[rank {rank}] error: writing checkpoint step {step:06d} failed: {e}", file=sys.stderr, flush=True)
-        return str(e)
-    return None
+        return str(e), {}
 
 
 def retain(run_dir: Path, retention: Retention, log: Callable[[str], None]) -> str:
@@ -333,7 +398,32 @@ def load_checkpoint(run_dir: Path, step: int) -> tuple[dict, list[dict], dict]:
     return load_model_state(run_dir, step), shards, meta
 
 
-def pick_resume_step(run_dir: Path, resume: str) -> int | None:
+def pick_resume_step(run_dir: Path, resume: str, log: Callable[[str], None] | None = None,
+                     quarantine: bool = False) -> int | None:
+    """The step to resume (None: a fresh run). RESUME=auto takes the newest resumable step whose files
+    are intact (damaged_files), saying which damaged ones it passed over; with `quarantine` (the
+    trainer's rank 0) their meta is renamed to meta_<step>.json.damaged, so the step no longer counts
+    as complete. CheckpointError when no step can be resumed and a fresh start would mix runs."""
+    step = _pick_step(run_dir, resume)
+    if step is None:
+        return None
+    if resume != "auto":
+        if damaged := damaged_files(run_dir, step):
+            raise CheckpointError(f"--resume {resume}: step {step:06d} is damaged: {'; '.join(damaged)}")
+        return step
+    skipped = []
+    for candidate in reversed([s for s in complete_steps(run_dir) if s <= step and is_resumable(run_dir, s)]):
+        if not (damaged := damaged_files(run_dir, candidate)):
+            return candidate
+        skipped.append(candidate)
+        (log or print)(f"warning: checkpoint step {candidate:06d} is damaged ({'; '.join(damaged)}); trying an older one")
+        if quarantine:
+            meta_path(run_dir, candidate).rename(meta_path(run_dir, candidate).with_suffix(".json.damaged"))
+    raise CheckpointError(f"{run_dir}: every resumable checkpoint is damaged (steps {', '.join(f'{s:06d}' for s in skipped)}"
+                          "; the warnings above name the files); move them away to start afresh")
+
+
+def _pick_step(run_dir: Path, resume: str) -> int | None:
     steps = complete_steps(run_dir)
     if resume == "never":
         if steps:

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import tempfile
+import zlib
 from pathlib import Path
 
 import torch
@@ -28,18 +29,44 @@ def default_workspace() -> Path:
     return REPO_ROOT
 
 
-def _atomic_write(path: Path, write) -> None:
+def _atomic_write(path: Path, write):
+    """write(f) into a temp file beside path, fsync, rename; returns what write returned."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            result = write(f)
             f.flush()
             os.fsync(f.fileno())  # the data must be on disk before the rename makes it visible
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return result
+
+
+class _Summing:
+    """A write-only file that counts and CRC-32s the bytes passing through it to the real one."""
+
+    def __init__(self, f) -> None:
+        self.f, self.bytes, self.crc32 = f, 0, 0
+
+    def write(self, data) -> int:
+        self.bytes += len(data)
+        self.crc32 = zlib.crc32(data, self.crc32)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def file_sum(path: Path) -> dict:
+    """{"bytes", "crc32"} of a file as it is on disk now, read in 64 MiB blocks."""
+    crc, n = 0, 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 26):
+            crc, n = zlib.crc32(block, crc), n + len(block)
+    return {"bytes": n, "crc32": crc}
 
 
 def atomic_write_json(path: Path, obj) -> None:
@@ -50,17 +77,21 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     _atomic_write(Path(path), lambda f: f.write(data))
 
 
-def atomic_torch_save(path: Path, obj) -> None:
-    def write(f) -> None:
+def atomic_torch_save(path: Path, obj) -> dict:
+    """torch.save(obj) to path atomically; returns {"bytes", "crc32"} of what was written (summed on
+    the way out, so checking the file later costs no second read now)."""
+    def write(f) -> dict:
+        summing = _Summing(f)
         try:
-            torch.save(obj, f)
+            torch.save(obj, summing)
+            return {"bytes": summing.bytes, "crc32": summing.crc32}
         except RuntimeError as e:
             # torch.save's zip writer reports a write the disk refused (full, gone) as RuntimeError
             # ("[enforce fail at inline_container.cc] unexpected pos"): an I/O error, raised as one
             # so callers that handle a failed write see it.
             raise OSError(f"writing {path} failed: {e}") from e
 
-    _atomic_write(Path(path), write)
+    return _atomic_write(Path(path), write)
 
 
 def publish_dir(tmp: Path, final: Path) -> None:

@@ -15,6 +15,7 @@ without saying why), and runs COMMAND through the shell with:
     BEST_CHECKPOINT the best checkpoint's model file, or the run directory when several ranks saved it
                     in parts (the server and sample serve a run directory's best); empty when none
     BEST_VAL_LOSS   its val loss (empty when there is none)
+    BEST_EXPORT     <run directory>/best.pt, the best model as one bf16 file (empty when absent)
 
 e.g. ON_EXIT='runpodctl stop pod $RUNPOD_POD_ID' stops the pod that bills for idle GPUs.
 """
@@ -57,7 +58,8 @@ def outcome_env(run_dir: Path, since: float) -> dict[str, str]:
     outcome = last_words(run_dir, since) or ("failed: the run ended without its last words (a crash, torchrun "
                                              "giving up, or every process killed); see training.log")
     env = {"RUN_STATUS": outcome.split(":")[0], "RUN_OUTCOME": outcome, "RUN_DIR": str(run_dir),
-           "BEST_CHECKPOINT": "", "BEST_VAL_LOSS": ""}
+           "BEST_CHECKPOINT": "", "BEST_VAL_LOSS": "",
+           "BEST_EXPORT": str(run_dir / "best.pt") if (run_dir / "best.pt").is_file() else ""}
     best = ckpt.read_best(run_dir) if run_dir.is_dir() else None
     if best is not None and best["step"] in ckpt.complete_steps(run_dir):
         path = ckpt.model_path(run_dir, best["step"])  # saved in parts by several ranks: the run directory

@@ -3,7 +3,7 @@
     python -m experiment.sample --checkpoint PATH --prompt TEXT --max_tokens N   (or: bash run.sh sample ...)
 
 The checkpoint resolves as the server resolves it: a run directory (its best checkpoint), a
-model_<step>.pt (that step, also when it was saved in per-rank parts), or nothing (the best of the
+model_<step>.pt (that step, also when it was saved in per-rank parts), an export (best.pt), or nothing (the best of the
 newest run under the workspace). Decoding is the server's (experiment/engine.py): with the same
 prompt, settings and seed, a sample is the completion the server returns. Sample i of a prompt uses
 seed + i. Lines about the checkpoint go to stderr, the text to stdout.
@@ -31,7 +31,7 @@ SEPARATOR = "-" * 40  # between samples, as nanoGPT's sample.py prints them
 
 @dataclass
 class SampleConfig:
-    checkpoint: str | None = opt("a run directory (its best), a model_<step>.pt (that step), or unset: the "
+    checkpoint: str | None = opt("a run directory (its best), a model_<step>.pt (that step), an export (best.pt), or unset: the "
                                  "newest run's best")
     prompt: str = opt("the text the samples continue (empty: from the start of a document)", "")
     prompt_file: str | None = opt("a file of prompts, one per line; \\n in a line stands for a newline")

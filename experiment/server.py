@@ -72,7 +72,7 @@ OPENAI_NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "presen
 
 @dataclass
 class ServeConfig:
-    checkpoint: str | None = opt("model_*.pt or a run directory (default: the newest run's best)")
+    checkpoint: str | None = opt("model_*.pt, an export (best.pt) or a run directory (default: the newest run's best)")
     host: str = opt("bind address; 0.0.0.0 exposes the server to the network", "127.0.0.1")
     port: int = opt("0 picks a free port", 8000)
     device: str = opt("where the model runs", "auto", choices=("auto", "cpu", "cuda"))
@@ -317,7 +317,8 @@ class Engine:
         check_batching(max_batch, max_queue, kv_cache_gib)
         self.model, self.meta, self.path, self.device = model, meta, path, device
         self.tok = tokenizer_from_meta(meta["tokenizer"])
-        self.model_id = path.parent.name  # the run directory: what /v1/models lists
+        # what /v1/models lists: the run directory's name, which an export records (it travels alone)
+        self.model_id = (meta["train_config"].get("model_tag") if "exported_from" in meta else None) or path.parent.name
         self.created = int(path.stat().st_mtime) if path.exists() else int(time.time())
         dtype = model.wte.weight.dtype
         self.slot_bytes = KVSlots.bytes_per_slot(model.config, dtype)

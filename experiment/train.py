@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from experiment import autosize, launch
+from experiment import autosize, export, launch
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError, Retention, RunState, pick_resume_step
 from experiment.config import ConfigError, TrainConfig, checkpoint_meta, parse_args, resolve
@@ -134,7 +134,8 @@ def prepare_data(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path,
         try:
             lock = launch.hold_trainer_lock(run_dir)
             prepared = launch.prepare_data(cfg, workspace, log)
-            setup = {"prepared": str(prepared.dir), "resume_step": pick_resume_step(run_dir, cfg.resume)}
+            setup = {"prepared": str(prepared.dir),
+                     "resume_step": pick_resume_step(run_dir, cfg.resume, log, quarantine=True)}
         except (DataError, ConfigError, CheckpointError) as e:
             setup = {"error": str(e)}
     setup = broadcast_object(setup, d)
@@ -271,7 +272,7 @@ def write_checkpoint(run_dir: Path, model: GPT, opt: ShardedOptimizer, st: RunSt
     }
     mine = state if d.world_size == 1 else ckpt.model_part(state, opt.owner, d.rank)
     return ckpt.save_checkpoint(run_dir, st.step, mine, {**opt.shard_state(), "rng": rng}, meta, d.rank, d.world_size,
-                                all_ok=lambda ok: all_ranks_ok(ok, d))
+                                all_ok=lambda ok: all_ranks_ok(ok, d), gather=lambda files: gather_objects(files, d))
 
 
 def choose_depth(cfg: TrainConfig, d: Dist, prepared: Prepared, run_dir: Path, resume_step: int | None,
@@ -574,6 +575,7 @@ def finish(t: Trainer, loop: Loop) -> None:
         files = (ckpt.model_path(t.run_dir, best["step"]) if t.d.world_size == 1
                  else t.run_dir / f"model_{best['step']:06d}_rank{{0..{t.d.world_size - 1}}}.pt")
         spent = loop.used()  # the final eval and save included
+        t.log(export_best(t.run_dir))
         t.log(f"serve it: bash run.sh serve   (or: python -m experiment.server --checkpoint {t.run_dir}, which "
               "serves its best)")
         unspent = (f" | the data's {t.cfg.max_epochs:g} passes are done: {unspent_text(t, t.budget_seconds - spent)} "
@@ -581,6 +583,16 @@ def finish(t: Trainer, loop: Loop) -> None:
         t.log(f"done: step {t.st.step:06d}, {spent / 3600:.3f}h of {t.cfg.training_hours:.3f}h used "
               f"({spent:.1f}s of {t.budget_seconds:.1f}s) | best checkpoint {files} (val_loss {best['val_loss']:.4f})"
               + unspent)
+
+
+def export_best(run_dir: Path) -> str:
+    """Rank 0 at the end: the best step as one bf16 file, <run_dir>/best.pt; the line that says so.
+    A failure (a full disk) costs the file, not the run: the checkpoints hold the same model."""
+    try:
+        out, facts = export.export(run_dir, None, run_dir.parent)
+    except (CheckpointError, OSError) as e:
+        return f"warning: the best model was not exported as one file ({e}); python -m experiment.export retries"
+    return export.describe(out, facts)
 
 
 # ---------------------------------------------------------------- entry

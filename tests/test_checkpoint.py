@@ -110,7 +110,7 @@ def saved_run(tmp_path, corpus):
 def _save(run, model, opt, prepared, step, val_loss, best, cfg=None, log=None):
     st = RunState(step=step, tokens_seen=64 * step, used_seconds=2.5 * step, best_val=best[0], best_step=best[1],
                   data_state={"epoch": 0, "cursor": 4 * step})
-    cfg = cfg or TrainConfig()
+    cfg = cfg or TrainConfig(model_tag="t")
     assert write_checkpoint(run, model, opt, st, val_loss, checkpoint_meta(cfg, prepared, 60.0),
                             Dist(0, 0, 1, torch.device("cpu"))) is None
     log = log or RunLog(None)
@@ -155,6 +155,7 @@ def test_a_step_saved_in_parts_is_served_from_any_of_its_names(saved_run, tmp_pa
     for r in range(2):
         ckpt.atomic_torch_save(ckpt.model_part_path(parts, 2, r), ckpt.model_part(full, owner, r))
     meta = ckpt.read_meta(run, 2)
+    meta = {k: v for k, v in meta.items() if k != "files"}  # written by hand: no record of the parts' sums
     ckpt.atomic_write_json(ckpt.meta_path(parts, 2), {**meta, "world_size": 2, "model_parts": 2})
     ckpt.atomic_write_json(parts / "best.json", {"step": 2, "val_loss": 1.5})
 
@@ -239,3 +240,66 @@ def test_a_bf16_checkpoint_loads_as_bf16_in_about_one_copy_of_its_weights(tmp_pa
     # An fp32 model built and initialized first, then the file read and copied in, is 3 copies of the
     # bf16 weights (the loader before this one: 2.9x; this one 1.04x).
     assert grown < 1.5 * weights, f"load grew RSS by {grown / weights:.2f}x the {weights / 2**20:.0f} MiB of weights"
+
+
+def test_the_meta_records_each_files_size_and_crc_and_damage_is_found(saved_run):
+    run, model, opt, prepared = saved_run
+    files = ckpt.read_meta(run, 2)["files"]
+    assert sorted(files) == ["model_000002.pt", "optim_000002_rank0.pt"]
+    for name, info in files.items():
+        assert info == ckpt.file_sum(run / name)  # summed on the way out = what is on disk
+    assert ckpt.damaged_files(run, 2) == []
+    path = ckpt.model_path(run, 2)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit in the middle: same size
+    path.write_bytes(bytes(data))
+    assert ckpt.damaged_files(run, 2) == [f"{path}: CRC-32 differs from the one its meta records"]
+    path.write_bytes(bytes(data[:100]))  # a partial copy
+    assert ckpt.damaged_files(run, 2, prefix="model_") == [f"{path}: 100 bytes, its meta records {len(data):,}"]
+    with pytest.raises(ckpt.CheckpointError, match="step 000002 is damaged: .*100 bytes"):
+        ckpt.load_model(path)  # the server's and sample's loader
+    with pytest.raises(ckpt.CheckpointError, match="damaged"):
+        ckpt.export_model(path, run / "best.pt")
+
+
+def test_resume_falls_back_to_the_newest_intact_step_and_says_which_file_is_damaged(saved_run):
+    run, model, opt, prepared = saved_run
+    _save(run, model, opt, prepared, step=4, val_loss=1.4, best=(1.4, 4))
+    ckpt.optim_path(run, 4, 0).write_bytes(b"truncated")
+    lines = []
+    assert ckpt.pick_resume_step(run, "auto", lines.append) == 2
+    assert lines == [f"warning: checkpoint step 000004 is damaged ({ckpt.optim_path(run, 4, 0)}: 9 bytes, its meta "
+                     f"records {ckpt.read_meta(run, 4)['files']['optim_000004_rank0.pt']['bytes']:,}); trying an older one"]
+    with pytest.raises(ckpt.CheckpointError, match="--resume 4: step 000004 is damaged"):
+        ckpt.pick_resume_step(run, "4")
+    assert ckpt.pick_resume_step(run, "auto", lines.append, quarantine=True) == 2  # the trainer's rank 0
+    assert ckpt.complete_steps(run) == [2] and (run / "meta_000004.json.damaged").is_file()
+    ckpt.model_path(run, 2).write_bytes(b"")
+    with pytest.raises(ckpt.CheckpointError, match="every resumable checkpoint is damaged \\(steps 000002"):
+        ckpt.pick_resume_step(run, "auto", lines.append)
+
+
+def test_an_export_is_one_bf16_file_that_serves_the_same_model(saved_run, tmp_path):
+    from experiment import export
+    from experiment.server import Engine
+
+    run, model, _, _ = saved_run
+    out, facts = export.export(run, tmp_path / "dl" / "model.pt", tmp_path)
+    assert facts["step"] == 2 and facts["bytes"] == out.stat().st_size == ckpt.file_sum(out)["bytes"]
+    assert "serve it: bash run.sh serve --checkpoint" in export.describe(out, facts)
+    loaded, meta = ckpt.load_model(out)
+    assert loaded.wte.weight.dtype == torch.bfloat16 and meta["step"] == 2 and meta["weights_dtype"] == "bfloat16"
+    x = torch.randint(1, 20, (2, 32))
+    bf16 = GPT(model.config)
+    bf16.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()})
+    assert torch.equal(loaded.float()(x), bf16.eval()(x))  # exactly the weights, rounded to bf16 once
+    assert ckpt.resolve_serving_checkpoint(out, tmp_path) == out
+    engine = Engine(loaded, meta, out, torch.device("cpu"), max_batch=2)
+    try:
+        assert engine.model_id == "t" and engine.info()["step"] == 2  # the run's name, though the file moved
+    finally:
+        engine.close()
+    out.write_bytes(out.read_bytes()[:1000])
+    with pytest.raises(ckpt.CheckpointError, match="cannot read it"):
+        ckpt.load_model(out)
+    assert export.main(["--checkpoint", str(tmp_path / "nowhere")]) == 2

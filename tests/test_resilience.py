@@ -151,13 +151,14 @@ def test_on_exit_runs_once_when_the_run_ends_however_it_ends(tmp_path, corpus):
     env = {**ENV, "DEPTH": "2", "ASPECT_RATIO": "32", "HEAD_DIM": "32", "MAX_SEQ_LEN": "32", "DEVICE_BATCH_SIZE": "4",
            "TOTAL_BATCH_SIZE": "256", "SAMPLE_TOKENS": "0", "DATA_DIR": str(corpus), "WORKSPACE": str(tmp_path),
            "SAVE_EVERY_STEPS": "5", "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
-           "ON_EXIT": f'echo "$RUN_STATUS|$RUN_OUTCOME|$BEST_CHECKPOINT|$BEST_VAL_LOSS" >> {out}'}
+           "ON_EXIT": f'echo "$RUN_STATUS|$RUN_OUTCOME|$BEST_CHECKPOINT|$BEST_VAL_LOSS|$BEST_EXPORT" >> {out}'}
     launch = ["bash", str(REPO / "experiment/run.sh")]
     run_dir = tmp_path / "checkpoints/d2"
     done = subprocess.run([*launch, "MAX_STEPS=3"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    status, outcome, best, val = _wait_for_file(out).strip().split("|")
+    status, outcome, best, val, export = _wait_for_file(out).strip().split("|")
     assert (status, outcome, best) == ("finished", "finished: max_steps reached", str(ckpt.model_path(run_dir, 3)))
+    assert export == str(run_dir / "best.pt") and ckpt.load_model(run_dir / "best.pt")[1]["step"] == 3
     assert float(val) == ckpt.read_best(run_dir)["val_loss"]
 
     # kill -9 of the whole launch: the watcher, in its own session, still reports it, once

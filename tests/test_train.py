@@ -1,6 +1,7 @@
 """The trainer end to end: budget, evals, best tracking, resume, config errors, parts per rank."""
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -36,7 +37,7 @@ def test_settings_that_cannot_work_are_named():
     with pytest.raises(ConfigError, match="not divisible by device_batch_size 3"):
         resolve(TrainConfig(device_batch_size=3), cuda=False, world_size=2)
     cfg = resolve(TrainConfig(budget_usd=8.0), cuda=True, world_size=8)
-    assert cfg.training_hours == pytest.approx(0.25) and cfg.depth == 64 and cfg.model_tag == "d64"
+    assert cfg.training_hours == pytest.approx(0.25) and cfg.depth == "auto" and cfg.model_tag == "auto"
 
 
 def test_peak_flops_by_name_and_none_for_unknown():
@@ -331,6 +332,23 @@ def test_an_eval_due_when_the_budget_has_no_room_for_another_makes_this_step_the
     for eval_ago, used, last in ((120, 95.0, 1), (10, 95.0, 0), (120, 92.0, 0)):
         # reserve 4 s (eval 2 + save 1 + step 1) of a 100 s budget; an eval due now costs 3 s more
         st = RunState(step=50, used_seconds=used, eval_seconds=2.0, save_seconds=1.0, step_seconds=1.0)
-        t = SimpleNamespace(cfg=cfg, d=Dist(0, 0, 1, torch.device("cpu")), st=st, max_steps=10**9, budget_seconds=100.0)
+        t = SimpleNamespace(cfg=cfg, d=Dist(0, 0, 1, torch.device("cpu")), st=st, max_steps=10**9, budget_seconds=100.0,
+                            max_tokens=math.inf)
         loop = SimpleNamespace(last_eval_time=now - eval_ago, last_save_time=now, reserve_seconds=4.0)
         assert train.decide(t, loop, 0)[:2] == (last, int(eval_ago > 60)), (eval_ago, used)
+
+
+def test_a_damaged_newest_step_is_found_by_the_preflight_and_the_run_resumes_the_one_before(tmp_path, corpus):
+    first = _launch(tmp_path, DATA_DIR=str(corpus), MAX_STEPS="4", SAVE_EVERY_STEPS="2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    run_dir = tmp_path / "ws/checkpoints/d2"
+    assert (run_dir / "best.pt").is_file() and "export | step" in first.stdout  # the run's end exports its best
+    damaged = run_dir / "model_000004_rank1.pt"
+    damaged.write_bytes(damaged.read_bytes()[:200])  # a partial copy
+    again = _launch(tmp_path, DATA_DIR=str(corpus), MAX_STEPS="6", SAVE_EVERY_STEPS="2")
+    assert again.returncode == 0, again.stderr[-2000:]
+    out = again.stdout
+    assert f"warning: checkpoint step 000004 is damaged ({damaged}: 200 bytes" in out
+    assert "preflight | resumes step 000002" in out and "Traceback" not in again.stderr
+    assert (run_dir / "meta_000004.json.damaged").is_file()  # set aside by the trainer; step 4 written anew
+    assert ckpt.complete_steps(run_dir)[-1] == 6 and ckpt.damaged_files(run_dir, 4) == []
