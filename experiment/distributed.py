@@ -6,16 +6,20 @@ Works with and without torchrun: nccl on CUDA, gloo on CPU, and no process group
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.distributed import distributed_c10d
 
 # How long a rank waits in a collective for the others, by phase. A hang is a fault: the process
@@ -117,6 +121,27 @@ def broadcast_object(obj, d: Dist):
     return box[0]
 
 
+def wrap_ddp(model: torch.nn.Module, d: Dist) -> torch.nn.Module:
+    """DDP over `model` with more than one rank (else the model itself), its gradients views into
+    DDP's all-reduce buckets from the first micro-batch on. DDP repoints a gradient into its bucket
+    only if the gradient exists when DDP is built, or at a synced backward; a no_sync backward into a
+    missing gradient allocates a second full copy beside the buckets. So: zero gradients exist
+    before the wrap, and optimizer_step zeroes them in place (set_to_none=False), never drops them.
+    broadcast_buffers off: the only buffers are the RoPE tables, equal on every rank by construction
+    (and non-persistent), which DDP would otherwise broadcast at every forward."""
+    if d.world_size == 1:
+        return model
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    # torch 2.13 names the switch forward_sync_buffers (broadcast_buffers is deprecated there); the
+    # GPU boxes' torch 2.11 knows only broadcast_buffers.
+    no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters \
+        else {"broadcast_buffers": False}
+    return DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None, gradient_as_bucket_view=True,
+               **no_sync)
+
+
 def gather_objects(obj, d: Dist) -> list:
     """Every rank's obj, in rank order, on every rank."""
     if d.world_size == 1:
@@ -128,14 +153,29 @@ def gather_objects(obj, d: Dist) -> list:
 
 class StopSignal:
     """SIGTERM/SIGINT (preemption, Ctrl-C): the first lets the step finish and the run save and exit 0;
-    a second one exits at once."""
+    a second one exits at once.
 
-    def __init__(self, announce: bool):
-        self.announce = announce
+    With `grace` (seconds, asked when the signal comes), the first also starts a timer that needs no
+    help from the main thread: Python runs a signal handler only between bytecodes, so a rank blocked
+    in a collective or a device sync whose peer died (NCCL over NVLink notices no dead peer) would
+    never run it, and torchrun would wait out its whole shutdown timeout before SIGKILL. The C-level
+    handler still writes the signal's number to the wakeup fd at once; a thread reading it exits the
+    process `grace()` seconds later unless the run has ended by then. A save cut short that way
+    leaves an incomplete step, which resume never loads."""
+
+    def __init__(self, announce: bool, grace: Callable[[], float] | None = None):
+        self.announce, self.grace = announce, grace
 
     def __enter__(self):
         self.signum = 0
+        self._ended = threading.Event()
         self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        if self.grace is not None:
+            self._read, write = socket.socketpair()
+            write.setblocking(False)
+            self._write = write
+            self._previous_fd = signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False)
+            threading.Thread(target=self._grace_timer, name="stop-grace", daemon=True).start()
         return self
 
     def _handle(self, signum, frame):
@@ -146,9 +186,31 @@ class StopSignal:
             print(f"{signal.Signals(signum).name}: finishing this step, then saving and exiting "
                   "(send it again to exit at once, without a checkpoint)", file=sys.stderr, flush=True)
 
+    def _grace_timer(self) -> None:
+        while True:
+            try:
+                data = self._read.recv(1)
+            except OSError:
+                return
+            if not data or self._ended.is_set():
+                return
+            if data[0] in (signal.SIGTERM, signal.SIGINT):
+                break
+        seconds = self.grace()
+        if not self._ended.wait(seconds):
+            print(f"[rank {os.environ.get('RANK', '0')}] still running {seconds:.0f} s after "
+                  f"{signal.Signals(data[0]).name}: exiting now (a collective or a device sync hangs); the last "
+                  "complete checkpoint is kept", file=sys.stderr, flush=True)
+            os._exit(128 + data[0])
+
     def __exit__(self, *exc):
+        self._ended.set()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self.grace is not None:
+            signal.set_wakeup_fd(self._previous_fd)
+            self._read.shutdown(socket.SHUT_RDWR)  # wakes the timer's recv, which then returns
+            self._write.close()
 
 
 class ParentWatch:

@@ -143,7 +143,10 @@ class ShardedOptimizer:
         for r, params in enumerate(self.owned_by):
             if not params:
                 continue
-            flat = _flatten_dense_tensors([p.data for p in params])
+            if r == self.rank:
+                flat = _flatten_dense_tensors([p.data for p in params])
+            else:  # overwritten by the broadcast: flattening our stale copy would read the whole share for nothing
+                flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
             dist.broadcast(flat, src=r)
             if r != self.rank:
                 for p, new in zip(params, _unflatten_dense_tensors(flat, params)):

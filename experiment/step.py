@@ -37,6 +37,7 @@ def optimizer_step(model: torch.nn.Module, opt: ShardedOptimizer, check_finite: 
     finite = gradients_finite(model) if check_finite else True
     if finite:
         opt.step()
-    # set_to_none: the next backward allocates fresh gradients instead of adding into stale ones
-    model.zero_grad(set_to_none=True)
+    # Zeroed in place, never dropped: under DDP the gradients are views into its all-reduce buckets
+    # (distributed.wrap_ddp), and a dropped one comes back as a second copy at the next backward.
+    model.zero_grad(set_to_none=False)
     return finite

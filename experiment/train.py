@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from experiment import autosize, export, launch
 from experiment import checkpoint as ckpt
@@ -30,11 +29,11 @@ from experiment.checkpoint import CheckpointError, Retention, RunState, pick_res
 from experiment.config import ConfigError, TrainConfig, checkpoint_meta, parse_args, resolve
 from experiment.dataloader import DataError, Prepared, TokenBatches
 from experiment.distributed import (PHASE_TIMEOUTS, Dist, ParentWatch, StopSignal, all_ranks_ok, broadcast_object,
-                                    gather_objects, resolve_device, setup_distributed)
+                                    gather_objects, resolve_device, setup_distributed, wrap_ddp)
 from experiment.evaluation import evaluate
 from experiment.files import default_workspace
 from experiment.hardware import memory_gib, peak_flops
-from experiment.memory import choose_memory_mode, find_device_batch
+from experiment.memory import checkpoint_bytes_per_rank, choose_memory_mode, find_device_batch
 from experiment.mixture import MixedBatches, source_weights
 from experiment.model import DTYPES, GPT, GPTConfig, build_model
 from experiment.optim import ShardedOptimizer, lr_multiplier
@@ -191,8 +190,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     if d.master:  # files of a save that a crash cut short; the loaded step is complete, so never these
         ckpt.remove_incomplete(run_dir)
     weights = source_weights(prepared.meta, cfg.data_mix)
-    ddp = DDP(model, device_ids=[d.local_rank] if cuda else None, gradient_as_bucket_view=True) \
-        if d.world_size > 1 else model
+    ddp = wrap_ddp(model, d)
     use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda)
     writer = NullWriter()
     if d.master:
@@ -346,7 +344,7 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) 
 def train_loop(t: Trainer) -> int:
     d, log = t.d, t.log
     loop = start_loop(t)
-    with StopSignal(announce=d.master) as stop_signal:
+    with StopSignal(announce=d.master, grace=lambda: stop_grace(t)) as stop_signal:
         for step in range(t.st.step, t.max_steps + 1):
             t.st.step, t.st.used_seconds = step, loop.used()
             loop.reserve_seconds = t.st.eval_seconds + t.st.save_seconds + t.st.step_seconds
@@ -373,6 +371,21 @@ def train_loop(t: Trainer) -> int:
     t.report.add({"kind": "end", "step": t.st.step, "outcome": outcome, "code": loop.end or 0, "time": time.time()})
     t.report.write(t.st, outcome)
     return loop.end or 0
+
+
+# After a stop signal, a rank that has not exited within the step, the save and this margin hangs
+# (a collective with a dead peer, a device sync): it exits at once (StopSignal's grace timer).
+STOP_MARGIN_SECONDS = 60.0
+SLOW_WRITE_BYTES_PER_S = 1e8  # a slow network volume: a third of the plan's default rate
+
+
+def stop_grace(t: Trainer) -> float:
+    """Seconds a stopping rank gets: twice its step and its longest save, the save taken as this
+    rank's checkpoint share at a slow disk's rate until one has been measured, plus a margin."""
+    precision = "bf16" if t.model.wte.weight.dtype == torch.bfloat16 else "fp32"
+    part, shard = checkpoint_bytes_per_rank(t.model.config, t.d.world_size, precision)[t.d.rank]
+    save = t.st.save_seconds or (part + shard) / SLOW_WRITE_BYTES_PER_S
+    return STOP_MARGIN_SECONDS + 2 * (t.st.step_seconds + save)
 
 
 def decide(t: Trainer, loop: Loop, signum: int) -> tuple[int, int, int, int]:
@@ -575,7 +588,8 @@ def finish(t: Trainer, loop: Loop) -> None:
         files = (ckpt.model_path(t.run_dir, best["step"]) if t.d.world_size == 1
                  else t.run_dir / f"model_{best['step']:06d}_rank{{0..{t.d.world_size - 1}}}.pt")
         spent = loop.used()  # the final eval and save included
-        t.log(export_best(t.run_dir))
+        if not loop.outcome.startswith("stopped"):  # a preemption's grace is for the checkpoint alone
+            t.log(export_best(t.run_dir))
         t.log(f"serve it: bash run.sh serve   (or: python -m experiment.server --checkpoint {t.run_dir}, which "
               "serves its best)")
         unspent = (f" | the data's {t.cfg.max_epochs:g} passes are done: {unspent_text(t, t.budget_seconds - spent)} "

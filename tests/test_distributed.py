@@ -46,3 +46,108 @@ def test_a_phase_timeout_bounds_the_wait_for_a_hung_rank(tmp_path):
     result, seconds = out.read_text().split()
     assert result != "returned" and float(seconds) < 6  # not the 30 minutes of the setup phase
     assert PHASE_TIMEOUTS["step"] < PHASE_TIMEOUTS["setup"] == PHASE_TIMEOUTS["save"]
+
+
+def _bucket_worker(rank: int, port: int, out: str) -> None:
+    """The trainer's DDP step with 3 accumulated micro-batches: where every gradient lives after
+    each micro-batch, and the averaged gradient against one process over all the data."""
+    import copy
+
+    from experiment.distributed import wrap_ddp
+    from experiment.model import GPT, GPTConfig
+    from experiment.optim import LRS, ShardedOptimizer
+    from experiment.step import forward_backward, optimizer_step
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    d = setup_distributed(cuda=False)
+    model = GPT(GPTConfig(vocab_size=64, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=16))
+    model.init_weights(seed=3)
+    reference = copy.deepcopy(model)
+    opt = ShardedOptimizer(model, rank, 2, **LRS)
+    ddp = wrap_ddp(model, d)
+    buckets = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    synced = getattr(ddp, "forward_sync_buffers", ddp.broadcast_buffers)
+    lines = [f"buffers {int(synced)} params {len(list(model.parameters()))} buckets {len(buckets)}"]
+    data = torch.randint(0, 64, (2, 3, 2, 2, 16), generator=torch.Generator().manual_seed(5))  # step, micro, rank
+    for step in range(2):
+        for micro in range(3):
+            x = data[step, micro, rank]
+            forward_backward(ddp, x, x, 3, defer_sync=ddp if micro < 2 else None)
+            # DDP rebuilds its buckets once, after the first step: count storages, not addresses
+            where = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+            lines.append(f"step {step} micro {micro} storages {len(where)}")
+        if step == 0:
+            reference.zero_grad()
+            for micro in range(3):
+                for r in range(2):
+                    forward_backward(reference, data[0, micro, r], data[0, micro, r], 6)
+            diff = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+            lines.append(f"max grad diff {diff:.2e}")
+        optimizer_step(model, opt)
+    if rank == 0:
+        with open(out, "w") as f:
+            f.write("\n".join(lines))
+    os._exit(0)
+
+
+def test_gradients_live_in_ddps_buckets_through_accumulation_and_average_right(tmp_path):
+    # A gradient dropped between steps comes back beside the buckets at the next no_sync backward:
+    # a second full copy of the gradients on every rank.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "rank0.txt"
+    workers = mp.spawn(_bucket_worker, args=(port, str(out)), nprocs=2, join=False)
+    while not workers.join():
+        pass
+    lines = out.read_text().splitlines()
+    buffers, params, buckets = (int(v) for v in lines[0].split()[1::2])
+    assert buffers == 0 and buckets < params  # views into a few shared buffers, the RoPE tables never broadcast
+    assert [int(line.split()[-1]) for line in lines if " storages " in line] == [buckets] * 6
+    diff = next(line for line in lines if line.startswith("max grad diff"))
+    assert float(diff.split()[-1]) < 1e-6  # the mean over 2 ranks x 3 micro-batches
+
+
+def _stuck_worker(rank: int, port: int, ready: str) -> None:
+    from experiment.distributed import StopSignal
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    d = setup_distributed(cuda=False)
+    d.all_reduce(torch.ones(1))  # both ranks are up
+    d.set_timeout(timedelta(seconds=120))
+    if rank == 1:
+        time.sleep(60)  # the peer that never reaches the next collective
+        os._exit(0)
+    with StopSignal(announce=False, grace=lambda: 2.0):
+        open(ready, "w").close()
+        d.all_reduce(torch.ones(1))  # blocks in C: the Python handler of a SIGTERM never runs here
+    os._exit(0)
+
+
+def test_a_stop_signal_bounds_the_exit_of_a_rank_stuck_in_a_collective(tmp_path):
+    import signal
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ready = tmp_path / "ready"
+    workers = mp.spawn(_stuck_worker, args=(port, str(ready)), nprocs=2, join=False)
+    rank0, rank1 = workers.processes
+    try:
+        deadline = time.time() + 60
+        while not ready.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)  # inside the all-reduce
+        t0 = time.time()
+        os.kill(rank0.pid, signal.SIGTERM)
+        rank0.join(timeout=30)
+        assert rank0.exitcode == 128 + signal.SIGTERM and time.time() - t0 < 10  # not gloo's 120 s timeout
+    finally:
+        for p in (rank0, rank1):
+            if p.is_alive():
+                p.kill()
