@@ -45,6 +45,12 @@ class GpuPlan:
     hours: float  # the hours those take
     checkpoint_bytes: int
     disk_peak_bytes: int
+    save_seconds: float  # the checkpoint at DISK_WRITE_GBPS: what a save takes, every rank into one volume
+
+
+# Network volumes of GPU clouds write about 200-400 MB/s (RunPod's documentation); the low end.
+DISK_WRITE_GBPS = 0.3
+DEFAULT_SHUTDOWN_SECONDS = 300
 
 
 def local_gpu() -> Gpu:
@@ -70,7 +76,23 @@ def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: 
     epochs = min(budget_epochs, cfg.max_epochs or budget_epochs)
     ckpt = checkpoint_bytes(config, world_size, gpu.memory_bytes, cfg.precision)
     return GpuPlan(config.depth, rate, budget_epochs, epochs, epochs * train_tokens / rate / 3600, ckpt,
-                   (cfg.keep_last + 2) * ckpt)
+                   (cfg.keep_last + 2) * ckpt, ckpt / (DISK_WRITE_GBPS * 1e9))
+
+
+def shutdown_timeout(given: int, p: GpuPlan | None, log) -> int:
+    """The seconds torchrun waits after forwarding a stop signal before SIGKILL: SHUTDOWN_TIMEOUT as
+    given (with a warning when the predicted preemption save does not fit in it), else enough for
+    twice that save plus a minute, at least DEFAULT_SHUTDOWN_SECONDS. The save is the whole
+    checkpoint at DISK_WRITE_GBPS: the ranks write their shares at once, into one network volume."""
+    need = 2 * p.save_seconds + 60 if p else 0
+    if given:
+        if p and given < p.save_seconds:
+            log(f"warning: a preemption save takes about {p.save_seconds:.0f} s ({p.checkpoint_bytes / 1e9:.1f} GB at "
+                f"{DISK_WRITE_GBPS} GB/s), more than SHUTDOWN_TIMEOUT={given}: a preemption would lose "
+                f"the steps since the last checkpoint; leave SHUTDOWN_TIMEOUT unset (it is then "
+                f"{max(DEFAULT_SHUTDOWN_SECONDS, int(need + 1))} s)")
+        return given
+    return max(DEFAULT_SHUTDOWN_SECONDS, int(need + 1))
 
 
 def plan_line(cfg: TrainConfig, p: GpuPlan, world_size: int, gpu: Gpu) -> str:
@@ -80,7 +102,7 @@ def plan_line(cfg: TrainConfig, p: GpuPlan, world_size: int, gpu: Gpu) -> str:
             else f"trains the whole {cfg.training_hours:g}h budget, {p.epochs:.1f} passes over the data")
     return (f"preflight | plan d{p.depth}: {p.tok_per_s:,.0f} tok/s PREDICTED on {world_size} x {gpu.name} (MFU "
             f"measured on one H100, {autosize.MFU_SOURCE}) | {stop} | checkpoint {p.checkpoint_bytes / 1e9:.1f} GB, "
-            f"disk peak {p.disk_peak_bytes / 1e9:.1f} GB")
+            f"disk peak {p.disk_peak_bytes / 1e9:.1f} GB, a save about {p.save_seconds:.0f} s at {DISK_WRITE_GBPS} GB/s")
 
 
 def check(cfg: TrainConfig, p: GpuPlan | None, demo: bool, workspace: Path, run_dir: Path) -> None:

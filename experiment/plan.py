@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from experiment import autosize
+from experiment.guards import DISK_WRITE_GBPS
 from experiment.config import CUDA_DEFAULTS, opt, parse_flags
 from experiment.dataloader import DataError, list_sources
 from experiment.files import default_workspace
@@ -37,8 +38,6 @@ from experiment.memory import checkpoint_bytes, choose_mode
 from experiment.model import GPTConfig
 
 GPU_MEMORY_GIB = (("H200", 141), ("H100", 80), ("A100", 80))  # by name fragment, most specific first
-# Network volumes of GPU clouds write about 200-400 MB/s (RunPod's documentation); the low end.
-DEFAULT_WRITE_GBPS = 0.3
 CHUNK = 1 << 26
 
 
@@ -55,7 +54,7 @@ class PlanConfig:
     budget_usd: float | None = opt("budget in dollars: hours = budget_usd / (gpu_hourly_usd x GPUs)")
     gpu_hourly_usd: float = opt("price of one GPU-hour", 4.0)
     disk_write_gbps: float = opt("the checkpoint disk's write rate, GB/s (a network volume's low end)",
-                                 DEFAULT_WRITE_GBPS)
+                                 DISK_WRITE_GBPS)
     keep_last: int = opt("complete checkpoints kept, plus the best", 3)
     max_seq_len: int = opt("context length", CUDA_DEFAULTS["max_seq_len"])
     json: int = opt("1: print one JSON object instead of the table", 0)

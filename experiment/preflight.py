@@ -79,10 +79,11 @@ def wait_for_node0(plan_file: Path, started: float, wait_minutes: float, log) ->
 
 
 def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: float, log,
-              gpu: guards.Gpu | None = None) -> dict:
-    """Returns the plan ({"prepared": dir, "resume_step": step or None, ...}); raises ConfigError,
-    DataError or CheckpointError for a user's error. `gpu`: the GPU to plan for (the tests hand one
-    in on a CPU); None: this machine's, if CUDA is what the run uses."""
+              gpu: guards.Gpu | None = None, shutdown_given: int = 0) -> dict:
+    """Returns the plan ({"prepared": dir, "resume_step": step or None, "shutdown_timeout": s, ...});
+    raises ConfigError, DataError or CheckpointError for a user's error. `gpu`: the GPU to plan for
+    (the tests hand one in on a CPU); None: this machine's, if CUDA is what the run uses.
+    `shutdown_given`: SHUTDOWN_TIMEOUT as the user set it, 0 if unset (guards.shutdown_timeout)."""
     started = time.time()
     if gpu is None:
         try:
@@ -121,7 +122,8 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
         log(f"preflight | source {source['name']} | weight {w:.3f}{' (DATA_MIX)' if cfg.data_mix else ' (by size)'} | "
             f"{source['train'][1] - source['train'][0]:,} train, {source['val'][1] - source['val'][0]:,} val tokens")
     plan = {"prepared": str(prepared.dir), "resume_step": resume_step, "world_size": world_size,
-            "run_dir": str(run_dir), "written_at": time.time()}
+            "run_dir": str(run_dir), "shutdown_timeout": guards.shutdown_timeout(shutdown_given, gpu_plan, log),
+            "written_at": time.time()}
     atomic_write_json(plan_file, plan)
     return plan
 
@@ -132,10 +134,12 @@ def main(argv=None) -> int:
     parser.add_argument("--node_rank", type=int, default=0, help="0 prepares; the others wait for its plan")
     parser.add_argument("--wait_minutes", type=float, default=120, help="how long a node > 0 waits for node 0")
     parser.add_argument("--plan_file", default=None, help="also write the plan (JSON) here, for the launcher")
+    parser.add_argument("--shutdown_timeout", type=int, default=0, help="SHUTDOWN_TIMEOUT as set (0: unset)")
     args, train_argv = parser.parse_known_args(argv)
     cfg = parse_args(train_argv)
     try:
-        plan = preflight(cfg, args.world_size, args.node_rank, args.wait_minutes, lambda msg: print(msg, flush=True))
+        plan = preflight(cfg, args.world_size, args.node_rank, args.wait_minutes, lambda msg: print(msg, flush=True),
+                         shutdown_given=args.shutdown_timeout)
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

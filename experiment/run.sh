@@ -40,8 +40,8 @@ MASTER_PORT=${MASTER_PORT:-29500}
 # the latest complete checkpoint (RESUME=auto), up to MAX_RESTARTS times.
 MAX_RESTARTS=${MAX_RESTARTS:-3}
 # On SIGTERM/SIGINT torchrun forwards the signal and waits this long for the workers to finish the
-# step and save before it kills them.
-SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-300}
+# step and save before it kills them; unset, the pre-flight sizes it to the predicted save (300 s at least).
+SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-}
 
 # Map env overrides to flags; the flag list comes from TrainConfig itself, so the two never drift.
 fields=$("$PYTHON" -c "import dataclasses, experiment.config as c; print(*[f.name for f in dataclasses.fields(c.TrainConfig)])")
@@ -69,6 +69,17 @@ else
     launch=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC_PER_NODE")
 fi
 launch+=(--max-restarts="$MAX_RESTARTS")
+
+# The pre-flight: config, data, resume target and plan in one plain process. A user's error exits 2
+# here, once, and torchrun never starts (it would restart the same mistake MAX_RESTARTS times).
+plan_file=$(mktemp)
+trap 'rm -f "$plan_file"' EXIT
+"$PYTHON" -m experiment.preflight --world_size=$((NPROC_PER_NODE * NNODES)) --node_rank="$NODE_RANK" \
+    --wait_minutes="${PREFLIGHT_WAIT_MINUTES:-120}" --shutdown_timeout="${SHUTDOWN_TIMEOUT:-0}" \
+    --plan_file="$plan_file" "${flags[@]}" || exit $?
+mapfile -t plan < <("$PYTHON" -c 'import json, sys; p = json.load(open(sys.argv[1])); print(p["prepared"]); print(p["run_dir"]); print(p["shutdown_timeout"])' "$plan_file")
+prepared=${plan[0]} run_dir=${plan[1]} SHUTDOWN_TIMEOUT=${plan[2]}
+
 # torchrun has a shutdown timeout flag only from torch 2.13 on (2.11 refuses it and starts nothing);
 # older ones wait their fixed default (30 s) before SIGKILL.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$SHUTDOWN_TIMEOUT
@@ -77,15 +88,6 @@ if "$PYTHON" -m torch.distributed.run --help 2>/dev/null | grep -q -- '--shutdow
 else
     echo "launcher | this torch's torchrun has no --shutdown_timeout: it waits its own default after a signal"
 fi
-
-# The pre-flight: config, data, resume target and plan in one plain process. A user's error exits 2
-# here, once, and torchrun never starts (it would restart the same mistake MAX_RESTARTS times).
-plan_file=$(mktemp)
-trap 'rm -f "$plan_file"' EXIT
-"$PYTHON" -m experiment.preflight --world_size=$((NPROC_PER_NODE * NNODES)) --node_rank="$NODE_RANK" \
-    --wait_minutes="${PREFLIGHT_WAIT_MINUTES:-120}" --plan_file="$plan_file" "${flags[@]}" || exit $?
-mapfile -t plan < <("$PYTHON" -c 'import json, sys; p = json.load(open(sys.argv[1])); print(p["prepared"]); print(p["run_dir"])' "$plan_file")
-prepared=${plan[0]} run_dir=${plan[1]}
 flags+=("--prepared_dir=$prepared")
 
 # One run per run directory: node 0 holds a flock on <run_dir>/.lock from here on; exec keeps the

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from experiment import autosize, export, launch
+from experiment.guards import DISK_WRITE_GBPS
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError, Retention, RunState, pick_resume_step
 from experiment.config import ConfigError, TrainConfig, checkpoint_meta, parse_args, resolve
@@ -376,15 +377,15 @@ def train_loop(t: Trainer) -> int:
 # After a stop signal, a rank that has not exited within the step, the save and this margin hangs
 # (a collective with a dead peer, a device sync): it exits at once (StopSignal's grace timer).
 STOP_MARGIN_SECONDS = 60.0
-SLOW_WRITE_BYTES_PER_S = 1e8  # a slow network volume: a third of the plan's default rate
 
 
 def stop_grace(t: Trainer) -> float:
-    """Seconds a stopping rank gets: twice its step and its longest save, the save taken as this
-    rank's checkpoint share at a slow disk's rate until one has been measured, plus a margin."""
+    """Seconds a stopping rank gets: twice its step and its longest save plus a margin; until a save
+    has been measured, the whole checkpoint at the network volume's rate the plan assumes (every
+    rank writes its share at once, into one volume)."""
     precision = "bf16" if t.model.wte.weight.dtype == torch.bfloat16 else "fp32"
-    part, shard = checkpoint_bytes_per_rank(t.model.config, t.d.world_size, precision)[t.d.rank]
-    save = t.st.save_seconds or (part + shard) / SLOW_WRITE_BYTES_PER_S
+    total = sum(a + b for a, b in checkpoint_bytes_per_rank(t.model.config, t.d.world_size, precision))
+    save = t.st.save_seconds or total / (DISK_WRITE_GBPS * 1e9)
     return STOP_MARGIN_SECONDS + 2 * (t.st.step_seconds + save)
 
 

@@ -89,3 +89,20 @@ def test_guards_stay_off_on_cpu(tmp_path):
     cfg = parse_args(["--workspace", str(tmp_path), "--depth", "2", "--training_hours", "10", "--device", "cpu"])
     plan = preflight.preflight(cfg, 1, 0, 1, lambda line: None)  # the demo, repeated thousands of times
     assert plan["resume_step"] is None
+
+
+def test_the_shutdown_timeout_covers_the_predicted_preemption_save(tmp_path, corpus):
+    flags = ["--data_dir", corpus, "--depth", 24, "--max_epochs", 8]
+    plan, lines = run_preflight(tmp_path, *flags, world_size=1)  # d24 on one GPU: 8.2 GB from one rank
+    line = next(x for x in lines if x.startswith("preflight | plan d24"))
+    save = float(line.split("a save about ")[1].split(" s at")[0])
+    assert 20 < save < 40  # 8.2 GB at 0.3 GB/s
+    assert plan["shutdown_timeout"] == 300  # twice that plus a minute is under the floor
+    lines = []
+    cfg = parse_args(["--workspace", str(tmp_path), "--max_seq_len", "64", *map(str, flags)])
+    assert preflight.preflight(cfg, 1, 0, 1, lines.append, gpu=H100, shutdown_given=10)["shutdown_timeout"] == 10
+    assert any(x.startswith("warning: a preemption save takes about") and "SHUTDOWN_TIMEOUT=10" in x
+               for x in lines)
+    big, _ = run_preflight(tmp_path, "--data_dir", corpus, "--depth", 64, "--max_epochs", 8, "--allow", "disk",
+                           world_size=1)  # d64 from one rank: far past 300 s
+    assert big["shutdown_timeout"] > 300

@@ -20,7 +20,8 @@ LAUNCHER = (
     ("MASTER_ADDR", "unset", "node 0's address (needed when NNODES > 1)"),
     ("MASTER_PORT", "29500", "rendezvous port"),
     ("MAX_RESTARTS", "3", "torchrun restarts of all workers after a worker dies; each resumes the latest checkpoint"),
-    ("SHUTDOWN_TIMEOUT", "300", "seconds torchrun waits after SIGTERM/SIGINT before it kills the workers"),
+    ("SHUTDOWN_TIMEOUT", "sized by the pre-flight", "seconds torchrun waits after SIGTERM/SIGINT before it kills the "
+     "workers; unset: on GPUs twice the predicted save (the checkpoint at 0.3 GB/s) plus a minute, at least 300"),
     ("PREFLIGHT_WAIT_MINUTES", "120", "how long a node other than 0 waits for node 0's pre-flight"),
     ("PYTHON", "python, else python3", "the interpreter the launcher runs"),
     ("ON_EXIT", "unset", "a shell command run once when the launch ends for any reason, with RUN_STATUS, RUN_OUTCOME, "
