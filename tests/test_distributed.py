@@ -10,11 +10,17 @@ import torch.multiprocessing as mp
 from experiment.distributed import PHASE_TIMEOUTS, setup_distributed
 
 
-def _timeout_worker(rank: int, port: int, out: str) -> None:
+def _join(rank: int, port: int):
+    """Rank `rank` of a 2-rank gloo group on `port`, once both ranks are up."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE="2")
     d = setup_distributed(cuda=False)
-    d.all_reduce(torch.ones(1))  # both ranks are up
+    d.all_reduce(torch.ones(1))
+    return d
+
+
+def _timeout_worker(rank: int, port: int, out: str) -> None:
+    d = _join(rank, port)
     d.set_timeout(timedelta(seconds=2))
     if rank == 1:
         time.sleep(8)  # a rank that hangs
@@ -33,16 +39,22 @@ def _timeout_worker(rank: int, port: int, out: str) -> None:
     os._exit(0)
 
 
-def test_a_phase_timeout_bounds_the_wait_for_a_hung_rank(tmp_path):
+def _spawn_two(worker, path, join: bool = True):
+    """worker(rank, port, str(path)) on 2 processes, on a free port; waits for both unless join=False."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "rank0.txt"
-    workers = mp.spawn(_timeout_worker, args=(port, str(out)), nprocs=2, join=False)
-    while not workers.join():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    workers = mp.spawn(worker, args=(port, str(path)), nprocs=2, join=False)
+    while join and not workers.join():
         pass
+    return workers
+
+
+def test_a_phase_timeout_bounds_the_wait_for_a_hung_rank(tmp_path):
+    out = tmp_path / "rank0.txt"
+    _spawn_two(_timeout_worker, out)
     result, seconds = out.read_text().split()
     assert result != "returned" and float(seconds) < 6  # not the 30 minutes of the setup phase
     assert PHASE_TIMEOUTS["step"] < PHASE_TIMEOUTS["setup"] == PHASE_TIMEOUTS["save"]
@@ -58,9 +70,7 @@ def _bucket_worker(rank: int, port: int, out: str) -> None:
     from experiment.optim import LRS, ShardedOptimizer
     from experiment.step import forward_backward, optimizer_step
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2")
-    d = setup_distributed(cuda=False)
+    d = _join(rank, port)
     model = GPT(GPTConfig(vocab_size=64, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=16))
     model.init_weights(seed=3)
     reference = copy.deepcopy(model)
@@ -94,15 +104,8 @@ def _bucket_worker(rank: int, port: int, out: str) -> None:
 def test_gradients_live_in_ddps_buckets_through_accumulation_and_average_right(tmp_path):
     # A gradient dropped between steps comes back beside the buckets at the next no_sync backward:
     # a second full copy of the gradients on every rank.
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "rank0.txt"
-    workers = mp.spawn(_bucket_worker, args=(port, str(out)), nprocs=2, join=False)
-    while not workers.join():
-        pass
+    _spawn_two(_bucket_worker, out)
     lines = out.read_text().splitlines()
     buffers, params, buckets = (int(v) for v in lines[0].split()[1::2])
     assert buffers == 0 and buckets < params  # views into a few shared buffers, the RoPE tables never broadcast
@@ -114,10 +117,7 @@ def test_gradients_live_in_ddps_buckets_through_accumulation_and_average_right(t
 def _stuck_worker(rank: int, port: int, ready: str) -> None:
     from experiment.distributed import StopSignal
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2")
-    d = setup_distributed(cuda=False)
-    d.all_reduce(torch.ones(1))  # both ranks are up
+    d = _join(rank, port)
     d.set_timeout(timedelta(seconds=120))
     if rank == 1:
         time.sleep(60)  # the peer that never reaches the next collective
@@ -130,14 +130,9 @@ def _stuck_worker(rank: int, port: int, ready: str) -> None:
 
 def test_a_stop_signal_bounds_the_exit_of_a_rank_stuck_in_a_collective(tmp_path):
     import signal
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ready = tmp_path / "ready"
-    workers = mp.spawn(_stuck_worker, args=(port, str(ready)), nprocs=2, join=False)
-    rank0, rank1 = workers.processes
+    rank0, rank1 = _spawn_two(_stuck_worker, ready, join=False).processes
     try:
         deadline = time.time() + 60
         while not ready.exists() and time.time() < deadline:
