@@ -35,6 +35,7 @@ STEP_FILE_RE = re.compile(r"^(?:model|optim)_(\d{6,})(?:_rank\d+)?\.pt$")
 # seconds); larger steps are checked by size, which finds a truncated file, the common damage.
 CHECKSUM_MAX_BYTES = 2 * 10**9
 EXPORT_FORMAT = "nanogpt-budget-export-1"
+EXPORT_NAME = "best.pt"  # the run directory's export of its best step (experiment/export.py)
 
 
 class CheckpointError(Exception):

@@ -20,20 +20,17 @@ from experiment import checkpoint as ckpt
 from experiment.config import opt, parse_flags
 from experiment.files import default_workspace
 
-EXPORT_NAME = "best.pt"  # in the run directory
-
-
 @dataclass
 class ExportConfig:
     checkpoint: str | None = opt("a run directory (its best), a model_<step>.pt, or unset: the newest run's best")
-    out: str | None = opt(f"the file to write (default <run directory>/{EXPORT_NAME})")
+    out: str | None = opt(f"the file to write (default <run directory>/{ckpt.EXPORT_NAME})")
     workspace: str | None = opt("where unset --checkpoint looks for runs (default as for training)")
 
 
 def export(checkpoint: str | Path | None, out: str | Path | None, workspace: Path) -> tuple[Path, dict]:
     """(the file written, export_model's facts plus the seconds it took); CheckpointError otherwise."""
     src = ckpt.resolve_serving_checkpoint(checkpoint, workspace)
-    out = Path(out) if out else src.parent / EXPORT_NAME
+    out = Path(out) if out else src.parent / ckpt.EXPORT_NAME
     t0 = time.time()
     facts = ckpt.export_model(src, out)
     return out, {**facts, "seconds": time.time() - t0}

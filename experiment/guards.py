@@ -53,9 +53,10 @@ DISK_WRITE_GBPS = 0.3
 DEFAULT_SHUTDOWN_SECONDS = 300
 
 
-def local_gpu() -> Gpu:
-    name = torch.cuda.get_device_name(0)
-    return Gpu(name, peak_flops(name), torch.cuda.get_device_properties(0).total_memory)
+def local_gpu(device: int | torch.device = 0) -> Gpu:
+    """The GPU `device` as the plan and DEPTH=auto see it (the pre-flight's and the trainer's one lookup)."""
+    name = torch.cuda.get_device_name(device)
+    return Gpu(name, peak_flops(name), torch.cuda.get_device_properties(device).total_memory)
 
 
 def auto_depth(cfg: TrainConfig, make_config, gpu: Gpu, world_size: int, train_tokens: int) -> int | None:

@@ -59,7 +59,7 @@ def outcome_env(run_dir: Path, since: float) -> dict[str, str]:
                                              "giving up, or every process killed); see training.log")
     env = {"RUN_STATUS": outcome.split(":")[0], "RUN_OUTCOME": outcome, "RUN_DIR": str(run_dir),
            "BEST_CHECKPOINT": "", "BEST_VAL_LOSS": "",
-           "BEST_EXPORT": str(run_dir / "best.pt") if (run_dir / "best.pt").is_file() else ""}
+           "BEST_EXPORT": str(run_dir / ckpt.EXPORT_NAME) if (run_dir / ckpt.EXPORT_NAME).is_file() else ""}
     best = ckpt.read_best(run_dir) if run_dir.is_dir() else None
     if best is not None and best["step"] in ckpt.complete_steps(run_dir):
         path = ckpt.model_path(run_dir, best["step"])  # saved in parts by several ranks: the run directory

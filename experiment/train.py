@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from experiment import autosize, export, launch
+from experiment import autosize, export, guards, launch
 from experiment.guards import DISK_WRITE_GBPS
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError, Retention, RunState, pick_resume_step
@@ -33,7 +33,7 @@ from experiment.distributed import (PHASE_TIMEOUTS, Dist, ParentWatch, StopSigna
                                     gather_objects, resolve_device, setup_distributed, wrap_ddp)
 from experiment.evaluation import evaluate
 from experiment.files import default_workspace
-from experiment.hardware import memory_gib, peak_flops
+from experiment.hardware import memory_gib
 from experiment.memory import checkpoint_bytes_per_rank, choose_memory_mode, find_device_batch
 from experiment.mixture import MixedBatches, source_weights
 from experiment.model import DTYPES, GPT, GPTConfig, build_model
@@ -173,9 +173,11 @@ def build_model_and_optimizer(cfg: TrainConfig, d: Dist, model_config: GPTConfig
 
 def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) -> Trainer:
     cuda = d.device.type == "cuda"
-    log(f"world {d.world_size} x {torch.cuda.get_device_name(d.device) if cuda else 'cpu'} | torch {torch.__version__}")
+    gpu = guards.local_gpu(d.device) if cuda else None
+    log(f"world {d.world_size} x {gpu.name if gpu else 'cpu'} | torch {torch.__version__}")
     prepared, resume_step, lock = prepare_data(cfg, d, workspace, run_dir, log)
-    auto, probe_seconds = choose_depth(cfg, d, prepared, run_dir, resume_step, log) if cfg.depth == "auto" else (None, 0)
+    auto, probe_seconds = (choose_depth(cfg, d, gpu, prepared, run_dir, resume_step, log) if cfg.depth == "auto"
+                           else (None, 0))
     model_config = launch.model_config(cfg, prepared)
     if resume_step is not None:
         launch.check_resume_target(run_dir, resume_step, model_config, prepared)
@@ -208,7 +210,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         grad_accum=grad_accum,
         budget_seconds=budget_seconds, run_meta=checkpoint_meta(cfg, prepared, budget_seconds, auto),
         flops_per_token=model.estimate_flops(cfg.max_seq_len),
-        peak=peak_flops(torch.cuda.get_device_name(d.device)) if cuda else None,
+        peak=gpu.peak if gpu else None,
         report=RunReport(run_dir, report_facts(cfg, d, model, prepared, budget_seconds, grad_accum, auto),
                          resume_step, log)
         if d.master else NullReport(),
@@ -274,8 +276,8 @@ def write_checkpoint(run_dir: Path, model: GPT, opt: ShardedOptimizer, st: RunSt
                                 all_ok=lambda ok: all_ranks_ok(ok, d), gather=lambda files: gather_objects(files, d))
 
 
-def choose_depth(cfg: TrainConfig, d: Dist, prepared: Prepared, run_dir: Path, resume_step: int | None,
-                 log: RunLog) -> tuple[dict, float]:
+def choose_depth(cfg: TrainConfig, d: Dist, gpu: guards.Gpu | None, prepared: Prepared, run_dir: Path,
+                 resume_step: int | None, log: RunLog) -> tuple[dict, float]:
     """DEPTH=auto: sets cfg.depth. A resume keeps its checkpoint's depth. A fresh run on a GPU whose
     peak is known predicts each depth's tok/s (autosize.predict_and_choose: no compile per depth);
     otherwise every rank measures the ladder at once (so each sees the load training will put on the
@@ -288,15 +290,14 @@ def choose_depth(cfg: TrainConfig, d: Dist, prepared: Prepared, run_dir: Path, r
         return auto, 0.0
     t0 = time.time()
     make_config, train_tokens = launch.make_config(cfg, prepared), prepared.meta["split"]["train_tokens"]
-    peak = peak_flops(torch.cuda.get_device_name(d.device)) if d.device.type == "cuda" else None
-    if peak:
-        gpu_bytes = torch.cuda.get_device_properties(d.device).total_memory
-        chosen, candidates = autosize.predict_and_choose(make_config, peak, d.world_size, gpu_bytes,
+    predicted = gpu is not None and gpu.peak is not None
+    if predicted:
+        chosen, candidates = autosize.predict_and_choose(make_config, gpu.peak, d.world_size, gpu.memory_bytes,
                                                          cfg.training_hours * 3600, train_tokens)
     else:
         chosen, candidates = autosize.probe_and_choose(make_config, cfg.device_batch_size or 1, d.device,
                                                        d.world_size, cfg.training_hours * 3600, train_tokens)
-    how = "predicted" if peak else "measured"
+    how = "predicted" if predicted else "measured"
     auto = broadcast_object({"depth": chosen.depth, "reason": autosize.reason(chosen, candidates, how), "how": how,
                              "candidates": [dataclasses.asdict(c) for c in candidates]}, d)
     cfg.depth = auto["depth"]
