@@ -315,6 +315,8 @@ class RunState:
     save_seconds: float = 0.0
     step_seconds: float = 0.0
     nonfinite_steps: int = 0  # updates skipped because the loss or gradients were not finite
+    save_waits: int = 0  # saves that came due while the one before was still writing, and waited
+    save_wait_seconds: float = 0.0
 
 
 def run_state(meta: dict) -> RunState:
@@ -336,16 +338,37 @@ class Retention:
 def save_checkpoint(run_dir: Path, step: int, model_data: dict, optimizer_data: dict, meta: dict, rank: int = 0,
                     world_size: int = 1, all_ok: Callable[[bool], bool] = bool,
                     gather: Callable[[dict], list] = lambda files: [files]) -> str | None:
+    """A whole save, here and now: this rank's files (write_rank_files), then the step completed
+    (complete_step). experiment/saver.py does the same with the write in a background thread."""
+    error, files = write_rank_files(run_dir, step, model_data, optimizer_data, rank, world_size)
+    return complete_step(run_dir, step, error, files, meta, rank, all_ok, gather)
+
+
+def write_rank_files(run_dir: Path, step: int, model_data: dict, optimizer_data: dict, rank: int,
+                     world_size: int, write_bps: float = 0) -> tuple[str | None, dict]:
     """Rank `rank`'s files of `step`: its model data (the whole model in one process, else the part
-    it owns) and its optimizer shard; then, once every rank's files are on disk, rank 0 writes `meta`
-    last as the completion marker, with every rank's file sizes and CRC-32s (and best.json when
-    meta's state names this step the best). `all_ok(ok)` is True on every rank iff ok on every rank,
-    `gather(obj)` every rank's obj (collectives; with one process, trivial).
+    it owns) and its optimizer shard. Returns (the error, if any; {file name: {"bytes", "crc32"}}).
+    `write_bps` caps the write rate (0: none)."""
+    # every rank writes what it owns: no rank writes (and no rank waits on) the whole model
+    model_file = model_path(run_dir, step) if world_size == 1 else model_part_path(run_dir, step, rank)
+    try:
+        return None, {p.name: atomic_torch_save(p, data, write_bps)
+                      for p, data in ((model_file, model_data), (optim_path(run_dir, step, rank), optimizer_data))}
+    except OSError as e:
+        print(f"[rank {rank}] error: writing checkpoint step {step:06d} failed: {e}", file=sys.stderr, flush=True)
+        return str(e), {}
+
+
+def complete_step(run_dir: Path, step: int, error: str | None, files: dict, meta: dict, rank: int,
+                  all_ok: Callable[[bool], bool], gather: Callable[[dict], list]) -> str | None:
+    """Every rank, after its write_rank_files (`error`, `files`): once every rank's files are on disk,
+    rank 0 writes `meta` last as the completion marker, with every rank's file sizes and CRC-32s (and
+    best.json when meta's state names this step the best). `all_ok(ok)` is True on every rank iff ok
+    on every rank, `gather(obj)` every rank's obj (collectives; with one process, trivial).
 
     Returns None when the step is complete, else why it is not, on every rank alike: its files are
     removed and the checkpoints before it are untouched (a full disk costs one save, not the run).
     """
-    error, files = _write_rank_files(run_dir, step, model_data, optimizer_data, rank, world_size)
     if not all_ok(error is None):  # every rank's files are on disk before meta can complete the step
         if rank == 0:
             remove_incomplete(run_dir)
@@ -361,20 +384,6 @@ def save_checkpoint(run_dir: Path, step: int, model_data: dict, optimizer_data: 
             error = f"meta: {e}"
             remove_incomplete(run_dir)
     return None if all_ok(error is None) else error or "rank 0 failed to write meta"
-
-
-def _write_rank_files(run_dir: Path, step: int, model_data: dict, optimizer_data: dict, rank: int,
-                      world_size: int) -> tuple[str | None, dict]:
-    """This rank's model file or part and its optimizer shard: (the error, if any; {file name:
-    {"bytes", "crc32"}})."""
-    # every rank writes what it owns: no rank writes (and no rank waits on) the whole model
-    model_file = model_path(run_dir, step) if world_size == 1 else model_part_path(run_dir, step, rank)
-    try:
-        return None, {p.name: atomic_torch_save(p, data)
-                      for p, data in ((model_file, model_data), (optim_path(run_dir, step, rank), optimizer_data))}
-    except OSError as e:
-        print(f"[rank {rank}] error: writing checkpoint step {step:06d} failed: {e}", file=sys.stderr, flush=True)
-        return str(e), {}
 
 
 def retain(run_dir: Path, retention: Retention, log: Callable[[str], None]) -> str:

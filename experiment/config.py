@@ -86,6 +86,11 @@ class TrainConfig:
     keep_last: int = opt("complete checkpoints kept, plus the best", 3)
     keep_best_optimizer: int = opt("1: a best checkpoint older than the last keep_last keeps its optimizer "
                                     "shards (resumable); 0: only its model and meta (servable)", 0)
+    async_save: int = opt("1: each rank copies its share of a checkpoint into host memory and writes it in the "
+                          "background while training goes on (when the node's host memory holds the shares); "
+                          "0: training waits for every save", 1)
+    save_write_mbps: float = opt("cap checkpoint writes at this many MB/s per rank (0: no cap); stands in for a "
+                                 "slow volume in tests and benchmarks", 0.0)
     eval_every_minutes: float | None = opt("eval cadence (default 30 with CUDA, 0.5 without)")
     eval_every_steps: int = opt("also eval every N steps (0: off)", 0)
     eval_tokens: int | None = opt("size of the fixed val slice (default 1048576 with CUDA, 65536 without)")

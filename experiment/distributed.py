@@ -37,6 +37,7 @@ class Dist:
     world_size: int
     device: torch.device
     store: object = None  # a store we made must outlive the process group that uses it
+    local_world_size: int = 1  # ranks on this node (they share its host memory)
 
     @property
     def master(self) -> bool:
@@ -103,7 +104,7 @@ def setup_distributed(cuda: bool) -> Dist:
                                     world_size=world_size, device_id=device_id, timeout=PHASE_TIMEOUTS["setup"])
         else:
             dist.init_process_group(backend, device_id=device_id, timeout=PHASE_TIMEOUTS["setup"])
-    return Dist(rank, local_rank, world_size, device, store)
+    return Dist(rank, local_rank, world_size, device, store, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
 def all_ranks_ok(ok: bool, d: Dist) -> bool:

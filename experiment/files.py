@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import zlib
 from pathlib import Path
 
@@ -46,15 +47,21 @@ def _atomic_write(path: Path, write):
 
 
 class _Summing:
-    """A write-only file that counts and CRC-32s the bytes passing through it to the real one."""
+    """A write-only file that counts and CRC-32s the bytes passing through it to the real one, and
+    with `max_bps` > 0 sleeps to keep to that many bytes per second (a slow volume, for the tests and
+    `bench save`)."""
 
-    def __init__(self, f) -> None:
-        self.f, self.bytes, self.crc32 = f, 0, 0
+    def __init__(self, f, max_bps: float = 0) -> None:
+        self.f, self.bytes, self.crc32, self.max_bps = f, 0, 0, max_bps
+        self.started = time.monotonic()
 
     def write(self, data) -> int:
         self.bytes += len(data)
         self.crc32 = zlib.crc32(data, self.crc32)
-        return self.f.write(data)
+        written = self.f.write(data)
+        if self.max_bps > 0:
+            time.sleep(max(self.bytes / self.max_bps - (time.monotonic() - self.started), 0))
+        return written
 
     def flush(self) -> None:
         self.f.flush()
@@ -77,11 +84,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     _atomic_write(Path(path), lambda f: f.write(data))
 
 
-def atomic_torch_save(path: Path, obj) -> dict:
+def atomic_torch_save(path: Path, obj, max_bps: float = 0) -> dict:
     """torch.save(obj) to path atomically; returns {"bytes", "crc32"} of what was written (summed on
-    the way out, so checking the file later costs no second read now)."""
+    the way out, so checking the file later costs no second read now). `max_bps`: _Summing's cap."""
     def write(f) -> dict:
-        summing = _Summing(f)
+        summing = _Summing(f, max_bps)
         try:
             torch.save(obj, summing)
             return {"bytes": summing.bytes, "crc32": summing.crc32}

@@ -27,6 +27,7 @@ from experiment import autosize
 from experiment.config import MAX_EPOCHS, ConfigError, TrainConfig
 from experiment.hardware import peak_flops
 from experiment.memory import checkpoint_bytes
+from experiment.saver import HOST_STAGING_FRACTION
 
 
 @dataclass
@@ -104,6 +105,21 @@ def plan_line(cfg: TrainConfig, p: GpuPlan, world_size: int, gpu: Gpu) -> str:
     return (f"preflight | plan d{p.depth}: {p.tok_per_s:,.0f} tok/s PREDICTED on {world_size} x {gpu.name} (MFU "
             f"measured on one H100, {autosize.MFU_SOURCE}) | {stop} | checkpoint {p.checkpoint_bytes / 1e9:.1f} GB, "
             f"disk peak {p.disk_peak_bytes / 1e9:.1f} GB, a save about {p.save_seconds:.0f} s at {DISK_WRITE_GBPS} GB/s")
+
+
+def staging_line(cfg: TrainConfig, p: GpuPlan, world_size: int, nproc_per_node: int, available: int) -> str:
+    """Whether saves can write in the background: this node's ranks stage their checkpoint shares in
+    host memory, which must hold them within saver.HOST_STAGING_FRACTION of what is available (the
+    trainer checks the same at start and otherwise saves blocking)."""
+    need = p.checkpoint_bytes * nproc_per_node / world_size
+    if not cfg.async_save:
+        return f"preflight | saves block training (ASYNC_SAVE=0): about {p.save_seconds:.0f} s each"
+    if need > HOST_STAGING_FRACTION * available:
+        return (f"warning: background saves would stage {need / 1e9:.1f} GB of checkpoint in this node's host memory, "
+                f"more than {HOST_STAGING_FRACTION:g} x the {available / 1e9:.1f} GB available: every save will block "
+                f"training for about {p.save_seconds:.0f} s")
+    return (f"preflight | saves write in the background: {need / 1e9:.1f} GB staged in host memory per node "
+            f"({available / 1e9:.0f} GB available); training waits only for the copy")
 
 
 def check(cfg: TrainConfig, p: GpuPlan | None, demo: bool, workspace: Path, run_dir: Path) -> None:

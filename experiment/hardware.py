@@ -5,6 +5,7 @@ drained timing. Looked up or measured, never guessed; the trainer, DEPTH=auto an
 from __future__ import annotations
 
 import gc
+import os
 import resource
 import time
 
@@ -30,6 +31,18 @@ def memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+
+def host_available_bytes() -> int:
+    """Host memory available to new allocations now (MemAvailable: free plus reclaimable page cache)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # free pages: a lower bound
 
 
 def free_memory(device: torch.device) -> None:

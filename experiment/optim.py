@@ -156,16 +156,17 @@ class ShardedOptimizer:
 
     def shard_state(self) -> dict:
         """This rank's optimizer state: {name: {state key: tensor}} for the parameters it owns, with
-        the fp32 master value under "master" (in either mode, so a resume is exact in both)."""
+        the fp32 master value under "master" (in either mode, so a resume is exact in both). The
+        tensors are the live ones: copy them before the next step changes them."""
         names = {id(t): n for n, t in self.target.items()}
         state = {n: {} for n in self.target}
         for opt in self.optimizers:
             for t, s in opt.state.items():
-                # To CPU: a copy on the GPU would briefly double optimizer memory at every save.
-                state[names[id(t)]] = {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v)
-                                       for k, v in s.items()}
+                # The live tensors, not copies: the saver copies them into its host buffers, and a
+                # copy here (on the GPU) would briefly double optimizer memory at every save.
+                state[names[id(t)]] = {k: (v.detach() if torch.is_tensor(v) else v) for k, v in s.items()}
         for n, t in self.target.items():
-            state[n]["master"] = t.detach().float().to("cpu", copy=True)
+            state[n]["master"] = t.detach().float()  # the target itself: fp32 already in both modes
         return {"rank": self.rank, "world_size": self.world_size,
                 "owned": [n for n, r in self.owner.items() if r == self.rank], "state": state}
 

@@ -29,6 +29,7 @@ from experiment.config import ConfigError, TrainConfig, parse_args, resolve
 from experiment.dataloader import DataError, Prepared
 from experiment.distributed import resolve_device
 from experiment.files import atomic_write_json, default_workspace
+from experiment.hardware import host_available_bytes
 from experiment.launch import (check_not_running, check_resume_target, depth_for, eval_prompt_ids, make_config, model_config,
                                prepare_data, uses_demo)
 from experiment.mixture import source_weights
@@ -79,11 +80,12 @@ def wait_for_node0(plan_file: Path, started: float, wait_minutes: float, log) ->
 
 
 def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: float, log,
-              gpu: guards.Gpu | None = None, shutdown_given: int = 0) -> dict:
+              gpu: guards.Gpu | None = None, shutdown_given: int = 0, nproc_per_node: int | None = None) -> dict:
     """Returns the plan ({"prepared": dir, "resume_step": step or None, "shutdown_timeout": s, ...});
     raises ConfigError, DataError or CheckpointError for a user's error. `gpu`: the GPU to plan for
     (the tests hand one in on a CPU); None: this machine's, if CUDA is what the run uses.
-    `shutdown_given`: SHUTDOWN_TIMEOUT as the user set it, 0 if unset (guards.shutdown_timeout)."""
+    `shutdown_given`: SHUTDOWN_TIMEOUT as the user set it, 0 if unset (guards.shutdown_timeout).
+    `nproc_per_node`: ranks per node (None: all on this one), whose staged saves share its memory."""
     started = time.time()
     if gpu is None:
         try:
@@ -113,6 +115,7 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
     gpu_plan = guards.gpu_plan(cfg, config, gpu, world_size, train_tokens) if gpu and config else None
     if gpu_plan:
         log(guards.plan_line(cfg, gpu_plan, world_size, gpu))
+        log(guards.staging_line(cfg, gpu_plan, world_size, nproc_per_node or world_size, host_available_bytes()))
     if gpu is not None:
         guards.check(cfg, gpu_plan, demo, workspace, run_dir)
     if len(weights or []) > MANY_SOURCES:
@@ -131,6 +134,7 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiment.preflight", description=__doc__.split("\n")[0])
     parser.add_argument("--world_size", type=int, default=1, help="ranks the launch will start, all nodes")
+    parser.add_argument("--nproc_per_node", type=int, default=None, help="ranks per node (default: world_size)")
     parser.add_argument("--node_rank", type=int, default=0, help="0 prepares; the others wait for its plan")
     parser.add_argument("--wait_minutes", type=float, default=120, help="how long a node > 0 waits for node 0")
     parser.add_argument("--plan_file", default=None, help="also write the plan (JSON) here, for the launcher")
@@ -139,7 +143,7 @@ def main(argv=None) -> int:
     cfg = parse_args(train_argv)
     try:
         plan = preflight(cfg, args.world_size, args.node_rank, args.wait_minutes, lambda msg: print(msg, flush=True),
-                         shutdown_given=args.shutdown_timeout)
+                         shutdown_given=args.shutdown_timeout, nproc_per_node=args.nproc_per_node)
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -127,9 +127,11 @@ def _eval_table(evals: list[dict]) -> list[str]:
 def _save_table(saves: list[dict]) -> list[str]:
     if not saves:
         return []
-    rows = [[str(r["step"]), f"{r['seconds']:.2f}", "yes" if r["ok"] else "failed"] for r in saves[-TABLE_ROWS:]]
-    return [f"## Checkpoint saves (the latest {len(rows)} of {len(saves)}; training waits for each)", "",
-            _row(["step", "seconds", "complete"]), _row(["---"] * 3), *map(_row, rows), ""]
+    rows = [[str(r["step"]), f"{r['seconds']:.2f}", f"{r.get('blocked', r['seconds']):.2f}", "yes" if r["ok"] else "failed"]
+            for r in saves[-TABLE_ROWS:]]
+    return [f"## Checkpoint saves (the latest {len(rows)} of {len(saves)}; written: until the files were on disk, "
+            "blocked: what training waited)", "",
+            _row(["step", "written (s)", "blocked (s)", "complete"]), _row(["---"] * 4), *map(_row, rows), ""]
 
 
 def _sample_lines(samples: list[tuple]) -> list[str]:

@@ -74,7 +74,8 @@ launch+=(--max-restarts="$MAX_RESTARTS")
 # here, once, and torchrun never starts (it would restart the same mistake MAX_RESTARTS times).
 plan_file=$(mktemp)
 trap 'rm -f "$plan_file"' EXIT
-"$PYTHON" -m experiment.preflight --world_size=$((NPROC_PER_NODE * NNODES)) --node_rank="$NODE_RANK" \
+"$PYTHON" -m experiment.preflight --world_size=$((NPROC_PER_NODE * NNODES)) --nproc_per_node="$NPROC_PER_NODE" \
+    --node_rank="$NODE_RANK" \
     --wait_minutes="${PREFLIGHT_WAIT_MINUTES:-120}" --shutdown_timeout="${SHUTDOWN_TIMEOUT:-0}" \
     --plan_file="$plan_file" "${flags[@]}" || exit $?
 mapfile -t plan < <("$PYTHON" -c 'import json, sys; p = json.load(open(sys.argv[1])); print(p["prepared"]); print(p["run_dir"]); print(p["shutdown_timeout"])' "$plan_file")

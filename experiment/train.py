@@ -33,12 +33,13 @@ from experiment.distributed import (PHASE_TIMEOUTS, Dist, ParentWatch, StopSigna
                                     gather_objects, resolve_device, setup_distributed, wrap_ddp)
 from experiment.evaluation import evaluate
 from experiment.files import default_workspace
-from experiment.hardware import memory_gib
+from experiment.hardware import host_available_bytes, memory_gib
 from experiment.memory import checkpoint_bytes_per_rank, choose_memory_mode, find_device_batch
 from experiment.mixture import MixedBatches, source_weights
 from experiment.model import DTYPES, GPT, GPTConfig, build_model
 from experiment.optim import ShardedOptimizer, lr_multiplier
 from experiment.report import NullReport, RunReport
+from experiment.saver import HOST_STAGING_FRACTION, Saver
 from experiment.runlog import (NullWriter, RunLog, log_crash, log_step, planner_line, report_eval, report_sample,
                                source_epoch_lines)
 from experiment.step import forward_backward, optimizer_step
@@ -75,6 +76,7 @@ class Trainer:
     eval_prompt: list[int]  # the token ids every eval's sample continues
     lock: object  # rank 0: the run directory's trainer lock, held while this process lives; else None
     max_tokens: float  # MAX_EPOCHS passes over the training data: the run stops there; inf without a cap
+    saver: Saver  # this rank's checkpoint writer (in the background when staging fits)
 
     @property
     def max_steps(self) -> int:
@@ -92,7 +94,8 @@ class Loop:
     last_eval_time: float
     last_save_time: float
     last_eval_step: int
-    last_saved_step: int
+    last_saved_step: int  # the latest save begun
+    last_complete_step: int  # the latest save completed
     reserve_seconds: float = 0.0  # measured: the final eval + save + one step fit in what is left
     val_loss: float = math.nan
     previous_best: tuple = (math.inf, -1, 0)  # best before this step's eval, restored if its save fails
@@ -215,12 +218,32 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
                          resume_step, log)
         if d.master else NullReport(),
         eval_prompt=launch.eval_prompt_ids(cfg, prepared), lock=lock,
-        max_tokens=cfg.max_epochs * prepared.meta["split"]["train_tokens"] if cfg.max_epochs else math.inf)
+        max_tokens=cfg.max_epochs * prepared.meta["split"]["train_tokens"] if cfg.max_epochs else math.inf,
+        saver=make_saver(cfg, d, model, run_dir, log))
     log(f"model {model.num_params():,} params (d{cfg.depth}, width {model_config.n_embd}, "
         f"{model_config.n_head} heads) | {t.flops_per_token:.3e} FLOP/token | batch {cfg.device_batch_size} x "
         f"{cfg.max_seq_len} x {d.world_size} ranks x {t.grad_accum} accum = {cfg.total_batch_size:,} tokens/step | "
         f"budget {cfg.training_hours:.3f}h | tensorboard {workspace / 'tensorboard' / cfg.model_tag}")
     return t
+
+
+def make_saver(cfg: TrainConfig, d: Dist, model: GPT, run_dir: Path, log: RunLog) -> Saver:
+    """Saves in the background when ASYNC_SAVE=1 and the node's host memory holds every local rank's
+    staged share within HOST_STAGING_FRACTION of what is available (on every node), else blocking."""
+    precision = "bf16" if model.wte.weight.dtype == torch.bfloat16 else "fp32"
+    share = sum(checkpoint_bytes_per_rank(model.config, d.world_size, precision)[d.rank])
+    need, available = share * d.local_world_size, host_available_bytes()
+    background = bool(cfg.async_save) and all_ranks_ok(need <= HOST_STAGING_FRACTION * available, d)
+    if background:
+        log(f"checkpoint | saves write in the background: {share / 1e9:.2f} GB per rank staged in host memory "
+            f"({need / 1e9:.2f} GB of {available / 1e9:.1f} GB available on this node)")
+    elif cfg.async_save:
+        log(f"warning: this node's ranks would stage {need / 1e9:.1f} GB of checkpoint in host memory, more than "
+            f"{HOST_STAGING_FRACTION:g} x the {available / 1e9:.1f} GB available: every save blocks training")
+    else:
+        log("checkpoint | saves block training (ASYNC_SAVE=0)")
+    return Saver(run_dir, d.rank, d.world_size, d.device, background, all_ok=lambda ok: all_ranks_ok(ok, d),
+                 gather=lambda files: gather_objects(files, d), write_bps=cfg.save_write_mbps * 1e6)
 
 
 def report_facts(cfg: TrainConfig, d: Dist, model: GPT, prepared: Prepared, budget_seconds: float, accum: int,
@@ -257,9 +280,17 @@ def restore_checkpoint(run_dir: Path, step: int, model: GPT, opt: ShardedOptimiz
 
 def write_checkpoint(run_dir: Path, model: GPT, opt: ShardedOptimizer, st: RunState, val_loss: float | None,
                      run_meta: dict, d: Dist) -> str | None:
-    """This rank's share of the step as plain data (its model part, its optimizer shard with the RNG
-    states) and the step's meta, handed to ckpt.save_checkpoint; None when the step is complete,
-    else why not (on every rank alike)."""
+    """The step saved here and now (ckpt.save_checkpoint); None when the step is complete, else why
+    not (on every rank alike). The loop saves through its Saver instead (maybe_save)."""
+    return ckpt.save_checkpoint(run_dir, st.step, *checkpoint_share(model, opt, st, val_loss, run_meta, d), d.rank,
+                                d.world_size, all_ok=lambda ok: all_ranks_ok(ok, d),
+                                gather=lambda files: gather_objects(files, d))
+
+
+def checkpoint_share(model: GPT, opt: ShardedOptimizer, st: RunState, val_loss: float | None, run_meta: dict,
+                     d: Dist) -> tuple[dict, dict, dict]:
+    """This rank's share of the step as plain data: (its model part, its optimizer shard with the RNG
+    states, the step's meta). The tensors are the live ones (a collective: every rank's data position)."""
     state = ckpt.strip_compile_prefix(model.state_dict())
     rng = {"cpu": torch.get_rng_state()}
     if d.device.type == "cuda":
@@ -272,8 +303,7 @@ def write_checkpoint(run_dir: Path, model: GPT, opt: ShardedOptimizer, st: RunSt
         "activation_checkpointing": model.activation_checkpointing, **run_meta, "saved_at": time.time(),
     }
     mine = state if d.world_size == 1 else ckpt.model_part(state, opt.owner, d.rank)
-    return ckpt.save_checkpoint(run_dir, st.step, mine, {**opt.shard_state(), "rng": rng}, meta, d.rank, d.world_size,
-                                all_ok=lambda ok: all_ranks_ok(ok, d), gather=lambda files: gather_objects(files, d))
+    return mine, {**opt.shard_state(), "rng": rng}, meta
 
 
 def choose_depth(cfg: TrainConfig, d: Dist, gpu: guards.Gpu | None, prepared: Prepared, run_dir: Path,
@@ -328,7 +358,7 @@ def start_loop(t: Trainer) -> Loop:
     first = t.st.step if t.resume_step is not None else -1
     now = time.time()
     return Loop(x=x, y=y, data_state=data_state, started=now, used_at_start=t.st.used_seconds, last_eval_time=now,
-                last_save_time=now, last_eval_step=first, last_saved_step=first)
+                last_save_time=now, last_eval_step=first, last_saved_step=first, last_complete_step=first)
 
 
 # ---------------------------------------------------------------- the loop
@@ -349,8 +379,12 @@ def train_loop(t: Trainer) -> int:
     with StopSignal(announce=d.master, grace=lambda: stop_grace(t)) as stop_signal:
         for step in range(t.st.step, t.max_steps + 1):
             t.st.step, t.st.used_seconds = step, loop.used()
-            loop.reserve_seconds = t.st.eval_seconds + t.st.save_seconds + t.st.step_seconds
-            last_step, eval_due, save_due, signum = decide(t, loop, stop_signal.signum)
+            # The final eval, save and step, and what a save in flight still needs (the final one waits for it)
+            loop.reserve_seconds = (t.st.eval_seconds + t.st.save_seconds + t.st.step_seconds
+                                    + t.saver.seconds_left(t.st.save_seconds))
+            last_step, eval_due, save_due, signum, writing = decide(t, loop, stop_signal.signum, t.saver.writing())
+            if t.saver.pending is not None and not writing:  # every rank's writer is done
+                finish_save(t, loop)
             if last_step:
                 loop.stop(0, last_outcome(t))
             if signum:  # preempted: save what we have now; an eval would spend the grace period
@@ -367,6 +401,8 @@ def train_loop(t: Trainer) -> int:
             if loop.end is not None:
                 break
             record_step(t, loop, loss_sum, mult, t0)
+    if t.saver.pending is not None:  # the loop broke off (a diverging run) with a save in flight
+        finish_save(t, loop, wait=True)
     if not loop.end:  # None: a resume at or past max_steps had no step left to run
         finish(t, loop)
     outcome = loop.outcome if loop.end is not None else "finished: no step was left to run"
@@ -390,10 +426,10 @@ def stop_grace(t: Trainer) -> float:
     return STOP_MARGIN_SECONDS + 2 * (t.st.step_seconds + save)
 
 
-def decide(t: Trainer, loop: Loop, signum: int) -> tuple[int, int, int, int]:
-    """(last step, eval due, save due, signal). Rank 0 decides the clock-driven flags; a stop signal
-    may reach any rank. One all-reduce (max) gives every rank the same decisions, so none is left
-    waiting in a collective."""
+def decide(t: Trainer, loop: Loop, signum: int, writing: bool = False) -> tuple[int, int, int, int, int]:
+    """(last step, eval due, save due, signal, a rank still writing a save). Rank 0 decides the
+    clock-driven flags; a stop signal may reach any rank, and so may a writer still at work. One
+    all-reduce (max) gives every rank the same decisions, so none is left waiting in a collective."""
     cfg, d, st, step = t.cfg, t.d, t.st, t.st.step
     eval_due = (time.time() - loop.last_eval_time >= cfg.eval_every_minutes * 60
                 or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0) or step == 0)
@@ -404,7 +440,7 @@ def decide(t: Trainer, loop: Loop, signum: int) -> tuple[int, int, int, int]:
     due_now = (st.eval_seconds + st.save_seconds) * eval_due + st.save_seconds * (save_due and not eval_due)
     last = (step >= t.max_steps or st.tokens_seen >= t.max_tokens
             or st.used_seconds + loop.reserve_seconds + due_now >= t.budget_seconds)
-    flags = torch.tensor([d.master and last, d.master and eval_due, d.master and save_due, signum],
+    flags = torch.tensor([d.master and last, d.master and eval_due, d.master and save_due, signum, writing],
                          dtype=torch.int32, device=d.device)
     return tuple(int(v) for v in d.all_reduce(flags, "max").tolist())
 
@@ -441,38 +477,65 @@ def maybe_eval(t: Trainer, loop: Loop) -> None:
 
 
 def maybe_save(t: Trainer, loop: Loop, save_due: bool, preempted: bool) -> None:
-    """A checkpoint when one is due, at the last step or at a new best. When the final checkpoint
-    cannot be written the run ends with 1 (the latest complete one is kept)."""
-    st, step, last_step = t.st, t.st.step, loop.end is not None
+    """A checkpoint when one is due, at the last step or at a new best: staged and written in the
+    background (Saver), completed at a later step once every rank's writer is done. A save in
+    flight is completed first (one at a time: the wait is logged and counted); the final save is
+    written here and completed before the run ends, and when it fails the run ends with 1."""
+    st, step, final = t.st, t.st.step, loop.end is not None
     # No periodic save during a streak of skipped updates: retention must not push the last
     # checkpoint from before the streak out. (Skipped updates leave the weights valid, so the final
     # save still happens.)
-    if not ((save_due or last_step or st.best_step == step) and step != loop.last_saved_step
-            and (last_step or not loop.bad_in_a_row)):
+    if not ((save_due or final or st.best_step == step) and step != loop.last_saved_step
+            and (final or not loop.bad_in_a_row)):
         return
-    t0 = time.time()
+    if t.saver.pending is not None:
+        before, writing, t0 = t.saver.pending.step, t.saver.writing(), time.time()
+        finish_save(t, loop, wait=True)
+        if writing:
+            st.save_waits, st.save_wait_seconds = st.save_waits + 1, st.save_wait_seconds + time.time() - t0
+            t.log(f"save | step {step:06d} waited {time.time() - t0:.1f}s for step {before:06d}'s write to finish "
+                  f"({st.save_waits} waits, {st.save_wait_seconds:.1f}s in all: saves come due faster than one "
+                  "writes; a longer SAVE_EVERY_MINUTES avoids it)")
     st.used_seconds, st.data_state = loop.used(), loop.data_state
-    phase = loop.phase
-    loop.enter("save", t.d)
-    error = write_checkpoint(t.run_dir, t.model, t.opt, st, None if preempted else loop.val_loss, t.run_meta, t.d)
+    share = checkpoint_share(t.model, t.opt, st, None if preempted else loop.val_loss, t.run_meta, t.d)
+    t.saver.begin(step, *share, background=not final,
+                  context={"previous_best": loop.previous_best, "final": final})
+    loop.last_saved_step, loop.last_save_time = step, time.time()  # a failed save is retried when due again
+    if t.saver.pending.thread is None:  # written already: the final save, or staging is off
+        finish_save(t, loop, wait=True)
+
+
+def finish_save(t: Trainer, loop: Loop, wait: bool = False) -> None:
+    """Complete the pending save on every rank (collectives), once every rank's writer is done:
+    `wait` joins this rank's writer first. Logs it, prunes, and on failure keeps best.json naming
+    a step that exists."""
+    st = t.st
+    phase, t0 = loop.phase, time.time()
+    loop.enter("save", t.d)  # ranks may wait here for the slowest writer
+    if wait:
+        t.saver.wait()
+    p, error = t.saver.complete()
     loop.enter(phase, t.d)
-    loop.last_save_time = time.time()  # a failed save is retried at the next due time, not every step
-    st.save_seconds = max(st.save_seconds, time.time() - t0)
-    t.report.add({"kind": "save", "step": step, "seconds": round(time.time() - t0, 3), "ok": error is None})
+    blocked = p.staged_seconds + time.time() - t0 if p.thread else time.time() - p.started
+    st.save_seconds = max(st.save_seconds, p.write_seconds)
+    t.report.add({"kind": "save", "step": p.step, "seconds": round(p.write_seconds, 3), "blocked": round(blocked, 3),
+                  "ok": error is None})
     if error is None:
-        loop.last_saved_step = step
+        loop.last_complete_step = p.step
         if t.d.master:
             retention = Retention(t.cfg.keep_last, bool(t.cfg.keep_best_optimizer))
-            t.log(f"saved step {step:06d} -> {t.run_dir}" + (" (best)" if st.best_step == step else "")
+            t.log(f"saved step {p.step:06d} -> {t.run_dir}" + (" (best)" if p.meta["state"]["best_step"] == p.step else "")
+                  + f" | written in {p.write_seconds:.1f}s, training blocked {blocked:.2f}s"
                   + ckpt.retain(t.run_dir, retention, t.log))
         return
-    t.log(f"error: checkpoint step {step:06d} not saved ({error}); earlier checkpoints are kept"
-          + ("" if last_step else ", training goes on"))
-    if last_step:
+    final = p.context["final"]
+    t.log(f"error: checkpoint step {p.step:06d} not saved ({error}); earlier checkpoints are kept"
+          + ("" if final else ", training goes on"))
+    if final:
         t.log("error: the final checkpoint could not be written; the latest complete one is kept")
         loop.stop(1, "failed: the final checkpoint could not be written (training.log says why)")
-    elif st.best_step == step:  # best.json must name a checkpoint that exists
-        st.best_val, st.best_step, st.evals_since_best = loop.previous_best
+    elif st.best_step == p.step:  # best.json must name a checkpoint that exists
+        st.best_val, st.best_step, st.evals_since_best = p.context["previous_best"]
 
 
 def train_step(t: Trainer, loop: Loop) -> tuple[torch.Tensor, float]:
@@ -511,7 +574,7 @@ def apply_update(t: Trainer, loop: Loop) -> None:
           f"({loop.bad_in_a_row} in a row, {t.st.nonfinite_steps} in all)")
     if loop.bad_in_a_row >= MAX_NONFINITE_IN_A_ROW:
         t.log(f"error: {loop.bad_in_a_row} non-finite steps in a row; stopping. The last good checkpoint is "
-              f"step {max(loop.last_saved_step, 0):06d}; lower the learning rates or check the data")
+              f"step {max(loop.last_complete_step, 0):06d}; lower the learning rates or check the data")
         loop.stop(1, f"failed: {loop.bad_in_a_row} non-finite steps in a row")
 
 

@@ -106,3 +106,20 @@ def test_the_shutdown_timeout_covers_the_predicted_preemption_save(tmp_path, cor
     big, _ = run_preflight(tmp_path, "--data_dir", corpus, "--depth", 64, "--max_epochs", 8, "--allow", "disk",
                            world_size=1)  # d64 from one rank: far past 300 s
     assert big["shutdown_timeout"] > 300
+
+
+def test_the_plan_says_whether_host_memory_holds_the_staged_checkpoint_shares(tmp_path, corpus):
+    from experiment import guards
+    from experiment.config import resolve
+
+    plan, lines = run_preflight(tmp_path, "--data_dir", corpus)
+    assert any(x.startswith("preflight | saves write in the background:") for x in lines), lines
+    cfg = resolve(parse_args([]), True, 8)
+    p = guards.GpuPlan(64, 1e6, 1.0, 1.0, 1.0, checkpoint_bytes=129 * 10**9, disk_peak_bytes=0, save_seconds=430.0)
+    # one node of 8 ranks stages the whole 129 GB checkpoint; two nodes half each
+    assert "saves write in the background: 129.0 GB" in guards.staging_line(cfg, p, 8, 8, 1000 * 10**9)
+    assert "64.5 GB staged" in guards.staging_line(cfg, p, 16, 8, 200 * 10**9)
+    short = guards.staging_line(cfg, p, 8, 8, 200 * 10**9)
+    assert short.startswith("warning:") and "every save will block training for about 430 s" in short
+    cfg.async_save = 0
+    assert "saves block training (ASYNC_SAVE=0)" in guards.staging_line(cfg, p, 8, 8, 1000 * 10**9)

@@ -92,6 +92,63 @@ def test_second_signal_exits_at_once(tmp_path, corpus):
     assert not ckpt.complete_steps(tmp_path / "checkpoints/d2")
 
 
+def _records(run_dir):
+    import json
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()  # a zombie has exited; only its reaper is missing
+    except FileNotFoundError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+
+
+
+
+def _writing_step(run_dir):
+    """The step whose temp file is being written, else None."""
+    import re
+    names = [p.name for p in run_dir.iterdir()] if run_dir.exists() else []
+    steps = [int(m.group(1)) for n in names if n.endswith(".tmp") and (m := re.match(r"\.(?:model|optim)_(\d{6,})", n))]
+    return steps[0] if steps else None
+
+
+def test_training_goes_on_during_a_background_write_and_sigterm_completes_it(tmp_path, corpus):
+    # Each rank's share is ~0.9 MB: at 0.3 MB/s a save writes for ~3 s, hundreds of tiny steps.
+    args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256, "--save_every_steps", 4,
+            "--save_write_mbps", 0.3]
+    run_dir = tmp_path / "checkpoints/d2"
+    agent = _launch_until_logged(args, 2, tmp_path, "waited", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _wait_for(lambda: _writing_step(run_dir) is not None, what="a background write")
+    writing = _writing_step(run_dir)
+    t0 = time.time()
+    for worker in subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split():
+        os.kill(int(worker), signal.SIGTERM)  # a preemption signals every process of the box
+    out, err = agent.communicate(timeout=120)
+    assert agent.returncode == 0, err[-2000:]
+    log = (run_dir / "training.log").read_text()
+    steps = ckpt.complete_steps(run_dir)
+    stopped = int(log.split("received SIGTERM: saving step ")[1][:6])
+    # the write in flight was completed, then the step the signal found was saved: both resumable
+    assert stopped in steps and writing in steps and writing < stopped, (steps, writing, stopped)
+    assert time.time() - t0 < 60 and "Traceback" not in err
+    assert ckpt.pick_resume_step(run_dir, "auto") == stopped
+    # a save due while one wrote waited, and said so; the meta counts it
+    assert "save | step 000008 waited" in log and run_meta(tmp_path, stopped)["state"]["save_waits"] >= 1
+    # steps ran between a save's start and its completion
+    records = _records(run_dir)
+    first_save = next(i for i, r in enumerate(records) if r["kind"] == "save")
+    assert any(r["kind"] == "train" and r["step"] > records[first_save]["step"] for r in records[:first_save])
+    assert records[first_save]["blocked"] < records[first_save]["seconds"]
+
+
 def test_a_second_launch_on_a_running_run_exits_2_and_one_after_a_kill_resumes(tmp_path, corpus):
     env = {**ENV, "DEPTH": "2", "ASPECT_RATIO": "32", "HEAD_DIM": "32", "MAX_SEQ_LEN": "32", "DEVICE_BATCH_SIZE": "4",
            "TOTAL_BATCH_SIZE": "256", "SAMPLE_TOKENS": "0", "DATA_DIR": str(corpus), "WORKSPACE": str(tmp_path),
@@ -206,10 +263,18 @@ def test_kill9_at_random_points_and_during_saves_then_resume_equals_uninterrupte
         metas = {n[5:11] for n in names if n.startswith("meta_") and n.endswith(".json")}
         return any(n.startswith("optim_") and n.endswith(".pt") and n[6:12] not in metas for n in names)
 
+    def background_write():  # training has gone 3 steps past the save still writing
+        writing = _writing_step(run_dir)
+        return writing is not None and any(r.get("step", 0) >= writing + 3 for r in _records(run_dir))
+
     hit = []
-    for what, predicate in [("random", None), ("mid-write", temp_file_present), ("shards, no meta", shards_without_meta),
-                            ("random", None), ("mid-write", temp_file_present)]:
-        agent = subprocess.Popen(train_cmd([*args, "--workspace", ws], 2), cwd=REPO, env=ENV,
+    # The second launch saves every 4 steps at 0.3 MB/s (~3 s a save): the kill comes while training
+    # steps beside a background write.
+    slow = ["--save_every_steps", 4, "--save_write_mbps", 0.3]
+    for what, predicate in [("random", None), ("background write", background_write), ("mid-write", temp_file_present),
+                            ("shards, no meta", shards_without_meta), ("random", None), ("mid-write", temp_file_present)]:
+        flags = [*args, "--workspace", ws, *(slow if what == "background write" else [])]
+        agent = subprocess.Popen(train_cmd(flags, 2), cwd=REPO, env=ENV,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         if predicate is None:
             start = (ckpt.complete_steps(run_dir) or [0])[-1]
@@ -223,9 +288,13 @@ def test_kill9_at_random_points_and_during_saves_then_resume_equals_uninterrupte
                 pass  # poll as fast as we can: a tiny model's save lasts milliseconds
         if agent.poll() is None:
             hit.append(what if predicate is None or predicate() else f"{what} (missed)")
-            os.killpg(agent.pid, signal.SIGKILL)  # the agent and both workers, with no warning
+            # torchrun starts its workers in sessions of their own: each gets its SIGKILL
+            workers = _children(agent.pid)
+            for pid in [*workers, agent.pid]:
+                os.kill(pid, signal.SIGKILL)  # the workers and the agent, with no warning
+            _wait_for(lambda: not any(_alive(w) for w in workers), timeout=60, what="the workers to be gone")
         agent.wait()
-    assert "mid-write" in hit and "shards, no meta" in hit, hit
+    assert "mid-write" in hit and "shards, no meta" in hit and "background write" in hit, hit
     assert ckpt.complete_steps(run_dir)[-1] < steps, "the kills came too late to test anything"
     run_train([*args, "--workspace", ws], nproc=2)
     ref, got = _state(tmp_path / "ref", steps), _state(ws, steps)
@@ -250,21 +319,12 @@ def test_torchrun_restarts_a_dead_worker_and_the_run_resumes(tmp_path, corpus):
     assert all(torch.equal(ref[n], got[n]) for n in ref)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return "\nState:\tZ" not in f.read()  # a zombie has exited; only its reaper is missing
-    except FileNotFoundError:
-        return False
-
-
 def test_workers_exit_on_their_own_when_the_agent_is_killed(tmp_path, corpus):
     args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256]
     with open(tmp_path / "agent.log", "w") as out:
         agent = _launch_until_logged(args, 2, tmp_path, "step 000004 | loss", stdout=out, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True,
-                                              text=True).stdout.split()]
+    workers = _children(agent.pid)
     assert len(workers) == 2
     agent.kill()  # SIGKILL: the agent can neither forward a signal nor reap its workers
     agent.wait()
@@ -432,6 +492,7 @@ def test_a_full_disk_costs_a_save_not_the_run(tmp_path, corpus, small_disk):
             "--save_every_steps", 2, "--keep_last", 1]
     proc = run_train(args, check=False)
     run_dir = tmp_path / "checkpoints/d2"
+    assert "saves write in the background" in proc.stdout  # step 4's write fails in the background writer
     assert "error: checkpoint step 000004 not saved" in proc.stdout and "writing checkpoint step 000004" in proc.stderr
     assert "step 000006 | loss" in proc.stdout  # training went on after the failed save
     assert proc.returncode == 1 and "the final checkpoint could not be written" in proc.stdout

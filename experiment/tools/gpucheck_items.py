@@ -28,7 +28,8 @@ from experiment.model import DTYPES, GPTConfig, build_model
 from experiment.optim import LRS, ShardedOptimizer
 from experiment.step import forward_backward, optimizer_step
 from experiment.tools.probes import cpu_matmul_peak, measure_speed, probe_peak_memory, profile_step
-from experiment.train import restore_checkpoint, write_checkpoint
+from experiment.saver import Saver
+from experiment.train import checkpoint_share, restore_checkpoint, write_checkpoint
 
 ITEMS = ("env", "correctness", "speed", "memory", "checkpoints", "e2e")
 GIB = 2**30
@@ -394,12 +395,46 @@ def _time_save_load(ctx: Ctx, depth: int, prepared) -> dict:
         restore_checkpoint(run_dir, 1, model, opt, d)
         sync(ctx.device)
         load_s = time.perf_counter() - t0
+        background = _time_background_saves(ctx, run_dir, model, opt, st, checkpoint_meta(cfg, prepared, 3600.0), x, d)
     finally:
         del model, opt
         free_memory(ctx.device)
         shutil.rmtree(run_dir, ignore_errors=True)
     return {"depth": depth, "precision": precision, "bytes": nbytes, "save_s": save_s, "load_s": load_s,
-            "save_gb_s": nbytes / save_s / 1e9, "load_gb_s": nbytes / load_s / 1e9, "cold_load": cold}
+            "save_gb_s": nbytes / save_s / 1e9, "load_gb_s": nbytes / load_s / 1e9, "cold_load": cold, **background}
+
+
+def _time_background_saves(ctx: Ctx, run_dir: Path, model, opt, st: RunState, run_meta: dict, x, d: Dist) -> dict:
+    """Two saves through the trainer's Saver in the background (the first allocates the pinned host
+    buffers, the second reuses them), training steps running while each writes: the seconds
+    training was blocked per save, and the step time during a write against without one."""
+    def step() -> float:
+        t0 = time.perf_counter()
+        forward_backward(model, x, x)
+        optimizer_step(model, opt)
+        sync(ctx.device)
+        return time.perf_counter() - t0
+
+    saver = Saver(run_dir, 0, 1, ctx.device, background=True, all_ok=bool, gather=lambda files: [files])
+    normal = sorted(step() for _ in range(3))[1]
+    blocked, during, written = [], [], 0.0
+    for number in (2, 3):
+        st.step = number
+        t0 = time.perf_counter()
+        saver.begin(number, *checkpoint_share(model, opt, st, 9.0, run_meta, d), background=True)
+        staged = time.perf_counter() - t0
+        while saver.writing():
+            during.append(step())
+        t0 = time.perf_counter()
+        saver.wait()
+        pending, error = saver.complete()
+        if error is not None:
+            raise RuntimeError(f"a background save failed: {error}")
+        blocked.append(staged + time.perf_counter() - t0)
+        written = pending.write_seconds
+    return {"bg_blocked_first_s": blocked[0], "bg_blocked_s": blocked[1], "bg_written_s": written,
+            "step_s": normal, "step_writing_s": sorted(during)[len(during) // 2] if during else None,
+            "pinned_gb": saver.buffers.nbytes() / 1e9}
 
 
 def check_checkpoints(ctx: Ctx) -> Item:
@@ -422,6 +457,11 @@ def check_checkpoints(ctx: Ctx) -> Item:
     summary = " | ".join(f"d{r['depth']} {r['bytes'] / 1e9:.1f} GB: save {r['save_s']:.1f}s ({r['save_gb_s']:.2f} GB/s), "
                          f"load {r['load_s']:.1f}s ({r['load_gb_s']:.2f} GB/s)" for r in results)
     summary += f" | d64 world 8 extrapolated: {sum(ranks) / rate / 1e9:.0f} s per save at this disk's rate"
+    summary += "".join(f" | d{r['depth']} in the background: training blocked {r['bg_blocked_s']:.2f}s per save "
+                       f"({r['bg_blocked_first_s']:.2f}s the first, pinning {r['pinned_gb']:.1f} GB), written in "
+                       f"{r['bg_written_s']:.1f}s, step {r['step_s']:.3f}s, "
+                       + (f"{r['step_writing_s']:.3f}s while writing" if r["step_writing_s"] else "no step while writing")
+                       for r in results)
     return Item("checkpoints", "PASS", summary, {"runs": results, "d64_world8_bytes_per_rank": ranks}, detail)
 
 

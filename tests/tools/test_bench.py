@@ -1,4 +1,4 @@
-"""The bench commands run and print their numbers: generate, plan, throughput, speedrun, versus."""
+"""The bench commands run and print their numbers: generate, plan, throughput, speedrun, versus, save."""
 
 import json
 import re
@@ -123,3 +123,14 @@ def test_versus_runs_both_sides_and_compares_them(tmp_path):
     assert 2.0 < nano < 4.5 and 1.0 < ours < 4.5 and iters > 20
     assert loop < 8 * 1.5 and used <= 8
     assert re.search(r"median of 1 \| nanoGPT [\d.]+ \| ours [\d.]+ \| ours - nanoGPT [-+][\d.]+ \| reach", proc.stdout)
+
+
+def test_save_benchmark_prints_blocking_and_background_figures(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "save", "--depth", "2", "--aspect_ratio", "32",
+                           "--head_dim", "32", "--seq", "32", "--batch", "2", "--write_mbps", "2", "--rounds", "1",
+                           "--steps", "2", "--dir", tmp_path], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("median of 1"))
+    assert re.search(r"blocking save [\d.]+s \| background save blocked training [\d.]+s = [\d.]+% of the blocking save, "
+                     r"written in [\d.]+s beside training \| step [\d.]+s normally, [\d.]+s while writing", line), line
+    assert not list(tmp_path.glob("*.tmp"))

@@ -1,0 +1,90 @@
+"""The background saver: a snapshot of the moment a save began, completed only after its writer, one at a time."""
+
+import time
+
+import pytest
+import torch
+
+from experiment import checkpoint as ckpt
+from experiment.saver import Saver
+
+
+def _saver(run_dir, write_bps=0):
+    return Saver(run_dir, 0, 1, torch.device("cpu"), background=True, all_ok=bool, gather=lambda files: [files],
+                 write_bps=write_bps)
+
+
+def _meta(step, best_step=-1):
+    return {"step": step, "val_loss": 1.0, "state": {"best_step": best_step}, "world_size": 1, "model_parts": 1}
+
+
+def test_a_background_save_holds_the_moment_it_began_and_counts_only_once_completed(tmp_path):
+    weights = {"w": torch.arange(200_000, dtype=torch.float32)}  # 0.8 MB
+    state = {"state": {"w": {"momentum": torch.ones(100_000)}}, "step": 7}
+    saver = _saver(tmp_path, write_bps=2e6)  # ~0.6 s for both files: training goes on meanwhile
+    saver.begin(3, weights, state, _meta(3, best_step=3), background=True)
+    assert saver.writing()
+    weights["w"].add_(1.0)  # the next optimizer steps change the live tensors in place
+    state["state"]["w"]["momentum"].zero_()
+    assert ckpt.complete_steps(tmp_path) == []  # nothing counts while the write is in flight
+    time.sleep(0.05)
+    assert ckpt.complete_steps(tmp_path) == []
+    assert saver.wait() > 0 and not saver.writing()
+    assert ckpt.complete_steps(tmp_path) == []  # written, but not complete until every rank is done
+    pending, error = saver.complete()
+    assert error is None and pending.step == 3 and pending.write_seconds > 0.3
+    assert ckpt.complete_steps(tmp_path) == [3] and ckpt.read_best(tmp_path)["step"] == 3
+    saved = ckpt.load_tensors(ckpt.model_path(tmp_path, 3))
+    assert torch.equal(saved["w"], torch.arange(200_000, dtype=torch.float32))  # the snapshot, not the live values
+    shard = ckpt.load_tensors(ckpt.optim_path(tmp_path, 3, 0))
+    assert torch.equal(shard["state"]["w"]["momentum"], torch.ones(100_000)) and shard["step"] == 7
+    assert ckpt.damaged_files(tmp_path, 3) == []  # sizes and CRCs recorded as written
+
+
+def test_the_host_buffers_are_reused_and_one_save_is_in_flight_at_a_time(tmp_path):
+    weights = {"w": torch.randn(1000)}
+    saver = _saver(tmp_path)
+    saver.begin(1, weights, {}, _meta(1), background=True)
+    first = saver.buffers.buffers[("model", "w")].data_ptr()
+    with pytest.raises(AssertionError, match="one save in flight"):
+        saver.begin(2, weights, {}, _meta(2), background=True)
+    saver.wait()
+    saver.complete()
+    saver.begin(2, weights, {}, _meta(2), background=True)
+    assert saver.buffers.buffers[("model", "w")].data_ptr() == first  # no second allocation (pinned on CUDA)
+    saver.wait()
+    assert saver.complete()[1] is None and ckpt.complete_steps(tmp_path) == [1, 2]
+    saver.begin(3, weights, {}, _meta(3), background=False)  # written in this thread: nothing left to wait for
+    assert saver.pending.thread is None and not saver.writing() and saver.complete()[1] is None
+
+
+def test_a_failed_background_write_fails_its_step_only(tmp_path):
+    saver = _saver(tmp_path)
+    saver.begin(1, {"w": torch.ones(10)}, {}, _meta(1), background=True)
+    saver.wait()
+    saver.complete()
+    ckpt.optim_path(tmp_path, 2, 0).mkdir()  # the shard cannot be written (like a full disk)
+    saver.begin(2, {"w": torch.ones(10)}, {}, _meta(2), background=True)
+    saver.wait()
+    _, error = saver.complete()
+    assert error and "optim_000002_rank0.pt" in error
+    assert ckpt.complete_steps(tmp_path) == [1] and not ckpt.model_path(tmp_path, 2).exists()
+
+
+def test_the_trainer_saves_blocking_when_host_memory_cannot_hold_the_staged_share(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from conftest import tiny_config
+    from experiment import train
+    from experiment.distributed import Dist
+    from experiment.model import build_model
+
+    model, lines = build_model(tiny_config()), []
+    cfg = SimpleNamespace(async_save=1, save_write_mbps=0.0)
+    d = Dist(0, 0, 1, torch.device("cpu"))
+    assert train.make_saver(cfg, d, model, tmp_path, lines.append).background
+    monkeypatch.setattr(train, "host_available_bytes", lambda: 1000)
+    assert not train.make_saver(cfg, d, model, tmp_path, lines.append).background
+    assert lines[-1].startswith("warning: this node's ranks would stage") and "every save blocks training" in lines[-1]
+    cfg.async_save = 0
+    assert not train.make_saver(cfg, d, model, tmp_path, lines.append).background
