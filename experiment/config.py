@@ -109,6 +109,9 @@ class TrainConfig:
     final_lr_frac: float = opt("LR multiplier at the end of warmdown", 0.0)
     seed: int = opt("init and data-order seed", 1337)
     compile: str = opt("torch.compile: auto (on with CUDA), on, off", "auto")
+    ddp_graph_split: int = opt("1: a compiled DDP step is split into one graph per gradient bucket, so each bucket's "
+                               "all-reduce overlaps the rest of backward; 0: one graph, all-reduced after backward "
+                               "(the fallback if compiling with DDP fails; COMPILE=off is the next one)", 1)
     precision: str = opt("weights: auto (fp32 unless only bf16 fits), fp32, or bf16 (bf16 weights and grads, "
                           "fp32 master shards)", "auto")
     activation_checkpointing: str = opt("recompute blocks in backward: auto (when needed to fit), on, off", "auto")

@@ -122,15 +122,31 @@ def broadcast_object(obj, d: Dist):
     return box[0]
 
 
-def wrap_ddp(model: torch.nn.Module, d: Dist) -> torch.nn.Module:
-    """DDP over `model` with more than one rank (else the model itself), its gradients views into
-    DDP's all-reduce buckets from the first micro-batch on. DDP repoints a gradient into its bucket
-    only if the gradient exists when DDP is built, or at a synced backward; a no_sync backward into a
-    missing gradient allocates a second full copy beside the buckets. So: zero gradients exist
-    before the wrap, and optimizer_step zeroes them in place (set_to_none=False), never drops them.
-    broadcast_buffers off: the only buffers are the RoPE tables, equal on every rank by construction
-    (and non-persistent), which DDP would otherwise broadcast at every forward."""
-    if d.world_size == 1:
+# DDP's buckets, as a fraction of the gradients: about DDP_BUCKETS of them, never below DDP's own
+# 25 MB. torch.compile splits the graph at every bucket so that its all-reduce overlaps the rest
+# of backward (torch._dynamo.config.optimize_ddp); at 25 MB a d32 model is some 130 subgraphs,
+# compiled by every rank at once on shared cores. Eight keep all but the last bucket's all-reduce
+# overlapped with backward, and compile eight graphs.
+DDP_BUCKETS = 8
+DDP_MIN_BUCKET_MB = 25
+
+
+def bucket_cap_mb(model: torch.nn.Module) -> float:
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return max(DDP_MIN_BUCKET_MB, grad_bytes / DDP_BUCKETS / 2**20)
+
+
+def wrap_ddp(model: torch.nn.Module, d: Dist, always: bool = False, bucket_mb: float | None = None) -> torch.nn.Module:
+    """DDP over `model` with more than one rank (else the model itself, unless `always`: a check of
+    the DDP path on one GPU), its gradients views into DDP's all-reduce buckets from the first
+    micro-batch on. DDP repoints a gradient into its bucket only if the gradient exists when DDP is
+    built, or at a synced backward; a no_sync backward into a missing gradient allocates a second
+    full copy beside the buckets. So: zero gradients exist before the wrap, and optimizer_step
+    zeroes them in place (set_to_none=False), never drops them. broadcast_buffers off: the only
+    buffers are the RoPE tables, equal on every rank by construction (and non-persistent), which DDP
+    would otherwise broadcast at every forward. Buckets: bucket_cap_mb (`bucket_mb` overrides it,
+    for checks)."""
+    if d.world_size == 1 and not always:
         return model
     for p in model.parameters():
         if p.grad is None:
@@ -140,7 +156,7 @@ def wrap_ddp(model: torch.nn.Module, d: Dist) -> torch.nn.Module:
     no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters \
         else {"broadcast_buffers": False}
     return DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None, gradient_as_bucket_view=True,
-               **no_sync)
+               bucket_cap_mb=bucket_mb or bucket_cap_mb(model), **no_sync)
 
 
 def gather_objects(obj, d: Dist) -> list:

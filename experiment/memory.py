@@ -30,6 +30,11 @@ ACT_LAYER_BTD, ACT_LAYER_BHT, ACT_OUTSIDE_BTD, ACT_HEAD_BTV, ACT_BT = 19, 3, 3, 
 # with recompute as rank 0 of 8 +11..+19% (its batch-4 plan, 80.0 GiB, says no though 67.5 fit).
 OVERHEAD_FIXED_BYTES = int(0.75 * 2**30)
 OVERHEAD_FRACTION = 0.11
+# NCCL's own buffers on each GPU once the process group's collectives ran, outside PyTorch's
+# allocator and so invisible to the device-batch probe, which runs before the first large
+# all-reduce: about 1.6 GB for one communicator after an all-reduce (NVIDIA/nccl#864), 1.06 GB on
+# 8 x H100 (NVIDIA/nccl#1685). Not measured here; the larger figure, rounded up.
+NCCL_BUFFER_BYTES = int(1.6e9)
 MODES = (("fp32", False), ("bf16", False), ("fp32", True), ("bf16", True))  # cheapest compute first
 
 
@@ -69,7 +74,12 @@ def activation_bytes(config: GPTConfig, batch: int, seq: int, activation_checkpo
 
 
 def plan_memory(config: GPTConfig, world_size: int, batch: int, seq: int, precision: str,
-                activation_checkpointing: bool, cuda: bool = True) -> MemoryPlan:
+                activation_checkpointing: bool, cuda: bool = True, collectives: bool | None = None) -> MemoryPlan:
+    """Bytes per GPU of the most loaded rank. The gradients are DDP's all-reduce buckets themselves
+    (wrap_ddp makes them views), so DDP adds no copy; `collectives` (default: CUDA with more than
+    one rank) adds NCCL's buffers. A simulated world (the fit probe) makes no collectives."""
+    if collectives is None:
+        collectives = cuda and world_size > 1
     shapes = param_shapes(config)
     sizes = {n: math.prod(s) for n, s in shapes.items()}
     owner = partition(sizes, world_size)
@@ -89,6 +99,7 @@ def plan_memory(config: GPTConfig, world_size: int, batch: int, seq: int, precis
         "optimizer state": 4 * n_muon + 8 * (n_owned - n_muon),
         # on CUDA, autocast keeps activations in bf16 in both modes; CPU training is fp32
         "activations": activation_bytes(config, batch, seq, activation_checkpointing, 2 if cuda else 4),
+        "NCCL buffers": NCCL_BUFFER_BYTES if collectives else 0,
     }
     rows["overhead"] = (OVERHEAD_FIXED_BYTES if cuda else 0) + int(OVERHEAD_FRACTION * sum(rows.values()))
     return MemoryPlan(precision, activation_checkpointing, rows)
@@ -155,10 +166,18 @@ def largest_fitting_batch(try_batch, start: int) -> int:
     return 0
 
 
+def probe_reserve_bytes(plan: MemoryPlan) -> int:
+    """What the device-batch probe (one eager forward+backward of the bare model, before the first
+    optimizer step and the first large all-reduce) cannot see and must hold back: the optimizer
+    state, the fp32 master gradients and NCCL's buffers. (Its gradients are the size of DDP's
+    buckets, which they become.) The plan's overhead row covers what compiling changes."""
+    return plan.rows["optimizer state"] + plan.rows["fp32 masters"] // 2 + plan.rows["NCCL buffers"]
+
+
 def find_device_batch(model: GPT, seq_len: int, per_rank: int, d: Dist, reserve_bytes: int) -> int:
-    """Largest power-of-two micro-batch whose forward+backward fits next to `reserve_bytes` (the
-    optimizer state and fp32 master gradients, allocated only at the first step), agreed across
-    ranks (min), and dividing `per_rank`, the sequences per rank per optimizer step."""
+    """Largest power-of-two micro-batch whose forward+backward fits next to `reserve_bytes`
+    (probe_reserve_bytes), agreed across ranks (min), and dividing `per_rank`, the sequences per
+    rank per optimizer step."""
     def try_batch(b: int) -> None:
         reserve = None
         try:

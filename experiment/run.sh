@@ -91,6 +91,16 @@ else
 fi
 flags+=("--prepared_dir=$prepared")
 
+# Every worker's stderr also goes to a file in the run directory, which the worker writes itself
+# (torchrun's redirect, teed to this console): it outlives a killed launcher, and it is where an
+# NCCL timeout lands. NCCL's watchdog aborts the process (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, the
+# default): no Python traceback reaches training.log, only the watchdog's lines on stderr. The
+# flight recorder keeps the last collectives and dumps them there on a timeout.
+launch+=(--log-dir="$run_dir/workers" --redirects=2 --tee=2)
+export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$run_dir/workers/nccl_trace_rank_}
+
 # One run per run directory: node 0 holds a flock on <run_dir>/.lock from here on; exec keeps the
 # descriptor open in torchrun, so the lock lives exactly as long as the launch (the kernel drops it
 # when torchrun exits or is killed: the same command after a crash resumes). The pre-flight already

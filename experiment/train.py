@@ -34,7 +34,7 @@ from experiment.distributed import (PHASE_TIMEOUTS, Dist, ParentWatch, StopSigna
 from experiment.evaluation import evaluate
 from experiment.files import default_workspace
 from experiment.hardware import host_available_bytes, memory_gib
-from experiment.memory import checkpoint_bytes_per_rank, choose_memory_mode, find_device_batch
+from experiment.memory import checkpoint_bytes_per_rank, choose_memory_mode, find_device_batch, probe_reserve_bytes
 from experiment.mixture import MixedBatches, source_weights
 from experiment.model import DTYPES, GPT, GPTConfig, build_model
 from experiment.optim import ShardedOptimizer, lr_multiplier
@@ -164,7 +164,7 @@ def build_model_and_optimizer(cfg: TrainConfig, d: Dist, model_config: GPTConfig
         + (f" | planned {plan.total / 2**30:.1f} GiB of {gpu_gib:.1f} GiB per GPU at device batch "
            f"{cfg.device_batch_size or 1}" if plan else ""))
     if cfg.device_batch_size is None:
-        reserve_bytes = plan.rows["optimizer state"] + plan.rows["fp32 masters"] // 2 if plan else 0
+        reserve_bytes = probe_reserve_bytes(plan) if plan else 0
         per_rank = cfg.total_batch_size // (cfg.max_seq_len * d.world_size)
         cfg.device_batch_size = find_device_batch(model, cfg.max_seq_len, per_rank, d, reserve_bytes)
         log(f"device_batch_size auto -> {cfg.device_batch_size}")
@@ -198,6 +198,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     weights = source_weights(prepared.meta, cfg.data_mix)
     ddp = wrap_ddp(model, d)
     use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda)
+    torch._dynamo.config.optimize_ddp = bool(cfg.ddp_graph_split)  # read when the compiled DDP step is traced
     writer = NullWriter()
     if d.master:
         from torch.utils.tensorboard import SummaryWriter

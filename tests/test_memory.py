@@ -113,3 +113,17 @@ def test_plan_and_fitprobe_commands_print_their_fields():
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("fitprobe | device batch") == 2
+
+
+def test_nccl_buffers_are_planned_for_collectives_and_held_back_by_the_probe():
+    from experiment.memory import NCCL_BUFFER_BYTES, probe_reserve_bytes
+
+    config = GPTConfig(vocab_size=256, depth=24, aspect_ratio=64, head_dim=128, max_seq_len=2048)
+    eight = plan_memory(config, 8, 4, 2048, "bf16", False)
+    assert eight.rows["NCCL buffers"] == NCCL_BUFFER_BYTES
+    assert plan_memory(config, 1, 4, 2048, "bf16", False).rows["NCCL buffers"] == 0  # no process group
+    simulated = plan_memory(config, 8, 4, 2048, "bf16", False, collectives=False)  # the fit probe's world
+    assert eight.total - simulated.total > NCCL_BUFFER_BYTES  # the overhead fraction applies to it too
+    # the probe measures weights, gradients and activations; it holds back the rest it cannot see
+    assert probe_reserve_bytes(eight) == (eight.rows["optimizer state"] + eight.rows["fp32 masters"] // 2
+                                          + NCCL_BUFFER_BYTES)

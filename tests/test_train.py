@@ -352,3 +352,14 @@ def test_a_damaged_newest_step_is_found_by_the_preflight_and_the_run_resumes_the
     assert "preflight | resumes step 000002" in out and "Traceback" not in again.stderr
     assert (run_dir / "meta_000004.json.damaged").is_file()  # set aside by the trainer; step 4 written anew
     assert ckpt.complete_steps(run_dir)[-1] == 6 and ckpt.damaged_files(run_dir, 4) == []
+
+
+def test_the_launch_keeps_each_workers_stderr_in_the_run_directory(tmp_path, corpus):
+    # NCCL's watchdog aborts a worker with lines on its stderr only: they land beside training.log,
+    # written by the worker itself (so a killed launcher loses none), and still reach the console.
+    proc = _launch(tmp_path, DATA_DIR=str(corpus), NPROC_PER_NODE="2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_dir = tmp_path / "ws/checkpoints/d2"
+    logs = sorted(run_dir.glob("workers/*/attempt_0/*/stderr.log"))
+    assert [p.parent.name for p in logs] == ["0", "1"]
+    assert "--log-dir" in proc.stdout and "--redirects=2 --tee=2" in proc.stdout  # the launcher line says so

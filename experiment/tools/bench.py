@@ -110,7 +110,7 @@ def cmd_fitprobe(args) -> int:
           f"{' +ckpt' if args.activation_checkpointing else ''} | seq {args.seq} | {name} | torch {torch.__version__}")
     for batch in args.device_batch_sizes:
         planned = plan_memory(config, args.world, batch, args.seq, args.precision, args.activation_checkpointing,
-                              cuda=device.type == "cuda")
+                              cuda=device.type == "cuda", collectives=False)  # one rank of a simulated world
         try:
             peak = probe_peak_memory(config, args.world, batch, args.seq, args.precision,
                                      args.activation_checkpointing, device, steps=args.steps)

@@ -3,6 +3,7 @@ the trainer's CUDA path for real and reports what it measured."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -31,7 +32,7 @@ from experiment.tools.probes import cpu_matmul_peak, measure_speed, probe_peak_m
 from experiment.saver import Saver
 from experiment.train import checkpoint_share, restore_checkpoint, write_checkpoint
 
-ITEMS = ("env", "correctness", "speed", "memory", "checkpoints", "e2e")
+ITEMS = ("env", "correctness", "ddp", "speed", "memory", "checkpoints", "e2e")
 GIB = 2**30
 VOCAB = 128  # a char vocabulary padded to a multiple of 64
 MFU_GOAL = 0.5  # nanochat reports about 50% on H100 SXM
@@ -304,7 +305,8 @@ def _fit_rows(ctx: Ctx, outside: int) -> tuple[list[list], dict, dict, bool]:
     s = ctx.sizes
     config, rows, errors, fit, failed = _config(ctx, s.fit_depth), [], {}, {}, False
     for batch in s.fit_batches:
-        plan = plan_memory(config, s.fit_world, batch, s.seq, "bf16", True, cuda=ctx.cuda)
+        # a simulated world makes no collectives: no NCCL buffers to compare
+        plan = plan_memory(config, s.fit_world, batch, s.seq, "bf16", True, cuda=ctx.cuda, collectives=False)
         label = f"d{s.fit_depth} bf16 +ckpt batch {batch}, rank 0 of {s.fit_world}"
         try:
             peak = probe_peak_memory(config, s.fit_world, batch, s.seq, "bf16", True, ctx.device, steps=2)
@@ -463,6 +465,49 @@ def check_checkpoints(ctx: Ctx) -> Item:
                        + (f"{r['step_writing_s']:.3f}s while writing" if r["step_writing_s"] else "no step while writing")
                        for r in results)
     return Item("checkpoints", "PASS", summary, {"runs": results, "d64_world8_bytes_per_rank": ranks}, detail)
+
+
+# ---------------------------------------------------------------- compiled DDP
+
+
+def _run_ddpcheck(ctx: Ctx, world: int) -> dict:
+    """experiment/tools/ddpcheck under torchrun: 1 MB buckets, so that even this small model is split
+    into several compiled graphs, as a large one is at the trainer's bucket size."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+           f"--master_port={port}", "-m", "experiment.tools.ddpcheck", "--device", ctx.device.type,
+           "--bucket_mb", "1", "--aspect_ratio", "128", "--head_dim", "64"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"world": world, "error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
+    return json.loads(lines[-1])
+
+
+def check_ddp(ctx: Ctx) -> Item:
+    """torch.compile over DDP with activation checkpointing and 3 accumulated micro-batches (the
+    trainer's GPU combination) against the same steps eager, at world 1 and, with two GPUs, 2."""
+    worlds = [1, 2] if ctx.cuda and torch.cuda.device_count() >= 2 else [1]
+    runs = [_run_ddpcheck(ctx, w) for w in worlds]
+    tolerance = 1e-2 if ctx.cuda else 1e-4  # bf16 autocast on CUDA: compiled kernels round differently
+    failed = False
+    for r in runs:
+        if "error" in r:
+            failed = True
+            continue
+        r["loss_rel_diff"] = max(abs(a - b) / abs(a) for a, b in zip(r["eager_losses"], r["compiled_losses"]))
+        failed |= r["loss_rel_diff"] > tolerance or not r["grads_in_buckets"]
+    summary = " | ".join(
+        f"world {r['world']}: " + (f"FAILED ({r['error'][-200:]})" if "error" in r else
+                                   f"compiled losses within {r['loss_rel_diff']:.1e} of eager, grads in "
+                                   f"{r['buckets']} buckets{'' if r['grads_in_buckets'] else ' NOT kept'}, compile "
+                                   f"{r['compile_step_seconds']:.0f}s, step {r['compiled_step_seconds']:.3f}s "
+                                   f"compiled vs {r['eager_step_seconds']:.3f}s eager") for r in runs)
+    if len(worlds) == 1 and ctx.cuda:
+        summary += " | world 2 not run: one GPU"
+    return Item("ddp", _status(failed, False), summary, {"runs": runs})
 
 
 # ---------------------------------------------------------------- 6. end to end
