@@ -12,6 +12,7 @@
     python -m experiment.tools.bench gpucheck [--quick] [--workspace DIR] [--only env,correctness,...]
     python -m experiment.tools.bench repeats --corpus FILE [--chars 300000 --seconds 240 --depths 2,4,6,8]
     python -m experiment.tools.bench save [--depth 6 --write_mbps 50 --rounds 3]
+    python -m experiment.tools.bench reduce [--depth 4 --ranks 8]
 
 generate: tokens/s for N generated tokens with the KV cache and with the naive path (a full forward
 over the last max_seq_len tokens per token), on a checkpoint (default: the newest run's best) or,
@@ -42,6 +43,9 @@ at the full budget: best val losses, and the seconds the default left unspent (e
 save: a blocking checkpoint save against a background one through the trainer's Saver, with the writer
 capped at --write_mbps: seconds training was blocked, and the step time while the writer works
 (experiment/tools/savebench.py).
+reduce: bf16 gradients all-reduced in bf16 (DDP's default with PRECISION=bf16) against their fp32 mean,
+NCCL's ring simulated on one CPU: the reduction's error beside the gradients' own rounding and
+sampling noise (experiment/tools/reduceprec.py).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ from experiment.memory import MODES, count_params, format_plan, plan_memory
 from experiment.model import GPT, GPTConfig, build_model
 from experiment.optim import LRS, ShardedOptimizer
 from experiment.step import forward_backward, optimizer_step
-from experiment.tools import gpucheck, loadtest, prepbench, repeats, savebench, stepprofile, versus
+from experiment.tools import gpucheck, loadtest, prepbench, reduceprec, repeats, savebench, stepprofile, versus
 from experiment.tools.probes import cpu_matmul_peak, probe_peak_memory
 
 
@@ -222,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     versus.add_arguments(sub.add_parser("versus", help="nanoGPT and ours on one machine, same data and budget"))
     gpucheck.add_arguments(sub.add_parser("gpucheck", help="prove a GPU box: every CUDA path, PASS/FAIL per item"))
     repeats.add_arguments(sub.add_parser("repeats", help="DEPTH=auto against a depth sweep on data the budget repeats"))
+    reduceprec.add_arguments(sub.add_parser("reduce", help="bf16 gradients reduced in bf16 against fp32"))
     savebench.add_arguments(sub.add_parser("save", help="training blocked by a checkpoint save, blocking vs background"))
     return parser
 
@@ -263,7 +268,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"generate": cmd_generate, "plan": cmd_plan, "fitprobe": cmd_fitprobe, "throughput": cmd_throughput,
                 "speedrun": cmd_speedrun, "prepare": prepbench.main, "serve": loadtest.main, "versus": versus.main, "profile": stepprofile.main, "gpucheck": gpucheck.main,
-                "repeats": repeats.main, "save": savebench.main}
+                "repeats": repeats.main, "save": savebench.main, "reduce": reduceprec.main}
     return commands[args.command](args)
 
 

@@ -1,4 +1,4 @@
-"""The bench commands run and print their numbers: generate, plan, throughput, speedrun, versus, save."""
+"""The bench commands run and print their numbers: generate, plan, throughput, speedrun, versus, save, reduce."""
 
 import json
 import re
@@ -134,3 +134,14 @@ def test_save_benchmark_prints_blocking_and_background_figures(tmp_path):
     assert re.search(r"blocking save [\d.]+s \| background save blocked training [\d.]+s = [\d.]+% of the blocking save, "
                      r"written in [\d.]+s beside training \| step [\d.]+s normally, [\d.]+s while writing", line), line
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_reduce_benchmark_prints_the_reductions_error_beside_its_floors():
+    proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "reduce", "--depth", "2", "--aspect_ratio", "32",
+                           "--head_dim", "32", "--seq", "32", "--batch", "2", "--ranks", "4", "--warm_steps", "2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    figures = dict(re.findall(r"^  (.+): ([\d.]+)%$", proc.stdout, re.M))
+    assert set(figures) >= {"bf16 ring all-reduce", "fp32 mean stored in bf16", "Muon's own bf16 Newton-Schulz"}
+    # rounding at every hop of the ring loses more than rounding the exact mean once
+    assert float(figures["bf16 ring all-reduce"]) > float(figures["fp32 mean stored in bf16"]) > 0
