@@ -25,6 +25,7 @@ checkpoint format to read, convert and check.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -139,6 +140,8 @@ class Saver:
                                                  self.world_size, self.write_bps)
         except Exception as e:  # anything else the writer meets: the save fails, the training does not
             error, files = f"{type(e).__name__}: {e}", {}
+            # Rank 0 logs only that a rank failed: this rank says what (stderr reaches workers/).
+            print(f"rank {self.rank}: checkpoint step {p.step:06d} not written: {error}", file=sys.stderr, flush=True)
         p.outcome.update(error=error, files=files, done_at=time.time())
 
     def writing(self) -> bool:

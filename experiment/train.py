@@ -98,7 +98,9 @@ class Loop:
     last_complete_step: int  # the latest save completed
     reserve_seconds: float = 0.0  # measured: the final eval + save + one step fit in what is left
     val_loss: float = math.nan
-    previous_best: tuple = (math.inf, -1, 0)  # best before this step's eval, restored if its save fails
+    # The best of the latest completed save, (val, step): what a failed best save falls back to (an
+    # eval's own "before" could name a step whose background save is still in flight, then fails).
+    saved_best: tuple = (math.inf, -1)
     measured_tokens: int = 0
     measured_time: float = 0.0
     planned: bool = False
@@ -359,7 +361,8 @@ def start_loop(t: Trainer) -> Loop:
     first = t.st.step if t.resume_step is not None else -1
     now = time.time()
     return Loop(x=x, y=y, data_state=data_state, started=now, used_at_start=t.st.used_seconds, last_eval_time=now,
-                last_save_time=now, last_eval_step=first, last_saved_step=first, last_complete_step=first)
+                last_save_time=now, last_eval_step=first, last_saved_step=first, last_complete_step=first,
+                saved_best=(t.st.best_val, t.st.best_step))  # a resume's best: its checkpoint is complete
 
 
 # ---------------------------------------------------------------- the loop
@@ -380,9 +383,8 @@ def train_loop(t: Trainer) -> int:
     with StopSignal(announce=d.master, grace=lambda: stop_grace(t)) as stop_signal:
         for step in range(t.st.step, t.max_steps + 1):
             t.st.step, t.st.used_seconds = step, loop.used()
-            # The final eval, save and step, and what a save in flight still needs (the final one waits for it)
-            loop.reserve_seconds = (t.st.eval_seconds + t.st.save_seconds + t.st.step_seconds
-                                    + t.saver.seconds_left(t.st.save_seconds))
+            # The final eval, save and step (the LR schedule ends where they begin)
+            loop.reserve_seconds = t.st.eval_seconds + t.st.save_seconds + t.st.step_seconds
             last_step, eval_due, save_due, signum, writing = decide(t, loop, stop_signal.signum, t.saver.writing())
             if t.saver.pending is not None and not writing:  # every rank's writer is done
                 finish_save(t, loop)
@@ -439,8 +441,11 @@ def decide(t: Trainer, loop: Loop, signum: int, writing: bool = False) -> tuple[
     # An eval (and the save a new best brings) or a save due now is paid for on top of the reserve
     # for the final ones: when both no longer fit, this step is the last, and its eval the final one.
     due_now = (st.eval_seconds + st.save_seconds) * eval_due + st.save_seconds * (save_due and not eval_due)
+    # What a save in flight still needs: the final save waits for it. Not in the schedule's reserve,
+    # which would dip the LR during every background write.
+    in_flight = t.saver.seconds_left(st.save_seconds)
     last = (step >= t.max_steps or st.tokens_seen >= t.max_tokens
-            or st.used_seconds + loop.reserve_seconds + due_now >= t.budget_seconds)
+            or st.used_seconds + loop.reserve_seconds + in_flight + due_now >= t.budget_seconds)
     flags = torch.tensor([d.master and last, d.master and eval_due, d.master and save_due, signum, writing],
                          dtype=torch.int32, device=d.device)
     return tuple(int(v) for v in d.all_reduce(flags, "max").tolist())
@@ -462,7 +467,6 @@ def maybe_eval(t: Trainer, loop: Loop) -> None:
     loop.val_loss, val_bpc, by_source = evaluate(t.model, t.prepared, cfg.max_seq_len, cfg.device_batch_size,
                                                  cfg.eval_tokens, t.d, t.weights)
     loop.last_eval_step, loop.last_eval_time = step, time.time()
-    loop.previous_best = (st.best_val, st.best_step, st.evals_since_best)
     if step > 0 and loop.val_loss < st.best_val:
         st.best_val, st.best_step, st.evals_since_best = loop.val_loss, step, 0
     elif step > 0:
@@ -500,7 +504,7 @@ def maybe_save(t: Trainer, loop: Loop, save_due: bool, preempted: bool) -> None:
     st.used_seconds, st.data_state = loop.used(), loop.data_state
     share = checkpoint_share(t.model, t.opt, st, None if preempted else loop.val_loss, t.run_meta, t.d)
     t.saver.begin(step, *share, background=not final,
-                  context={"previous_best": loop.previous_best, "final": final})
+                  context={"final": final})
     loop.last_saved_step, loop.last_save_time = step, time.time()  # a failed save is retried when due again
     if t.saver.pending.thread is None:  # written already: the final save, or staging is off
         finish_save(t, loop, wait=True)
@@ -523,6 +527,7 @@ def finish_save(t: Trainer, loop: Loop, wait: bool = False) -> None:
                   "ok": error is None})
     if error is None:
         loop.last_complete_step = p.step
+        loop.saved_best = (p.meta["state"]["best_val"], p.meta["state"]["best_step"])
         if t.d.master:
             retention = Retention(t.cfg.keep_last, bool(t.cfg.keep_best_optimizer))
             t.log(f"saved step {p.step:06d} -> {t.run_dir}" + (" (best)" if p.meta["state"]["best_step"] == p.step else "")
@@ -535,8 +540,8 @@ def finish_save(t: Trainer, loop: Loop, wait: bool = False) -> None:
     if final:
         t.log("error: the final checkpoint could not be written; the latest complete one is kept")
         loop.stop(1, "failed: the final checkpoint could not be written (training.log says why)")
-    elif st.best_step == p.step:  # best.json must name a checkpoint that exists
-        st.best_val, st.best_step, st.evals_since_best = p.context["previous_best"]
+    elif st.best_step == p.step:  # best.json must name a checkpoint that exists; evals stay counted
+        st.best_val, st.best_step = loop.saved_best
 
 
 def train_step(t: Trainer, loop: Loop) -> tuple[torch.Tensor, float]:

@@ -88,3 +88,40 @@ def test_the_trainer_saves_blocking_when_host_memory_cannot_hold_the_staged_shar
     assert lines[-1].startswith("warning: this node's ranks would stage") and "every save blocks training" in lines[-1]
     cfg.async_save = 0
     assert not train.make_saver(cfg, d, model, tmp_path, lines.append).background
+
+
+def test_a_failed_best_save_falls_back_to_the_best_of_a_completed_save(tmp_path):
+    """Step 3's and step 4's evals were both new bests, and both saves failed (step 4's eval came
+    while step 3's write was in flight): the best goes back to step 2, whose save completed, not to
+    step 3, the best before step 4's eval."""
+    from types import SimpleNamespace
+
+    from experiment import train
+    from experiment.checkpoint import RunState
+    from experiment.distributed import Dist
+
+    st, lines = RunState(), []
+    t = SimpleNamespace(st=st, saver=_saver(tmp_path), d=Dist(0, 0, 1, torch.device("cpu")), run_dir=tmp_path,
+                        report=SimpleNamespace(add=lambda record: None), log=lines.append,
+                        cfg=SimpleNamespace(keep_last=3, keep_best_optimizer=0))
+    loop = train.Loop(x=None, y=None, data_state={}, started=0.0, used_at_start=0.0, last_eval_time=0.0,
+                      last_save_time=0.0, last_eval_step=0, last_saved_step=0, last_complete_step=0)
+
+    def save(step, val, fails):
+        st.best_val, st.best_step = val, step  # this step's eval was a new best
+        if fails:
+            ckpt.optim_path(tmp_path, step, 0).mkdir()  # its shard cannot be written
+        meta = {"step": step, "val_loss": val, "state": {"best_val": val, "best_step": step}, "world_size": 1,
+                "model_parts": 1}
+        t.saver.begin(step, {"w": torch.ones(10)}, {}, meta, background=True, context={"final": False})
+
+    save(2, 2.0, fails=False)
+    train.finish_save(t, loop, wait=True)
+    save(3, 1.5, fails=True)
+    st.best_val, st.best_step = 1.4, 4  # step 4's eval, while step 3's write is in flight
+    train.finish_save(t, loop, wait=True)  # step 4's save first completes step 3's: failed
+    save(4, 1.4, fails=True)
+    train.finish_save(t, loop, wait=True)
+    assert (st.best_val, st.best_step) == (2.0, 2)
+    assert ckpt.complete_steps(tmp_path) == [2] and ckpt.read_best(tmp_path)["step"] == 2
+    assert sum("not saved" in line for line in lines) == 2
