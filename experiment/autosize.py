@@ -102,6 +102,12 @@ def mfu(depth: int) -> float:
     return MEASURED_MFU[min(MEASURED_MFU, key=lambda d: abs(d - depth))]
 
 
+def rule_params(config: GPTConfig) -> int:
+    """The parameters the rule's tokens per parameter counts: all but the bigram table, which is
+    read a row per token, not multiplied (the rule's constants were set on models without it)."""
+    return count_params(dataclasses.replace(config, bigram_embed=0))
+
+
 def flops_per_token(config: GPTConfig) -> float:
     """The model's own count (GPT.estimate_flops), on the meta device: nothing is allocated."""
     with torch.device("meta"):
@@ -115,7 +121,7 @@ def predicted_tok_per_s(config: GPTConfig, peak: float, gpus: int) -> float:
 
 
 def candidate(config: GPTConfig, tok_per_s: float, budget_s: float, train_tokens: int) -> Candidate:
-    return at_rate(Candidate(config.depth, config.n_embd, count_params(config), tok_per_s, 0.0, 0.0), tok_per_s,
+    return at_rate(Candidate(config.depth, config.n_embd, rule_params(config), tok_per_s, 0.0, 0.0), tok_per_s,
                    budget_s, train_tokens)
 
 
@@ -203,7 +209,7 @@ def supported_depth(make_config, train_tokens: int) -> int | None:
     """The largest ladder depth that MAX_EPOCHS passes over train_tokens give MIN_TOKENS_PER_PARAM
     tokens per parameter; None if even the smallest is too large."""
     fits = [d for d in ladder(make_config(2).aspect_ratio, make_config(2).head_dim)
-            if MAX_EPOCHS * train_tokens / count_params(make_config(d)) >= MIN_TOKENS_PER_PARAM]
+            if MAX_EPOCHS * train_tokens / rule_params(make_config(d)) >= MIN_TOKENS_PER_PARAM]
     return max(fits) if fits else None
 
 
@@ -211,7 +217,7 @@ def data_lines(depth: int, make_config, total_tokens: float, train_tokens: int, 
     """The depth the data supports, and a warning when this depth will repeat the data more than
     MAX_GOOD_EPOCHS times in the budget."""
     best = supported_depth(make_config, train_tokens)
-    params = count_params(make_config(depth))
+    params = rule_params(make_config(depth))
     lines = [f"planner | the data ({train_tokens:,} train tokens) supports up to "
              f"{'d' + str(best) if best else 'less than the smallest depth'} ({MIN_TOKENS_PER_PARAM:g} token/param "
              f"over at most {MAX_EPOCHS} epochs); d{depth} has {params:,} params"]

@@ -17,6 +17,16 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
+# The bigram table's largest size: (vocab + 1) * vocab rows for a character vocabulary; a BPE
+# vocabulary's pairs are hashed into this many.
+BIGRAM_ROWS = 1 << 16
+
+
+def bigram_table_rows(vocab_size: int) -> int:
+    """Rows of the bigram table: one per (previous or none, current) pair, at most BIGRAM_ROWS."""
+    return min((vocab_size + 1) * vocab_size, BIGRAM_ROWS)
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     vocab_size: int
@@ -25,11 +35,18 @@ class GPTConfig:
     head_dim: int = 128
     max_seq_len: int = 256
     rope_base: float = 10000.0
+    # Recipe options (docs/training.md has the ablation that measured each). 0 / False: off.
+    bigram_embed: int = 0  # rows of a table indexed by (previous, current) token, added to the embedding
+    value_embed: int = 0  # 1: a token embedding per layer added to that layer's attention values
+    unet: int = 0  # 1: the first half's block outputs feed the second half's inputs (learned weights)
+    logit_cap: float = 0.0  # > 0: logits = cap * tanh(logits / cap)
 
     def __post_init__(self):
-        for name in ("vocab_size", "depth", "aspect_ratio", "head_dim", "max_seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("vocab_size", "depth", "aspect_ratio", "head_dim", "max_seq_len", "bigram_embed", "value_embed",
+                     "unet", "logit_cap"):
+            low = 0 if name in ("bigram_embed", "value_embed", "unet", "logit_cap") else 1
+            if getattr(self, name) < low:
+                raise ValueError(f"GPTConfig.{name} must be >= {low}, got {getattr(self, name)}")
         if self.n_embd % self.head_dim or self.head_dim % 2:
             raise ValueError(
                 f"GPTConfig: model_dim = depth * aspect_ratio = {self.n_embd} must be a multiple of "
@@ -102,6 +119,7 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.pos = 0
+        self.last = None  # the last token fed, (B,): the bigram embedding's "previous" after a chunk
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = k.size(2)
@@ -114,7 +132,7 @@ class KVCache:
     def over(cls, k: torch.Tensor, v: torch.Tensor) -> KVCache:
         """An empty cache writing into existing storage (L, B, H, S, D): one slot of a KVSlots."""
         cache = cls.__new__(cls)
-        cache.k, cache.v, cache.pos = k, v, 0
+        cache.k, cache.v, cache.pos, cache.last = k, v, 0, None
         return cache
 
 
@@ -129,11 +147,12 @@ class Attention(nn.Module):
         self.c_v = nn.Linear(d, d, bias=False)
         self.c_proj = nn.Linear(d, d, bias=False)
 
-    def forward(self, x, cos, sin, cache: KVCache | None):
+    def forward(self, x, cos, sin, cache: KVCache | None, ve: torch.Tensor | None = None):
         B, T, C = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.c_k(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        v = self.c_v(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        v = self.c_v(x) if ve is None else self.c_v(x) + ve  # value embedding (modded-nanogpt)
+        v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         # QK-norm bounds attention logits, which keeps high learning rates stable.
         q, k = apply_rope(rms_norm(q), cos, sin), apply_rope(rms_norm(k), cos, sin)
         if cache is None:
@@ -166,8 +185,8 @@ class Block(nn.Module):
         self.attn = Attention(config, layer)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, cache):
-        x = x + self.attn(rms_norm(x), cos, sin, cache)
+    def forward(self, x, cos, sin, cache, ve=None):
+        x = x + self.attn(rms_norm(x), cos, sin, cache, ve)
         return x + self.mlp(rms_norm(x))
 
 class GPT(nn.Module):
@@ -177,6 +196,13 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.bigram_embed:
+            self.bigram = nn.Embedding(config.bigram_embed, config.n_embd)
+        if config.value_embed:
+            self.value_embeds = nn.ModuleList(nn.Embedding(config.vocab_size, config.n_embd)
+                                              for _ in range(config.n_layer))
+        if config.unet:
+            self.skip_weights = nn.Parameter(torch.ones(config.n_layer // 2))
         self._set_rope()
         # Recompute each block in backward instead of keeping its activations (set by the trainer
         # when the memory plan needs it): about a third more compute, a fraction of the memory.
@@ -215,10 +241,21 @@ class GPT(nn.Module):
             # Zero-init residual outputs (modded-nanogpt): each block starts as the identity.
             block.attn.c_proj.weight.zero_()
             block.mlp.c_proj.weight.zero_()
+        # The options start as no-ops: zero tables, unit skip weights on zero-initialized blocks.
+        if self.config.bigram_embed:
+            self.bigram.weight.zero_()
+        if self.config.value_embed:
+            for table in self.value_embeds:
+                table.weight.zero_()
+        if self.config.unet:
+            self.skip_weights.fill_(1.0)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
+        """All parameters, or (exclude_embedding) those that are multiplied: not the lookup tables."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.wte.weight.numel() if exclude_embedding else n
+        if exclude_embedding:
+            n -= self.wte.weight.numel() + (self.bigram.weight.numel() if self.config.bigram_embed else 0)
+        return n
 
     def estimate_flops(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token: 6 per matmul weight (fwd + bwd) plus causal-free attention scores.
@@ -243,20 +280,60 @@ class GPT(nn.Module):
         if start + T > self.config.max_seq_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds max_seq_len {self.config.max_seq_len}")
         cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
-        x = rms_norm(self.wte(idx))
-        for block in self.blocks:
+        x = self.embed(idx, self.bigram_ids(idx, cache) if self.config.bigram_embed else None)
+
+        def run(block, x, ve):
             if self.activation_checkpointing and cache is None and torch.is_grad_enabled():
-                x = checkpoint(block, x, cos, sin, None, use_reentrant=False)
-            else:
-                x = block(x, cos, sin, cache)
+                return checkpoint(block, x, cos, sin, None, ve, use_reentrant=False)
+            return block(x, cos, sin, cache, ve)
+
+        x = self.through_blocks(x, idx, run)
         if cache is not None:
             cache.pos += T
-        logits = self.lm_head(rms_norm(x)).float()  # fp32 logits: a stable softmax under bf16 autocast
+        logits = self.head(x)
         if targets is None:
             return logits
         return F.cross_entropy(
             logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction=reduction
         )
+
+    def embed(self, idx: torch.Tensor, bigram_ids: torch.Tensor | None) -> torch.Tensor:
+        """The first residual stream: token embedding (plus the bigram table's row), normalized."""
+        x = self.wte(idx)
+        if bigram_ids is not None:
+            x = x + self.bigram(bigram_ids)
+        return rms_norm(x)
+
+    def through_blocks(self, x: torch.Tensor, idx: torch.Tensor, run) -> torch.Tensor:
+        """x through every block, `run(block, x, ve)` applying one (forward's or the engine's
+        decoding), with the recipe's value embeddings (of idx) and U-net skips."""
+        n, skips = self.config.n_layer, []
+        for i, block in enumerate(self.blocks):
+            if self.config.unet and i >= n - n // 2:  # layer n-1-j takes layer j's output
+                x = x + self.skip_weights[n - 1 - i] * skips.pop()
+            x = run(block, x, self.value_embeds[i](idx) if self.config.value_embed else None)
+            if self.config.unet and i < n // 2:
+                skips.append(x)
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(rms_norm(x)).float()  # fp32 logits: a stable softmax under bf16 autocast
+        if self.config.logit_cap:
+            logits = self.config.logit_cap * torch.tanh(logits / self.config.logit_cap)
+        return logits
+
+    def bigram_ids(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Row of the bigram table for each position: (previous token, token), the previous of a
+        sequence's first position being "none" (vocab_size); hashed when the table is smaller
+        than (vocab_size + 1) * vocab_size."""
+        V = self.config.vocab_size
+        first = torch.full_like(idx[:, :1], V)
+        if cache is not None and cache.pos > 0:
+            first = cache.last[:, None]
+        prev = torch.cat([first, idx[:, :-1]], dim=1)
+        if cache is not None:
+            cache.last = idx[:, -1].clone()
+        return bigram_rows(prev, idx, V, self.config.bigram_embed)
 
     @torch.no_grad()
     def generate(
@@ -298,6 +375,11 @@ class GPT(nn.Module):
             nxt = sample_next(logits, temperature, top_k, generator, allowed_vocab, top_p)
             tokens.append(nxt)
             yield nxt
+
+def bigram_rows(prev: torch.Tensor, idx: torch.Tensor, vocab_size: int, rows: int) -> torch.Tensor:
+    """The bigram table's row of (previous, current); previous == vocab_size means none."""
+    return (prev * vocab_size + idx) % rows
+
 
 def context_window(tokens: list[int], ctx: int, rebuild: bool) -> list[int]:
     """What a fresh cache is filled with: the prompt's last ctx tokens or, when a full cache is

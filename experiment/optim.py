@@ -18,6 +18,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 EMBEDDING, UNEMBEDDING = "wte.weight", "lm_head.weight"
 # The trainer's CUDA defaults (TrainConfig); probes and tests use them where the values do not matter.
 LRS = dict(matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004)
+SCALAR_LR = 0.04
 
 
 def partition(sizes: dict[str, int], world_size: int) -> dict[str, int]:
@@ -72,8 +73,14 @@ def newton_schulz(g: torch.Tensor, coefficients: tuple[float, float, float], ste
     return x.transpose(1, 2) if tall else x
 
 
+def is_embedding(name: str) -> bool:
+    """The token embedding and the recipe's other lookup tables (model.py's bigram and value
+    embeddings): rows are read, not multiplied, so they take AdamW at the embedding LR."""
+    return name == EMBEDDING or name.startswith(("bigram.", "value_embeds."))
+
+
 def uses_muon(name: str, shape) -> bool:
-    return len(shape) == 2 and name not in (EMBEDDING, UNEMBEDDING)
+    return len(shape) == 2 and not is_embedding(name) and name != UNEMBEDDING
 
 
 class ShardedOptimizer:
@@ -96,9 +103,10 @@ class ShardedOptimizer:
         adam_scale = (width / 768) ** -0.5
         matrices = [t for n, t in self.target.items() if uses_muon(n, t.shape)]
         adam_groups = [
-            {"params": [t for n, t in self.target.items() if n == EMBEDDING], "lr": embedding_lr * adam_scale},
+            {"params": [t for n, t in self.target.items() if is_embedding(n)], "lr": embedding_lr * adam_scale},
             {"params": [t for n, t in self.target.items() if n == UNEMBEDDING], "lr": unembedding_lr * adam_scale},
-            {"params": [t for n, t in self.target.items() if t.ndim != 2], "lr": embedding_lr * adam_scale},
+            # Scalars (the U-net skip weights): modded-nanogpt's scalar LR, not width-scaled.
+            {"params": [t for n, t in self.target.items() if t.ndim != 2], "lr": SCALAR_LR},
         ]
         adam_groups = [g for g in adam_groups if g["params"]]
         self.optimizers: list[torch.optim.Optimizer] = []

@@ -13,9 +13,9 @@ from experiment.model import GPT, sample_next
 VOCAB, ALLOWED = 64, 60
 
 
-def tiny(seq: int) -> GPT:
+def tiny(seq: int, bigram: bool = False) -> GPT:
     """The tiny config with weight in every block (zero-init projections would make blocks the identity)."""
-    model = GPT(tiny_config(VOCAB, seq))
+    model = GPT(tiny_config(VOCAB, seq, bigram))
     model.init_weights(seed=0)
     with torch.no_grad():
         gen = torch.Generator().manual_seed(1)
@@ -36,15 +36,21 @@ def prefilled(model: GPT, seqs: list[list[int]]) -> KVSlots:
     return slots
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_step_is_batch_invariant_and_agrees_with_forward(dtype):
-    model = tiny(seq=160).to(dtype)
+def previous(seqs: list[list[int]]) -> list[int]:
+    """Each sequence's token before its last (the bigram's "none", VOCAB, for a lone token)."""
+    return [s[-2] if len(s) > 1 else VOCAB for s in seqs]
+
+
+@pytest.mark.parametrize("dtype,bigram", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_decode_step_is_batch_invariant_and_agrees_with_forward(dtype, bigram):
+    model = tiny(seq=160, bigram=bigram).to(dtype)
     rng = random.Random(0)
     # alone, these attend over spans of 64, 128 and 160 positions; together, all over 160
     seqs = [[rng.randrange(ALLOWED) for _ in range(n)] for n in (1, 7, 70, 160, 130, 3)]  # one fills the context
-    batched = decode_step(model, [s[-1] for s in seqs], [len(s) - 1 for s in seqs], prefilled(model, seqs))
+    batched = decode_step(model, [s[-1] for s in seqs], [len(s) - 1 for s in seqs], prefilled(model, seqs),
+                          previous(seqs))
     for i, seq in enumerate(seqs):
-        alone = decode_step(model, [seq[-1]], [len(seq) - 1], prefilled(model, [seq]))
+        alone = decode_step(model, [seq[-1]], [len(seq) - 1], prefilled(model, [seq]), previous([seq]))
         assert torch.equal(batched[i], alone[0]), i  # bit for bit, whatever the other rows
         with torch.no_grad():
             full = model(torch.tensor([seq]))[0, -1]
@@ -106,11 +112,11 @@ def requests_for(seed: int, n: int = 10, longest: int = 45) -> list[dict]:
              "top_p": (None, None, 0.9, 0.5, None)[i % 5], "seed": i} for i in range(n)]
 
 
-@pytest.mark.parametrize("slots,seq", [(3, 16), (8, 16), (5, 80)])
-def test_batch_members_get_exactly_what_they_get_alone(slots, seq):
+@pytest.mark.parametrize("slots,seq,bigram", [(3, 16, False), (8, 16, True), (5, 80, False)])
+def test_batch_members_get_exactly_what_they_get_alone(slots, seq, bigram):
     # Context 16: most requests outgrow it, so caches are rebuilt mid-batch. Context 80: decode steps
     # attend over 64 or 80 positions, by the longest member.
-    model = tiny(seq=seq)
+    model = tiny(seq=seq, bigram=bigram)
     requests = requests_for(slots, n=10, longest=5 * seq)
     batched = run_schedule(model, requests, slots, seed=slots)
     alone = [run_schedule(model, [r], 1, seed=0)[0] for r in requests]
@@ -119,9 +125,11 @@ def test_batch_members_get_exactly_what_they_get_alone(slots, seq):
     assert len({t for out in batched for t in out}) > 5  # not a degenerate model
 
 
-def test_batch_greedy_tokens_are_generates():
-    """Decode steps agree with forward to float rounding, so greedy tokens are generate's."""
-    model = tiny(seq=16)
+@pytest.mark.parametrize("bigram", [False, True])
+def test_batch_greedy_tokens_are_generates(bigram):
+    """Decode steps agree with forward to float rounding, so greedy tokens are generate's (also
+    across cache rebuilds, where the bigram's previous token restarts as none)."""
+    model = tiny(seq=16, bigram=bigram)
     requests = [{**r, "temperature": 0.0, "top_k": None, "top_p": None} for r in requests_for(0, 6)]
     for r, out in zip(requests, run_schedule(model, requests, 4, seed=1)):
         assert out == list(model.generate(r["prompt"], r["n"], 0.0, allowed_vocab=ALLOWED))

@@ -11,9 +11,9 @@ from experiment.model import GPT, GPTConfig
 from experiment.optim import LRS, ShardedOptimizer
 
 
-def tiny(seq=32, vocab=64, perturb=True) -> GPT:
+def tiny(seq=32, vocab=64, perturb=True, bigram=False) -> GPT:
     torch.manual_seed(0)
-    model = GPT(tiny_config(vocab, seq))
+    model = GPT(tiny_config(vocab, seq, bigram))
     model.init_weights(seed=0)
     if perturb:  # zero-init residual projections make every block the identity; give them weight
         with torch.no_grad():
@@ -39,8 +39,9 @@ def test_init_is_reproducible_and_starts_near_uniform():
     assert abs(loss - math.log(64)) < 0.05  # near-zero head: every prediction starts uniform
 
 
-def test_kv_cache_logits_equal_full_forward():
-    model = tiny()
+@pytest.mark.parametrize("bigram", [False, True])
+def test_kv_cache_logits_equal_full_forward(bigram):
+    model = tiny(bigram=bigram)
     ids = torch.randint(0, 64, (1, 20))
     from experiment.model import KVCache
 
@@ -53,9 +54,9 @@ def test_kv_cache_logits_equal_full_forward():
     torch.testing.assert_close(incremental, full, atol=1e-3, rtol=1e-4)  # logits are O(100) here
 
 
-@pytest.mark.parametrize("temperature,top_k", [(0.0, None), (1.0, 5)])
-def test_kv_cache_generation_equals_naive(temperature, top_k):
-    model = tiny()
+@pytest.mark.parametrize("temperature,top_k,bigram", [(0.0, None, False), (1.0, 5, False), (1.0, 5, True)])
+def test_kv_cache_generation_equals_naive(temperature, top_k, bigram):
+    model = tiny(bigram=bigram)
     prompt = [1, 2, 3, 4, 5]
     runs = []
     for use_cache in (True, False):
@@ -77,8 +78,31 @@ def test_allowed_vocab_masks_padding_ids():
     assert max(out) < 10
 
 
+def test_bigram_rows_pair_each_token_with_the_one_before():
+    model = tiny(bigram=True)
+    V, rows = 64, model.config.bigram_embed
+    assert rows == 65 * 64  # every (previous or none, current) pair has its own row
+    ids = torch.tensor([[3, 5, 7], [9, 9, 1]])
+    assert model.bigram_ids(ids).tolist() == [[V * V + 3, 3 * V + 5, 5 * V + 7], [V * V + 9, 9 * V + 9, 9 * V + 1]]
+    # With identity blocks (the init) a position's logits are a function of its pair alone.
+    bare = tiny(perturb=False, bigram=True)
+    with torch.no_grad():
+        bare.bigram.weight.normal_()
+        bare.lm_head.weight.normal_()
+    logits = lambda seq: bare(torch.tensor([seq]))[0]  # noqa: E731
+    a, b = logits([4, 2, 6]), logits([1, 2, 6])
+    torch.testing.assert_close(a[2], b[2])  # (2, 6) in both
+    torch.testing.assert_close(logits([2, 6])[1], a[2])
+    assert not torch.allclose(a[1], b[1])  # (4, 2) against (1, 2)
+    assert not torch.allclose(logits([2])[0], a[1])  # (none, 2) against (4, 2)
+    # the table is a lookup: it adds no matmul FLOPs and is not counted as a multiplied parameter
+    plain = tiny(bigram=False)
+    assert model.num_params(exclude_embedding=True) == plain.num_params(exclude_embedding=True)
+    assert model.estimate_flops() == plain.estimate_flops()
+
+
 def test_estimate_flops_matches_flop_counter():
-    model = tiny(seq=64, perturb=False).train()
+    model = tiny(seq=64, perturb=False, bigram=True).train()
     c = model.config
     B, T = 2, 64
     x = torch.randint(0, 64, (B, T))

@@ -143,3 +143,12 @@ def test_sharded_optimizer_uses_batched_muon_on_cpu():
     from experiment.optim import BatchedMuon
     opt = ShardedOptimizer(GPT(tiny_config()), **LRS)
     assert isinstance(opt.optimizers[0], BatchedMuon)
+
+
+def test_lookup_tables_take_adamw_at_the_embedding_lr():
+    model = GPT(tiny_config(bigram=True))
+    opt = ShardedOptimizer(model, **LRS)
+    muon, adamw = opt.optimizers
+    assert not any(p is model.bigram.weight for p in muon.param_groups[0]["params"])
+    group = next(g for g in adamw.param_groups if any(p is model.bigram.weight for p in g["params"]))
+    assert any(p is model.wte.weight for p in group["params"])

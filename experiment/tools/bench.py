@@ -67,7 +67,7 @@ from experiment.memory import MODES, count_params, format_plan, plan_memory
 from experiment.model import GPT, GPTConfig, build_model
 from experiment.optim import LRS, ShardedOptimizer
 from experiment.step import forward_backward, optimizer_step
-from experiment.tools import gpucheck, loadtest, prepbench, reduceprec, repeats, savebench, stepprofile, versus
+from experiment.tools import ablate, codecorpus, gpucheck, loadtest, prepbench, reduceprec, repeats, savebench, stepprofile, versus
 from experiment.tools.probes import cpu_matmul_peak, probe_peak_memory
 
 
@@ -228,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     repeats.add_arguments(sub.add_parser("repeats", help="DEPTH=auto against a depth sweep on data the budget repeats"))
     reduceprec.add_arguments(sub.add_parser("reduce", help="bf16 gradients reduced in bf16 against fp32"))
     savebench.add_arguments(sub.add_parser("save", help="training blocked by a checkpoint save, blocking vs background"))
+    codecorpus.add_arguments(sub.add_parser("corpus", help="a Python-source benchmark corpus from the standard library"))
+    ablate.add_arguments(sub.add_parser("ablate", help="recipe variants side by side on corpora and budgets"))
     return parser
 
 
@@ -268,7 +270,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"generate": cmd_generate, "plan": cmd_plan, "fitprobe": cmd_fitprobe, "throughput": cmd_throughput,
                 "speedrun": cmd_speedrun, "prepare": prepbench.main, "serve": loadtest.main, "versus": versus.main, "profile": stepprofile.main, "gpucheck": gpucheck.main,
-                "repeats": repeats.main, "save": savebench.main, "reduce": reduceprec.main}
+                "repeats": repeats.main, "save": savebench.main, "reduce": reduceprec.main,
+                "corpus": codecorpus.main, "ablate": ablate.main}
     return commands[args.command](args)
 
 

@@ -1,0 +1,90 @@
+"""`bench ablate`: recipe variants trained side by side, each for S seconds of budget, on one or more
+corpora, the full-val loss of each run appended to a results file and tabled against a baseline.
+
+    python -m experiment.tools.bench ablate --results R.jsonl --data shakespeare.txt code.txt \\
+        --seconds 60 180 --repeats 3 --variant "base:" --variant "bigram:--bigram_embed 1" \\
+        [--common "--depth 4"] [--table]
+
+Each repeat runs every variant once, in rotated order, so a drifting machine load favours none. A
+variant is a name and the experiment.train flags that make it; --common flags go to every run. The
+results file only grows (one JSON line per run), so screens run in several sittings add up; --table
+prints the medians from it without training. Measure on an idle machine: nothing else running.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from experiment.tools.probes import cpu_matmul_peak
+from experiment.tools.versus import run_ours
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    name, _, flags = text.partition(":")
+    if not name:
+        raise ValueError(f"--variant {text!r}: expected NAME:FLAGS")
+    return name, shlex.split(flags)
+
+
+def run_all(args, variants: list[tuple[str, list[str]]], peak: float) -> None:
+    results = Path(args.results)
+    for seconds in args.seconds:
+        for r in range(args.repeats):
+            for data in args.data:
+                order = variants[r % len(variants):] + variants[: r % len(variants)]
+                for name, flags in order:
+                    ws = Path(tempfile.mkdtemp(prefix="ablate-"))
+                    try:
+                        res = run_ours(Path(data), seconds, args.val_fraction, ws, shlex.split(args.common) + flags)
+                    finally:
+                        shutil.rmtree(ws, ignore_errors=True)
+                    row = {"variant": name, "flags": " ".join(flags), "common": args.common,
+                           "corpus": Path(data).stem, "seconds": seconds, "loss": res.loss, "used": res.seconds,
+                           "summary": res.summary, "peak_gflops": round(peak / 1e9)}
+                    print(f"ablate | {row['corpus']} {seconds:g}s {name}: {res.loss:.4f} ({res.summary})", flush=True)
+                    with results.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+
+
+def table(results: Path, baseline: str) -> str:
+    rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    groups: dict[tuple, list[float]] = {}
+    for row in rows:
+        groups.setdefault((row["corpus"], row["seconds"], row["variant"]), []).append(row["loss"])
+    lines = ["| corpus | budget | variant | runs | median loss | vs " + baseline + " |", "|---|---|---|---|---|---|"]
+    for (corpus, seconds, variant), losses in sorted(groups.items()):
+        med = statistics.median(losses)
+        base = groups.get((corpus, seconds, baseline))
+        delta = f"{med - statistics.median(base):+.4f}" if base and variant != baseline else ""
+        lines.append(f"| {corpus} | {seconds:g} s | {variant} | {len(losses)} | {med:.4f} | {delta} |")
+    return "\n".join(lines)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--results", required=True, help="JSON-lines file the runs are appended to")
+    p.add_argument("--data", nargs="+", default=[], help=".txt corpora")
+    p.add_argument("--seconds", type=float, nargs="+", default=[60.0], help="budgets")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--variant", action="append", default=[], help="NAME:TRAIN_FLAGS (repeatable)")
+    p.add_argument("--common", default="", help="experiment.train flags for every run")
+    p.add_argument("--val_fraction", type=float, default=0.1)
+    p.add_argument("--baseline", default="base", help="the variant the others are compared with")
+    p.add_argument("--table", action="store_true", help="only print the table of the results file")
+
+
+def main(args) -> int:
+    if not args.table:
+        variants = [parse_variant(v) for v in args.variant]
+        peak = cpu_matmul_peak()
+        print(f"ablate | fp32 matmul peak {peak / 1e9:.0f} GFLOP/s, {torch.get_num_threads()} threads, "
+              f"torch {torch.__version__}", flush=True)
+        run_all(args, variants, peak)
+    print(table(Path(args.results), args.baseline))
+    return 0
