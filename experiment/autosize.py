@@ -105,7 +105,7 @@ def mfu(depth: int) -> float:
 def rule_params(config: GPTConfig) -> int:
     """The parameters the rule's tokens per parameter counts: all but the bigram table, which is
     read a row per token, not multiplied (the rule's constants were set on models without it)."""
-    return count_params(dataclasses.replace(config, bigram_embed=0))
+    return count_params(dataclasses.replace(config, bigram_vocab=0))
 
 
 def flops_per_token(config: GPTConfig) -> float:

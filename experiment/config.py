@@ -57,11 +57,8 @@ class TrainConfig:
     aspect_ratio: int | None = opt("model_dim per layer (default 64 with CUDA, 32 without)")
     head_dim: int | None = opt("attention head size (default 128 with CUDA, 64 without)")
     bigram_embed: int | None = opt("1: add an embedding of each (previous, current) token pair to the input "
-                                   "(hashed into 65536 rows when the vocabulary has more pairs); 0: off "
+                                   "(hashed into 16384 rows past 127 characters); 0: off "
                                    "(default 1 with the char tokenizer, 0 with tiktoken)")
-    value_embed: int = opt("1: each layer adds a learned embedding of the token to its attention values", 0)
-    unet: int = opt("1: the first half's block outputs are added to the second half's inputs, mirrored", 0)
-    logit_cap: float = opt("> 0: soft-cap the logits at this value (cap * tanh(logits / cap)); 0: off", 0.0)
     max_seq_len: int | None = opt("context length (default 2048 with CUDA, 256 without)")
     device_batch_size: int | None = opt("sequences per micro-batch per rank (default: largest that fits "
                                          "on CUDA, 16 on CPU)")

@@ -91,15 +91,14 @@ def block_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
 
 
 def decode_attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVSlots,
-                     pos: torch.Tensor, hidden: torch.Tensor, ve: torch.Tensor | None = None) -> torch.Tensor:
+                     pos: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     """One new token for each of the cache's first B slots: x (B, 1, C), row b at position pos[b];
     cos/sin (B, 1, 1, D/2); hidden (B, 1, 1, span) masks the positions after each row's own."""
     B, _, C = x.shape
     H, D, span = attn.n_head, attn.head_dim, hidden.size(-1)
     q = block_linear(x, attn.c_q).view(B, 1, H, D).transpose(1, 2)  # (B, H, 1, D)
     k = block_linear(x, attn.c_k).view(B, 1, H, D).transpose(1, 2)
-    v = block_linear(x, attn.c_v) if ve is None else block_linear(x, attn.c_v) + ve
-    v = v.view(B, 1, H, D).transpose(1, 2)
+    v = block_linear(x, attn.c_v).view(B, 1, H, D).transpose(1, 2)
     q, k = apply_rope(rms_norm(q), cos, sin), apply_rope(rms_norm(k), cos, sin)
     rows = torch.arange(B, device=x.device)
     cache.k[attn.layer, rows, :, pos] = k[:, :, 0]  # (B, H, D): each row's slot at its own position
@@ -125,8 +124,8 @@ def decode_mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
 
 
 def decode_block(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVSlots,
-                 pos: torch.Tensor, hidden: torch.Tensor, ve: torch.Tensor | None = None) -> torch.Tensor:
-    x = x + decode_attention(block.attn, rms_norm(x), cos, sin, cache, pos, hidden, ve)
+                 pos: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    x = x + decode_attention(block.attn, rms_norm(x), cos, sin, cache, pos, hidden)
     return x + decode_mlp(block.mlp, rms_norm(x))
 
 
@@ -135,7 +134,7 @@ def decode_step(model: GPT, tokens: list[int], positions: list[int], cache: KVSl
                 previous: list[int] | None = None) -> torch.Tensor:
     """Logits (B, V) of one new token for each of the cache's first B slots: tokens[b] at position
     positions[b] of slot b, whose earlier positions are in the cache (the last of them is
-    previous[b], which the bigram embedding reads; vocab_size at position 0). Batch-invariant: row b's
+    previous[b], which the bigram embedding reads; bigram_vocab, "none", at position 0). Batch-invariant: row b's
     logits are bit-identical whatever the other rows hold and however many there are (they
     agree with forward's to float rounding, not bit for bit).
     """
@@ -149,14 +148,13 @@ def decode_step(model: GPT, tokens: list[int], positions: list[int], cache: KVSl
     cos, sin = model.rope_cos[pos][:, None, None], model.rope_sin[pos][:, None, None]  # (B, 1, 1, D/2)
     idx = torch.tensor(tokens, device=device)[:, None]  # (B, 1)
     bigram = None
-    if model.config.bigram_embed:
+    if model.config.bigram_vocab:
         prev = torch.tensor(previous, device=device)[:, None]
-        bigram = bigram_rows(prev, idx, model.config.vocab_size, model.config.bigram_embed)
+        bigram = bigram_rows(prev, idx, model.config.bigram_vocab, model.config.bigram_rows)
     x = model.embed(idx, bigram)  # (B, 1, C)
-    x = model.through_blocks(x, idx, lambda block, x, ve: decode_block(block, x, cos, sin, cache, pos, hidden, ve))
-    logits = block_linear(rms_norm(x), model.lm_head).float()[:, 0]  # fp32 logits, as forward
-    cap = model.config.logit_cap
-    return cap * torch.tanh(logits / cap) if cap else logits
+    for block in model.blocks:
+        x = decode_block(block, x, cos, sin, cache, pos, hidden)
+    return block_linear(rms_norm(x), model.lm_head).float()[:, 0]  # fp32 logits, as forward
 
 
 @dataclass
@@ -228,7 +226,7 @@ class Batch:
                 out[m.id] = self._prefill(row, context_window(m.tokens, ctx, rebuild=True))
         if len(out) == len(self.rows):  # every member was rebuilt: no decode left to do
             return out
-        none = self.model.config.vocab_size  # the bigram embedding's "no previous token"
+        none = self.model.config.bigram_vocab  # the bigram embedding's "no previous token"
         logits = decode_step(self.model, [m.tokens[-1] for m in self.rows], [m.pos for m in self.rows], self.cache,
                              [m.tokens[-2] if m.pos else none for m in self.rows])
         # A member rebuilt above has its token; its decode just done (at the position its next step

@@ -18,7 +18,7 @@ from pathlib import Path
 from experiment import checkpoint as ckpt
 from experiment.config import ConfigError, TrainConfig
 from experiment.dataloader import DataError, Prepared, prepare, write_demo_corpus
-from experiment.model import GPTConfig, bigram_table_rows
+from experiment.model import GPTConfig
 
 
 def prepare_data(cfg: TrainConfig, workspace: Path, log) -> Prepared:
@@ -110,11 +110,9 @@ def eval_prompt_ids(cfg: TrainConfig, prepared: Prepared) -> list[int]:
 
 
 def model_config(cfg: TrainConfig, prepared: Prepared) -> GPTConfig:
-    vocab = prepared.meta["vocab_size"]
-    return GPTConfig(vocab_size=vocab, depth=cfg.depth, aspect_ratio=cfg.aspect_ratio,
+    return GPTConfig(vocab_size=prepared.meta["vocab_size"], depth=cfg.depth, aspect_ratio=cfg.aspect_ratio,
                      head_dim=cfg.head_dim, max_seq_len=cfg.max_seq_len,
-                     bigram_embed=bigram_table_rows(vocab) if cfg.bigram_embed else 0,
-                     value_embed=cfg.value_embed, unet=cfg.unet, logit_cap=cfg.logit_cap)
+                     bigram_vocab=prepared.meta["vocab_used"] if cfg.bigram_embed else 0)
 
 
 def check_resume_target(run_dir: Path, step: int, config: GPTConfig, prepared: Prepared) -> None:

@@ -2,8 +2,10 @@
 
 Pure module: no I/O, no torch.distributed, no printing. The block follows the modern recipe used by
 nanochat / modded-nanogpt: RoPE, parameter-free RMSNorm, QK-norm, ReLU^2 MLP, no biases, untied
-embeddings, causal SDPA (flash attention on GPU). `generate` is the one-sequence KV-cache path;
-the server's batched decoding is experiment/engine.py, which reads this module and is never read by it.
+embeddings, causal SDPA (flash attention on GPU); for characters, a bigram embedding (a table row
+per (previous, current) token pair added to the token's embedding). `generate` is the one-sequence
+KV-cache path; the server's batched decoding is experiment/engine.py, which reads this module and is
+never read by it.
 """
 
 from __future__ import annotations
@@ -17,14 +19,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
-# The bigram table's largest size: (vocab + 1) * vocab rows for a character vocabulary; a BPE
-# vocabulary's pairs are hashed into this many.
-BIGRAM_ROWS = 1 << 16
-
-
-def bigram_table_rows(vocab_size: int) -> int:
-    """Rows of the bigram table: one per (previous or none, current) pair, at most BIGRAM_ROWS."""
-    return min((vocab_size + 1) * vocab_size, BIGRAM_ROWS)
+# The bigram table's largest size: exact ((n + 1) * n rows) for up to 127 characters; more ids'
+# pairs (a large alphabet, BPE) are hashed into this many. Bounded because every row is a parameter
+# with its gradient all-reduced each step: 16384 rows are 25M parameters at d24, 67M at d64.
+BIGRAM_ROWS = 1 << 14
 
 
 @dataclass(frozen=True)
@@ -36,15 +34,13 @@ class GPTConfig:
     max_seq_len: int = 256
     rope_base: float = 10000.0
     # Recipe options (docs/training.md has the ablation that measured each). 0 / False: off.
-    bigram_embed: int = 0  # rows of a table indexed by (previous, current) token, added to the embedding
-    value_embed: int = 0  # 1: a token embedding per layer added to that layer's attention values
-    unet: int = 0  # 1: the first half's block outputs feed the second half's inputs (learned weights)
-    logit_cap: float = 0.0  # > 0: logits = cap * tanh(logits / cap)
+    # Token ids 0..n-1 the bigram table pairs (0: no table): a row per (previous, current) pair,
+    # added to the token embedding; the recipe's one addition its ablation kept (docs/performance.md).
+    bigram_vocab: int = 0
 
     def __post_init__(self):
-        for name in ("vocab_size", "depth", "aspect_ratio", "head_dim", "max_seq_len", "bigram_embed", "value_embed",
-                     "unet", "logit_cap"):
-            low = 0 if name in ("bigram_embed", "value_embed", "unet", "logit_cap") else 1
+        for name in ("vocab_size", "depth", "aspect_ratio", "head_dim", "max_seq_len", "bigram_vocab"):
+            low = 0 if name == "bigram_vocab" else 1
             if getattr(self, name) < low:
                 raise ValueError(f"GPTConfig.{name} must be >= {low}, got {getattr(self, name)}")
         if self.n_embd % self.head_dim or self.head_dim % 2:
@@ -52,6 +48,11 @@ class GPTConfig:
                 f"GPTConfig: model_dim = depth * aspect_ratio = {self.n_embd} must be a multiple of "
                 f"head_dim = {self.head_dim}, and head_dim must be even (RoPE rotates pairs)"
             )
+
+    @property
+    def bigram_rows(self) -> int:
+        """One per (previous or none, current) pair, at most BIGRAM_ROWS (then hashed)."""
+        return min((self.bigram_vocab + 1) * self.bigram_vocab, BIGRAM_ROWS)
 
     @property
     def n_layer(self) -> int:
@@ -147,12 +148,11 @@ class Attention(nn.Module):
         self.c_v = nn.Linear(d, d, bias=False)
         self.c_proj = nn.Linear(d, d, bias=False)
 
-    def forward(self, x, cos, sin, cache: KVCache | None, ve: torch.Tensor | None = None):
+    def forward(self, x, cos, sin, cache: KVCache | None):
         B, T, C = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.c_k(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        v = self.c_v(x) if ve is None else self.c_v(x) + ve  # value embedding (modded-nanogpt)
-        v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        v = self.c_v(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         # QK-norm bounds attention logits, which keeps high learning rates stable.
         q, k = apply_rope(rms_norm(q), cos, sin), apply_rope(rms_norm(k), cos, sin)
         if cache is None:
@@ -185,8 +185,8 @@ class Block(nn.Module):
         self.attn = Attention(config, layer)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, cache, ve=None):
-        x = x + self.attn(rms_norm(x), cos, sin, cache, ve)
+    def forward(self, x, cos, sin, cache):
+        x = x + self.attn(rms_norm(x), cos, sin, cache)
         return x + self.mlp(rms_norm(x))
 
 class GPT(nn.Module):
@@ -196,13 +196,8 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.bigram_embed:
-            self.bigram = nn.Embedding(config.bigram_embed, config.n_embd)
-        if config.value_embed:
-            self.value_embeds = nn.ModuleList(nn.Embedding(config.vocab_size, config.n_embd)
-                                              for _ in range(config.n_layer))
-        if config.unet:
-            self.skip_weights = nn.Parameter(torch.ones(config.n_layer // 2))
+        if config.bigram_vocab:
+            self.bigram = nn.Embedding(config.bigram_rows, config.n_embd)
         self._set_rope()
         # Recompute each block in backward instead of keeping its activations (set by the trainer
         # when the memory plan needs it): about a third more compute, a fraction of the memory.
@@ -241,20 +236,14 @@ class GPT(nn.Module):
             # Zero-init residual outputs (modded-nanogpt): each block starts as the identity.
             block.attn.c_proj.weight.zero_()
             block.mlp.c_proj.weight.zero_()
-        # The options start as no-ops: zero tables, unit skip weights on zero-initialized blocks.
-        if self.config.bigram_embed:
+        if self.config.bigram_vocab:  # starts as a no-op
             self.bigram.weight.zero_()
-        if self.config.value_embed:
-            for table in self.value_embeds:
-                table.weight.zero_()
-        if self.config.unet:
-            self.skip_weights.fill_(1.0)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """All parameters, or (exclude_embedding) those that are multiplied: not the lookup tables."""
         n = sum(p.numel() for p in self.parameters())
         if exclude_embedding:
-            n -= self.wte.weight.numel() + (self.bigram.weight.numel() if self.config.bigram_embed else 0)
+            n -= self.wte.weight.numel() + (self.bigram.weight.numel() if self.config.bigram_vocab else 0)
         return n
 
     def estimate_flops(self, seq_len: int | None = None) -> float:
@@ -280,17 +269,15 @@ class GPT(nn.Module):
         if start + T > self.config.max_seq_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds max_seq_len {self.config.max_seq_len}")
         cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
-        x = self.embed(idx, self.bigram_ids(idx, cache) if self.config.bigram_embed else None)
-
-        def run(block, x, ve):
+        x = self.embed(idx, self.bigram_ids(idx, cache) if self.config.bigram_vocab else None)
+        for block in self.blocks:
             if self.activation_checkpointing and cache is None and torch.is_grad_enabled():
-                return checkpoint(block, x, cos, sin, None, ve, use_reentrant=False)
-            return block(x, cos, sin, cache, ve)
-
-        x = self.through_blocks(x, idx, run)
+                x = checkpoint(block, x, cos, sin, None, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, cache)
         if cache is not None:
             cache.pos += T
-        logits = self.head(x)
+        logits = self.lm_head(rms_norm(x)).float()  # fp32 logits: a stable softmax under bf16 autocast
         if targets is None:
             return logits
         return F.cross_entropy(
@@ -304,36 +291,17 @@ class GPT(nn.Module):
             x = x + self.bigram(bigram_ids)
         return rms_norm(x)
 
-    def through_blocks(self, x: torch.Tensor, idx: torch.Tensor, run) -> torch.Tensor:
-        """x through every block, `run(block, x, ve)` applying one (forward's or the engine's
-        decoding), with the recipe's value embeddings (of idx) and U-net skips."""
-        n, skips = self.config.n_layer, []
-        for i, block in enumerate(self.blocks):
-            if self.config.unet and i >= n - n // 2:  # layer n-1-j takes layer j's output
-                x = x + self.skip_weights[n - 1 - i] * skips.pop()
-            x = run(block, x, self.value_embeds[i](idx) if self.config.value_embed else None)
-            if self.config.unet and i < n // 2:
-                skips.append(x)
-        return x
-
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(rms_norm(x)).float()  # fp32 logits: a stable softmax under bf16 autocast
-        if self.config.logit_cap:
-            logits = self.config.logit_cap * torch.tanh(logits / self.config.logit_cap)
-        return logits
-
     def bigram_ids(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Row of the bigram table for each position: (previous token, token), the previous of a
-        sequence's first position being "none" (vocab_size); hashed when the table is smaller
-        than (vocab_size + 1) * vocab_size."""
-        V = self.config.vocab_size
-        first = torch.full_like(idx[:, :1], V)
+        sequence's first position being "none" (bigram_vocab)."""
+        n = self.config.bigram_vocab
+        first = torch.full_like(idx[:, :1], n)
         if cache is not None and cache.pos > 0:
             first = cache.last[:, None]
         prev = torch.cat([first, idx[:, :-1]], dim=1)
         if cache is not None:
             cache.last = idx[:, -1].clone()
-        return bigram_rows(prev, idx, V, self.config.bigram_embed)
+        return bigram_rows(prev, idx, n, self.config.bigram_rows)
 
     @torch.no_grad()
     def generate(
@@ -376,9 +344,10 @@ class GPT(nn.Module):
             tokens.append(nxt)
             yield nxt
 
-def bigram_rows(prev: torch.Tensor, idx: torch.Tensor, vocab_size: int, rows: int) -> torch.Tensor:
-    """The bigram table's row of (previous, current); previous == vocab_size means none."""
-    return (prev * vocab_size + idx) % rows
+def bigram_rows(prev: torch.Tensor, idx: torch.Tensor, n: int, rows: int) -> torch.Tensor:
+    """The bigram table's row of (previous, current) for ids below n (previous == n: none): exact
+    when rows == (n + 1) * n, hashed when fewer."""
+    return (prev * n + idx) % rows
 
 
 def context_window(tokens: list[int], ctx: int, rebuild: bool) -> list[int]:

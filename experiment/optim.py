@@ -15,10 +15,9 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-EMBEDDING, UNEMBEDDING = "wte.weight", "lm_head.weight"
+EMBEDDING, UNEMBEDDING, BIGRAM = "wte.weight", "lm_head.weight", "bigram.weight"
 # The trainer's CUDA defaults (TrainConfig); probes and tests use them where the values do not matter.
 LRS = dict(matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004)
-SCALAR_LR = 0.04
 
 
 def partition(sizes: dict[str, int], world_size: int) -> dict[str, int]:
@@ -74,9 +73,9 @@ def newton_schulz(g: torch.Tensor, coefficients: tuple[float, float, float], ste
 
 
 def is_embedding(name: str) -> bool:
-    """The token embedding and the recipe's other lookup tables (model.py's bigram and value
-    embeddings): rows are read, not multiplied, so they take AdamW at the embedding LR."""
-    return name == EMBEDDING or name.startswith(("bigram.", "value_embeds."))
+    """The token embedding and the bigram table (model.py): rows are read, not multiplied, so they
+    take AdamW at the embedding LR."""
+    return name in (EMBEDDING, BIGRAM)
 
 
 def uses_muon(name: str, shape) -> bool:
@@ -105,8 +104,7 @@ class ShardedOptimizer:
         adam_groups = [
             {"params": [t for n, t in self.target.items() if is_embedding(n)], "lr": embedding_lr * adam_scale},
             {"params": [t for n, t in self.target.items() if n == UNEMBEDDING], "lr": unembedding_lr * adam_scale},
-            # Scalars (the U-net skip weights): modded-nanogpt's scalar LR, not width-scaled.
-            {"params": [t for n, t in self.target.items() if t.ndim != 2], "lr": SCALAR_LR},
+            {"params": [t for n, t in self.target.items() if t.ndim != 2], "lr": embedding_lr * adam_scale},
         ]
         adam_groups = [g for g in adam_groups if g["params"]]
         self.optimizers: list[torch.optim.Optimizer] = []

@@ -35,7 +35,7 @@ from experiment.dataloader import DataError, list_sources
 from experiment.files import default_workspace
 from experiment.hardware import peak_flops
 from experiment.memory import checkpoint_bytes, choose_mode
-from experiment.model import GPTConfig, bigram_table_rows
+from experiment.model import GPTConfig
 
 GPU_MEMORY_GIB = (("H200", 141), ("H100", 80), ("A100", 80))  # by name fragment, most specific first
 CHUNK = 1 << 26
@@ -106,7 +106,7 @@ def count_tokens(cfg: PlanConfig) -> tuple[int, str]:
 def rung(depth: int, cfg: PlanConfig, gpus: Gpus, train_tokens: int, budget_s: float, vocab: int) -> dict:
     config = GPTConfig(vocab_size=vocab, depth=depth, aspect_ratio=CUDA_DEFAULTS["aspect_ratio"],
                        head_dim=CUDA_DEFAULTS["head_dim"], max_seq_len=cfg.max_seq_len,
-                       bigram_embed=bigram_table_rows(vocab) if cfg.tokenizer == "char" else 0)
+                       bigram_vocab=vocab if cfg.tokenizer == "char" else 0)
     c = autosize.candidate(config, autosize.predicted_tok_per_s(config, gpus.peak, gpus.count), budget_s,
                            train_tokens)
     fits = choose_mode(config, gpus.count, 1, cfg.max_seq_len, gpus.memory_bytes) is not None

@@ -9,7 +9,7 @@ import pytest
 
 from experiment import checkpoint as ckpt
 from experiment.dataloader import demo_lines
-from experiment.model import GPTConfig, bigram_table_rows
+from experiment.model import GPTConfig
 
 REPO = Path(__file__).resolve().parent.parent
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -23,7 +23,7 @@ TINY = ["--depth", "2", "--aspect_ratio", "32", "--head_dim", "32", "--max_seq_l
 def tiny_config(vocab_size: int = 64, max_seq_len: int = 32, bigram: bool = False) -> GPTConfig:
     """The model TINY trains: 2 layers x 64 dims, 2 heads of 32 (bigram: with the bigram table)."""
     return GPTConfig(vocab_size=vocab_size, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=max_seq_len,
-                     bigram_embed=bigram_table_rows(vocab_size) if bigram else 0)
+                     bigram_vocab=vocab_size if bigram else 0)
 
 
 def run_meta(workspace: Path, step: int, tag: str = "d2") -> dict:

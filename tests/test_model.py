@@ -80,8 +80,9 @@ def test_allowed_vocab_masks_padding_ids():
 
 def test_bigram_rows_pair_each_token_with_the_one_before():
     model = tiny(bigram=True)
-    V, rows = 64, model.config.bigram_embed
+    V, rows = 64, model.config.bigram_rows
     assert rows == 65 * 64  # every (previous or none, current) pair has its own row
+    assert GPTConfig(vocab_size=50304, bigram_vocab=50257).bigram_rows == 1 << 14  # BPE: hashed, bounded
     ids = torch.tensor([[3, 5, 7], [9, 9, 1]])
     assert model.bigram_ids(ids).tolist() == [[V * V + 3, 3 * V + 5, 5 * V + 7], [V * V + 9, 9 * V + 9, 9 * V + 1]]
     # With identity blocks (the init) a position's logits are a function of its pair alone.

@@ -473,11 +473,11 @@ def test_nonfinite_losses_skip_updates_and_a_streak_stops_the_run(tmp_path, corp
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """tmp_path/checkpoints/d2 on a real 2 MiB tmpfs (room for one tiny checkpoint, not two); remount
-    it with more room through the returned function. Needs root (CI and the dev machines run as root)."""
+    """tmp_path/checkpoints/d2 on a real 2.5 MiB tmpfs (room for one tiny checkpoint and its best.pt,
+    1.8 MiB, not two); remount it with more room through the returned function. Needs root (CI and the dev machines run as root)."""
     run_dir = tmp_path / "checkpoints/d2"
     run_dir.mkdir(parents=True)
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(run_dir)],
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2560k", "tmpfs", str(run_dir)],
                                            capture_output=True).returncode != 0:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:

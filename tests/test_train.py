@@ -53,7 +53,7 @@ def test_two_ranks_equal_one_rank_and_shards_name_owned_params(tmp_path, corpus)
     run_train([*common, "--workspace", tmp_path / "two"], nproc=2)
     one = _params(tmp_path / "one/checkpoints/d2", 3)
     two = _params(tmp_path / "two/checkpoints/d2", 3)
-    initial = GPT(tiny_config())
+    initial = GPT(tiny_config(bigram=True))  # the char tokenizer brings the bigram table
     initial.init_weights(seed=1337)
     for name, p in one.items():
         torch.testing.assert_close(two[name], p, atol=2e-5, rtol=1e-4, msg=name)
@@ -329,11 +329,13 @@ def test_an_eval_due_when_the_budget_has_no_room_for_another_makes_this_step_the
 
     cfg = SimpleNamespace(eval_every_minutes=1.0, eval_every_steps=0, save_every_minutes=60.0, save_every_steps=0)
     now = time.time()
-    for eval_ago, used, last in ((120, 95.0, 1), (10, 95.0, 0), (120, 92.0, 0)):
-        # reserve 4 s (eval 2 + save 1 + step 1) of a 100 s budget; an eval due now costs 3 s more
+    for eval_ago, used, writing, last in ((120, 95.0, 0, 1), (10, 95.0, 0, 0), (120, 92.0, 0, 0), (10, 95.0, 2, 1)):
+        # reserve 4 s (eval 2 + save 1 + step 1) of a 100 s budget; an eval due now costs 3 s more,
+        # and a background write still at work what it has left (the final save waits for it)
         st = RunState(step=50, used_seconds=used, eval_seconds=2.0, save_seconds=1.0, step_seconds=1.0)
+        saver = SimpleNamespace(seconds_left=lambda save_seconds, left=writing: float(left))
         t = SimpleNamespace(cfg=cfg, d=Dist(0, 0, 1, torch.device("cpu")), st=st, max_steps=10**9, budget_seconds=100.0,
-                            max_tokens=math.inf)
+                            max_tokens=math.inf, saver=saver)
         loop = SimpleNamespace(last_eval_time=now - eval_ago, last_save_time=now, reserve_seconds=4.0)
         assert train.decide(t, loop, 0)[:2] == (last, int(eval_ago > 60)), (eval_ago, used)
 
