@@ -14,15 +14,17 @@ from dataclasses import dataclass, field
 from experiment.dataloader import Prepared
 from experiment.optim import LRS
 
-# DEPTH=auto on both (experiment/autosize.py). CPU defaults are the recommended small-budget settings (the README's Performance section, Tiny
-# Shakespeare on 2 cores): the depth by the auto rule, a narrow shape (width 32 per layer) that sees
-# many tokens, and Muon at twice the GPU learning rate.
-CUDA_DEFAULTS = dict(depth="auto", aspect_ratio=64, head_dim=128, matrix_lr=0.02, warmdown_frac=0.2,
+# DEPTH=auto on both (experiment/autosize.py). CPU defaults are the recommended small-budget settings
+# (docs/performance.md, Tiny Shakespeare on 2 cores): the depth by the auto rule, a narrow shape
+# (width 32 per layer) that sees many tokens, and the AdamW learning rates at half the GPU's (the LR
+# sweep at d2, d4 and d6 in docs/performance.md; the GPU keeps nanochat's, unmeasured here).
+CUDA_DEFAULTS = dict(depth="auto", aspect_ratio=64, head_dim=128, matrix_lr=LRS["matrix_lr"],
+                     embedding_lr=LRS["embedding_lr"], unembedding_lr=LRS["unembedding_lr"], warmdown_frac=0.2,
                      max_seq_len=2048, total_batch_size=524288, training_hours=31.0,
                      save_every_minutes=60.0, eval_every_minutes=30.0, eval_tokens=1 << 20)
-CPU_DEFAULTS = dict(depth="auto", aspect_ratio=32, head_dim=64, matrix_lr=0.04, warmdown_frac=0.4,
-                    max_seq_len=256, total_batch_size=4096, training_hours=0.05,
-                    save_every_minutes=1.0, eval_every_minutes=0.5, eval_tokens=1 << 16)
+CPU_DEFAULTS = dict(depth="auto", aspect_ratio=32, head_dim=64, matrix_lr=0.02, embedding_lr=0.1,
+                    unembedding_lr=0.002, warmdown_frac=0.4, max_seq_len=256, total_batch_size=4096,
+                    training_hours=0.05, save_every_minutes=1.0, eval_every_minutes=0.5, eval_tokens=1 << 16)
 CPU_DEVICE_BATCH = 16
 MAX_EPOCHS = 8  # DEPTH=auto's cap on passes over the data (experiment/autosize.py says why)
 GUARDS = ("demo", "repeat", "disk")  # the pre-flight's guards on CUDA, which ALLOW passes (preflight.py)
@@ -102,10 +104,11 @@ class TrainConfig:
     eval_prompt: str | None = opt("the text each eval's sample continues, so samples compare from eval to eval "
                                   "(default: the first 32 tokens of the val split)")
     log_every_steps: int = opt("step-line cadence", 10)
-    matrix_lr: float | None = opt("Muon learning rate, hidden matrices (default 0.02 with CUDA, 0.04 without)")
-    embedding_lr: float = opt("AdamW learning rate, embedding (scaled by (768/model_dim)^0.5)",
-                               LRS["embedding_lr"])
-    unembedding_lr: float = opt("AdamW learning rate, lm_head (scaled likewise)", LRS["unembedding_lr"])
+    matrix_lr: float | None = opt("Muon learning rate, hidden matrices (default 0.02)")
+    embedding_lr: float | None = opt("AdamW learning rate, embedding and bigram tables (scaled by "
+                                     "(768/model_dim)^0.5; default 0.2 with CUDA, 0.1 without)")
+    unembedding_lr: float | None = opt("AdamW learning rate, lm_head (scaled likewise; default 0.004 with CUDA, "
+                                       "0.002 without)")
     warmup_frac: float = opt("fraction of the budget with linear LR warmup", 0.0)
     warmdown_frac: float | None = opt("final fraction of the budget with linear LR warmdown "
                                        "(default 0.2 with CUDA, 0.4 without)")
@@ -156,7 +159,7 @@ def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
         raise ConfigError(f"--depth must be a positive number of layers or auto, got {cfg.depth!r}")
     if cfg.max_epochs is None:
         cfg.max_epochs = float(MAX_EPOCHS if cfg.depth == "auto" else 0)
-    if cfg.bigram_embed is None:  # measured on characters only (docs/training.md, the recipe's ablation)
+    if cfg.bigram_embed is None:  # measured on characters only (docs/performance.md, the recipe's ablation)
         cfg.bigram_embed = int(cfg.tokenizer == "char")
     if cfg.max_epochs < 0:
         raise ConfigError(f"--max_epochs must be >= 0 (0: no limit), got {cfg.max_epochs}")
