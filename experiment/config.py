@@ -9,22 +9,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from experiment.dataloader import Prepared
 from experiment.optim import LRS
 
 # DEPTH=auto on both (experiment/autosize.py). CPU defaults are the recommended small-budget settings
-# (docs/performance.md, Tiny Shakespeare on 2 cores): the depth by the auto rule, a narrow shape
-# (width 32 per layer) that sees many tokens, and the AdamW learning rates at half the GPU's (the LR
-# sweep at d2, d4 and d6 in docs/performance.md; the GPU keeps nanochat's, unmeasured here).
-CUDA_DEFAULTS = dict(depth="auto", aspect_ratio=64, head_dim=128, matrix_lr=LRS["matrix_lr"],
-                     embedding_lr=LRS["embedding_lr"], unembedding_lr=LRS["unembedding_lr"], warmdown_frac=0.2,
+# (docs/performance.md, Tiny Shakespeare on 2 cores): the depth by the auto rule and a narrow shape
+# (width 32 per layer) that sees many tokens. The learning rates depend on the depth: cpu_lrs.
+CUDA_DEFAULTS = dict(depth="auto", aspect_ratio=64, head_dim=128, warmdown_frac=0.2,
                      max_seq_len=2048, total_batch_size=524288, training_hours=31.0,
                      save_every_minutes=60.0, eval_every_minutes=30.0, eval_tokens=1 << 20)
-CPU_DEFAULTS = dict(depth="auto", aspect_ratio=32, head_dim=64, matrix_lr=0.02, embedding_lr=0.1,
-                    unembedding_lr=0.002, warmdown_frac=0.4, max_seq_len=256, total_batch_size=4096,
-                    training_hours=0.05, save_every_minutes=1.0, eval_every_minutes=0.5, eval_tokens=1 << 16)
+CPU_DEFAULTS = dict(depth="auto", aspect_ratio=32, head_dim=64, warmdown_frac=0.4,
+                    max_seq_len=256, total_batch_size=4096, training_hours=0.05,
+                    save_every_minutes=1.0, eval_every_minutes=0.5, eval_tokens=1 << 16)
+# CPU learning rates by depth (docs/performance.md, "The learning rate across depth"): an LR sweep at
+# the depth and budget DEPTH=auto pairs (d2 60 s, d4 180 s, d6 600 s) put the best at these multiples
+# of LRS; deeper models take d6's (unmeasured). CUDA takes LRS at every depth (nanochat's, unswept).
+CPU_LR_SCALES = ((4, dict(matrix_lr=1.0, embedding_lr=0.5, unembedding_lr=0.5)),
+                 (math.inf, dict(matrix_lr=0.5, embedding_lr=0.25, unembedding_lr=0.25)))
 CPU_DEVICE_BATCH = 16
 MAX_EPOCHS = 8  # DEPTH=auto's cap on passes over the data (experiment/autosize.py says why)
 GUARDS = ("demo", "repeat", "disk")  # the pre-flight's guards on CUDA, which ALLOW passes (preflight.py)
@@ -104,11 +108,12 @@ class TrainConfig:
     eval_prompt: str | None = opt("the text each eval's sample continues, so samples compare from eval to eval "
                                   "(default: the first 32 tokens of the val split)")
     log_every_steps: int = opt("step-line cadence", 10)
-    matrix_lr: float | None = opt("Muon learning rate, hidden matrices (default 0.02)")
-    embedding_lr: float | None = opt("AdamW learning rate, embedding and bigram tables (scaled by "
-                                     "(768/model_dim)^0.5; default 0.2 with CUDA, 0.1 without)")
-    unembedding_lr: float | None = opt("AdamW learning rate, lm_head (scaled likewise; default 0.004 with CUDA, "
-                                       "0.002 without)")
+    matrix_lr: float | None = opt("Muon learning rate, hidden matrices (default 0.02 with CUDA; without, by "
+                                  "depth: 0.02 up to d4, 0.01 deeper)")
+    embedding_lr: float | None = opt("AdamW learning rate, embedding and bigram tables, scaled by (768/model_dim)^0.5 "
+                                     "(default 0.2 with CUDA; without, by depth: 0.1 up to d4, 0.05 deeper)")
+    unembedding_lr: float | None = opt("AdamW learning rate, lm_head, scaled likewise (default 0.004 with CUDA; "
+                                       "without, by depth: 0.002 up to d4, 0.001 deeper)")
     warmup_frac: float = opt("fraction of the budget with linear LR warmup", 0.0)
     warmdown_frac: float | None = opt("final fraction of the budget with linear LR warmdown "
                                        "(default 0.2 with CUDA, 0.4 without)")
@@ -149,6 +154,20 @@ def _auto_or(kind):
         return None if text in ("auto", "") else kind(text)
     convert.__name__ = kind.__name__  # argparse names the type in its error message
     return convert
+
+
+def default_lrs(cuda: bool, depth: int) -> dict[str, float]:
+    if cuda:
+        return dict(LRS)
+    scales = next(scales for deepest, scales in CPU_LR_SCALES if depth <= deepest)
+    return {name: LRS[name] * scale for name, scale in scales.items()}
+
+
+def fill_lrs(cfg: TrainConfig, cuda: bool) -> None:
+    """The learning rates left unset, from the depth: after resolve, since DEPTH=auto picks it later."""
+    for name, lr in default_lrs(cuda, cfg.depth).items():
+        if getattr(cfg, name) is None:
+            setattr(cfg, name, lr)
 
 
 def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:

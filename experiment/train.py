@@ -27,7 +27,7 @@ from experiment import autosize, export, guards, launch
 from experiment.guards import DISK_WRITE_GBPS
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError, Retention, RunState, pick_resume_step
-from experiment.config import ConfigError, TrainConfig, checkpoint_meta, parse_args, resolve
+from experiment.config import ConfigError, TrainConfig, checkpoint_meta, fill_lrs, parse_args, resolve
 from experiment.dataloader import DataError, Prepared, TokenBatches
 from experiment.distributed import (PHASE_TIMEOUTS, Dist, ParentWatch, StopSignal, all_ranks_ok, broadcast_object,
                                     gather_objects, resolve_device, setup_distributed, wrap_ddp)
@@ -183,6 +183,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     prepared, resume_step, lock = prepare_data(cfg, d, workspace, run_dir, log)
     auto, probe_seconds = (choose_depth(cfg, d, gpu, prepared, run_dir, resume_step, log) if cfg.depth == "auto"
                            else (None, 0))
+    fill_lrs(cfg, cuda)
     model_config = launch.model_config(cfg, prepared)
     if resume_step is not None:
         launch.check_resume_target(run_dir, resume_step, model_config, prepared)

@@ -11,7 +11,7 @@ import torch
 
 from conftest import TINY, run_meta, run_train, tiny_config
 from experiment import checkpoint as ckpt
-from experiment.config import ConfigError, TrainConfig, resolve
+from experiment.config import ConfigError, TrainConfig, fill_lrs, parse_args, resolve
 from experiment.model import GPT
 from experiment.optim import lr_multiplier, partition
 from experiment.hardware import peak_flops
@@ -29,6 +29,19 @@ def test_lr_multiplier_follows_the_budget_fraction():
     assert f(0.9) == pytest.approx(0.55) and f(1.0) == pytest.approx(0.1) and f(1.7) == pytest.approx(0.1)
     values = [f(i / 100) for i in range(80, 101)]
     assert all(a > b for a, b in zip(values, values[1:]))  # warmdown is strictly decreasing to the end
+
+
+def test_cpu_learning_rates_follow_the_depth_and_a_given_one_is_kept():
+    def lrs(argv, cuda=False):
+        cfg = resolve(parse_args(argv), cuda=cuda, world_size=1)
+        assert cfg.matrix_lr is None or "--matrix_lr" in argv  # the depth may still be auto here
+        fill_lrs(cfg, cuda)
+        return pytest.approx((cfg.matrix_lr, cfg.embedding_lr, cfg.unembedding_lr))
+
+    assert lrs(["--depth", "2"]) == (0.02, 0.1, 0.002) and lrs(["--depth", "4"]) == (0.02, 0.1, 0.002)
+    assert lrs(["--depth", "6"]) == (0.01, 0.05, 0.001) and lrs(["--depth", "12"]) == (0.01, 0.05, 0.001)
+    assert lrs(["--depth", "6", "--embedding_lr", "0.3"]) == (0.01, 0.3, 0.001)
+    assert lrs(["--depth", "6"], cuda=True) == (0.02, 0.2, 0.004)
 
 
 def test_settings_that_cannot_work_are_named():

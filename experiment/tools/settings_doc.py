@@ -11,6 +11,7 @@ import dataclasses
 import sys
 
 from experiment.config import CPU_DEFAULTS, CPU_DEVICE_BATCH, CUDA_DEFAULTS, TrainConfig
+from experiment.optim import LRS
 
 # What experiment/run.sh itself reads (not TrainConfig fields): the launch, not the training.
 LAUNCHER = (
@@ -45,6 +46,8 @@ def default(field: dataclasses.Field) -> str:
         return f"`{field.default}`"
     if field.name in CUDA_DEFAULTS:
         return f"`{CUDA_DEFAULTS[field.name]}` / `{CPU_DEFAULTS[field.name]}`"
+    if field.name in LRS:
+        return f"`{LRS[field.name]}` / by depth"
     if field.name == "device_batch_size":
         return f"largest that fits / `{CPU_DEVICE_BATCH}`"
     return "unset"
