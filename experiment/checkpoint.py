@@ -15,6 +15,7 @@ An export (export_model) is one file, the model in bf16 with its meta, for downl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -381,8 +382,13 @@ def complete_step(run_dir: Path, step: int, error: str | None, files: dict, meta
             if meta["state"]["best_step"] == step:
                 atomic_write_json(run_dir / "best.json", {"step": step, "val_loss": meta["val_loss"]})
         except OSError as e:
+            # meta's or best.json's write: either way the step is reported not saved, so it must not
+            # stay complete on disk while best.json names an earlier step. Rank 0 must still reach
+            # the collective below, whatever the removal meets.
             error = f"meta: {e}"
-            remove_incomplete(run_dir)
+            with contextlib.suppress(OSError):
+                meta_path(run_dir, step).unlink(missing_ok=True)
+                remove_incomplete(run_dir)
     return None if all_ok(error is None) else error or "rank 0 failed to write meta"
 
 

@@ -121,9 +121,15 @@ class Saver:
         data = {"model": model_data, "optimizer": optimizer_data}
         background = background and self.background
         if background:
-            data = self.buffers.stage(data)
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()  # the non-blocking copies have landed
+            try:
+                data = self.buffers.stage(data)
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()  # the non-blocking copies have landed
+            except (RuntimeError, MemoryError) as e:  # host memory ran out: this save fails, the training does not
+                p = Pending(step, meta, started, time.time() - started, None, context=context or {})
+                self.pending = p
+                self._failed(p, f"staging in host memory: {type(e).__name__}: {e}")
+                return  # complete() tells every rank, so none waits in a collective this rank never reaches
         p = Pending(step, meta, started, time.time() - started, None, context=context or {})
         if background:
             p.thread = threading.Thread(target=self._write, args=(p, data), name=f"save-{step}", daemon=True)
@@ -139,10 +145,14 @@ class Saver:
             error, files = ckpt.write_rank_files(self.run_dir, p.step, data["model"], data["optimizer"], self.rank,
                                                  self.world_size, self.write_bps)
         except Exception as e:  # anything else the writer meets: the save fails, the training does not
-            error, files = f"{type(e).__name__}: {e}", {}
-            # Rank 0 logs only that a rank failed: this rank says what (stderr reaches workers/).
-            print(f"rank {self.rank}: checkpoint step {p.step:06d} not written: {error}", file=sys.stderr, flush=True)
+            self._failed(p, f"{type(e).__name__}: {e}")
+            return
         p.outcome.update(error=error, files=files, done_at=time.time())
+
+    def _failed(self, p: Pending, error: str) -> None:
+        # Rank 0 logs only that a rank failed: this rank says what (stderr reaches workers/).
+        print(f"rank {self.rank}: checkpoint step {p.step:06d} not written: {error}", file=sys.stderr, flush=True)
+        p.outcome.update(error=error, files={}, done_at=time.time())
 
     def writing(self) -> bool:
         """This rank's writer is still at work (false once it is done, and with nothing pending)."""

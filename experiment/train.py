@@ -77,6 +77,7 @@ class Trainer:
     lock: object  # rank 0: the run directory's trainer lock, held while this process lives; else None
     max_tokens: float  # MAX_EPOCHS passes over the training data: the run stops there; inf without a cap
     saver: Saver  # this rank's checkpoint writer (in the background when staging fits)
+    first_save_seconds: float  # what a save is taken to cost until one is measured (checkpoint_seconds)
 
     @property
     def max_steps(self) -> int:
@@ -223,7 +224,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         if d.master else NullReport(),
         eval_prompt=launch.eval_prompt_ids(cfg, prepared), lock=lock,
         max_tokens=cfg.max_epochs * prepared.meta["split"]["train_tokens"] if cfg.max_epochs else math.inf,
-        saver=make_saver(cfg, d, model, run_dir, log))
+        saver=make_saver(cfg, d, model, run_dir, log), first_save_seconds=checkpoint_seconds(model, d.world_size))
     log(f"model {model.num_params():,} params (d{cfg.depth}, width {model_config.n_embd}, "
         f"{model_config.n_head} heads) | {t.flops_per_token:.3e} FLOP/token | batch {cfg.device_batch_size} x "
         f"{cfg.max_seq_len} x {d.world_size} ranks x {t.grad_accum} accum = {cfg.total_batch_size:,} tokens/step | "
@@ -385,7 +386,7 @@ def train_loop(t: Trainer) -> int:
         for step in range(t.st.step, t.max_steps + 1):
             t.st.step, t.st.used_seconds = step, loop.used()
             # The final eval, save and step (the LR schedule ends where they begin)
-            loop.reserve_seconds = t.st.eval_seconds + t.st.save_seconds + t.st.step_seconds
+            loop.reserve_seconds = t.st.eval_seconds + save_seconds(t) + t.st.step_seconds
             last_step, eval_due, save_due, signum, writing = decide(t, loop, stop_signal.signum, t.saver.writing())
             if t.saver.pending is not None and not writing:  # every rank's writer is done
                 finish_save(t, loop)
@@ -397,7 +398,7 @@ def train_loop(t: Trainer) -> int:
                 log(f"received {name}: saving step {step:06d} and exiting")
             elif (eval_due or save_due or last_step) and step != loop.last_eval_step:
                 maybe_eval(t, loop)
-            maybe_save(t, loop, save_due, preempted=bool(signum))
+            maybe_save(t, loop, save_due, preempted=bool(signum), writing=bool(writing))
             if loop.end is not None:
                 break
             t0 = time.time()
@@ -421,13 +422,23 @@ STOP_MARGIN_SECONDS = 60.0
 
 
 def stop_grace(t: Trainer) -> float:
-    """Seconds a stopping rank gets: twice its step and its longest save plus a margin; until a save
-    has been measured, the whole checkpoint at the network volume's rate the plan assumes (every
-    rank writes its share at once, into one volume)."""
-    precision = "bf16" if t.model.wte.weight.dtype == torch.bfloat16 else "fp32"
-    total = sum(a + b for a, b in checkpoint_bytes_per_rank(t.model.config, t.d.world_size, precision))
-    save = t.st.save_seconds or total / (DISK_WRITE_GBPS * 1e9)
-    return STOP_MARGIN_SECONDS + 2 * (t.st.step_seconds + save)
+    """Seconds a stopping rank gets: twice its step and its longest save plus a margin."""
+    return STOP_MARGIN_SECONDS + 2 * (t.st.step_seconds + save_seconds(t))
+
+
+def checkpoint_seconds(model: GPT, world_size: int) -> float:
+    """A save before one has been measured: the whole checkpoint at the network volume's rate the
+    plan assumes (every rank writes its share at once, into one volume)."""
+    precision = "bf16" if model.wte.weight.dtype == torch.bfloat16 else "fp32"
+    total = sum(a + b for a, b in checkpoint_bytes_per_rank(model.config, world_size, precision))
+    return total / (DISK_WRITE_GBPS * 1e9)
+
+
+def save_seconds(t: Trainer) -> float:
+    """What a save takes: the longest measured so far (background writes included, which share the
+    machine with training and so run long: the final save's reserve errs on the safe side), else
+    the estimate, so a budget that ends before the first save still keeps room for it."""
+    return t.st.save_seconds or t.first_save_seconds
 
 
 def decide(t: Trainer, loop: Loop, signum: int, writing: bool = False) -> tuple[int, int, int, int, int]:
@@ -441,10 +452,11 @@ def decide(t: Trainer, loop: Loop, signum: int, writing: bool = False) -> tuple[
                 or (cfg.save_every_steps > 0 and step % cfg.save_every_steps == 0 and step > 0))
     # An eval (and the save a new best brings) or a save due now is paid for on top of the reserve
     # for the final ones: when both no longer fit, this step is the last, and its eval the final one.
-    due_now = (st.eval_seconds + st.save_seconds) * eval_due + st.save_seconds * (save_due and not eval_due)
+    save = save_seconds(t)
+    due_now = (st.eval_seconds + save) * eval_due + save * (save_due and not eval_due)
     # What a save in flight still needs: the final save waits for it. Not in the schedule's reserve,
     # which would dip the LR during every background write.
-    in_flight = t.saver.seconds_left(st.save_seconds)
+    in_flight = t.saver.seconds_left(save)
     last = (step >= t.max_steps or st.tokens_seen >= t.max_tokens
             or st.used_seconds + loop.reserve_seconds + in_flight + due_now >= t.budget_seconds)
     flags = torch.tensor([d.master and last, d.master and eval_due, d.master and save_due, signum, writing],
@@ -482,11 +494,12 @@ def maybe_eval(t: Trainer, loop: Loop) -> None:
     st.eval_seconds = max(st.eval_seconds, time.time() - t0)
 
 
-def maybe_save(t: Trainer, loop: Loop, save_due: bool, preempted: bool) -> None:
+def maybe_save(t: Trainer, loop: Loop, save_due: bool, preempted: bool, writing: bool = False) -> None:
     """A checkpoint when one is due, at the last step or at a new best: staged and written in the
     background (Saver), completed at a later step once every rank's writer is done. A save in
-    flight is completed first (one at a time: the wait is logged and counted); the final save is
-    written here and completed before the run ends, and when it fails the run ends with 1."""
+    flight is completed first (one at a time: when `writing`, some rank's writer was still at work
+    at this step's start, and the wait is logged and counted); the final save is written here and
+    completed before the run ends, and when it fails the run ends with 1."""
     st, step, final = t.st, t.st.step, loop.end is not None
     # No periodic save during a streak of skipped updates: retention must not push the last
     # checkpoint from before the streak out. (Skipped updates leave the weights valid, so the final
@@ -495,7 +508,7 @@ def maybe_save(t: Trainer, loop: Loop, save_due: bool, preempted: bool) -> None:
             and (final or not loop.bad_in_a_row)):
         return
     if t.saver.pending is not None:
-        before, writing, t0 = t.saver.pending.step, t.saver.writing(), time.time()
+        before, t0 = t.saver.pending.step, time.time()
         finish_save(t, loop, wait=True)
         if writing:
             st.save_waits, st.save_wait_seconds = st.save_waits + 1, st.save_wait_seconds + time.time() - t0

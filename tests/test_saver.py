@@ -125,3 +125,41 @@ def test_a_failed_best_save_falls_back_to_the_best_of_a_completed_save(tmp_path)
     assert (st.best_val, st.best_step) == (2.0, 2)
     assert ckpt.complete_steps(tmp_path) == [2] and ckpt.read_best(tmp_path)["step"] == 2
     assert sum("not saved" in line for line in lines) == 2
+
+
+def test_a_staging_failure_fails_the_save_through_complete_and_training_goes_on(tmp_path, monkeypatch):
+    # Host memory that runs out while copying the share: begin() returns (no rank is left alone in
+    # the collective of complete(), which reports the failure on every rank) and the next save works.
+    saver = _saver(tmp_path)
+    saver.begin(1, {"w": torch.ones(10)}, {}, _meta(1), background=True)
+    saver.wait()
+    saver.complete()
+
+    def no_memory(obj, key=()):
+        raise RuntimeError("DefaultCPUAllocator: not enough memory")
+
+    monkeypatch.setattr(saver.buffers, "stage", no_memory)
+    saver.begin(2, {"w": torch.ones(10)}, {}, _meta(2), background=True)
+    assert not saver.writing() and saver.wait() < 0.1
+    _, error = saver.complete()
+    assert "staging in host memory" in error and "not enough memory" in error
+    assert ckpt.complete_steps(tmp_path) == [1] and not ckpt.model_path(tmp_path, 2).exists()
+    monkeypatch.undo()
+    saver.begin(3, {"w": torch.ones(10)}, {}, _meta(3), background=True)
+    saver.wait()
+    assert saver.complete()[1] is None and ckpt.complete_steps(tmp_path) == [1, 3]
+
+
+def test_a_best_json_that_cannot_be_written_leaves_the_step_incomplete_as_reported(tmp_path):
+    saver = _saver(tmp_path)
+    saver.begin(1, {"w": torch.ones(10)}, {}, _meta(1, best_step=1), background=True)
+    saver.wait()
+    assert saver.complete()[1] is None and ckpt.read_best(tmp_path)["step"] == 1
+    best = tmp_path / "best.json"
+    best.unlink()
+    best.mkdir()  # best.json cannot be replaced (like a full disk after meta went in)
+    saver.begin(2, {"w": torch.ones(10)}, {}, _meta(2, best_step=2), background=True)
+    saver.wait()
+    _, error = saver.complete()
+    assert error and error.startswith("meta:")
+    assert ckpt.complete_steps(tmp_path) == [1] and not ckpt.model_path(tmp_path, 2).exists()

@@ -348,9 +348,16 @@ def test_an_eval_due_when_the_budget_has_no_room_for_another_makes_this_step_the
         st = RunState(step=50, used_seconds=used, eval_seconds=2.0, save_seconds=1.0, step_seconds=1.0)
         saver = SimpleNamespace(seconds_left=lambda save_seconds, left=writing: float(left))
         t = SimpleNamespace(cfg=cfg, d=Dist(0, 0, 1, torch.device("cpu")), st=st, max_steps=10**9, budget_seconds=100.0,
-                            max_tokens=math.inf, saver=saver)
+                            max_tokens=math.inf, saver=saver, first_save_seconds=1.0)
         loop = SimpleNamespace(last_eval_time=now - eval_ago, last_save_time=now, reserve_seconds=4.0)
         assert train.decide(t, loop, 0)[:2] == (last, int(eval_ago > 60)), (eval_ago, used)
+    # Before the first save its estimate stands in: 92.5 + 4 + an eval (2) and a save (1.5) due now
+    # reach the budget; counting the save as free would not.
+    st.used_seconds, st.save_seconds, t.saver = 92.5, 0.0, SimpleNamespace(seconds_left=lambda save_seconds: 0.0)
+    loop.last_eval_time, t.first_save_seconds = now - 120, 1.5
+    assert train.decide(t, loop, 0)[:2] == (1, 1) and train.save_seconds(t) == 1.5
+    t.first_save_seconds = 0.0
+    assert train.decide(t, loop, 0)[:2] == (0, 1)
 
 
 def test_a_damaged_newest_step_is_found_by_the_preflight_and_the_run_resumes_the_one_before(tmp_path, corpus):
