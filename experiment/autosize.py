@@ -39,15 +39,16 @@ from experiment.optim import LRS, ShardedOptimizer
 from experiment.runlog import MAX_GOOD_EPOCHS
 from experiment.step import forward_backward, optimizer_step
 
-# Fitted (README, DEPTH=auto): the loss-minimizing tokens/param, from a parabola in log tokens/param
-# through d2, d4 and d6, was 10.5 at a 60 s budget and 7.3 at 180 s; 9 is their geometric mean.
-TOKENS_PER_PARAM = 9.0
-# Fitted: the winners repeated Tiny Shakespeare 4.8 (d2, 60 s), 3.0 (d4, 180 s) and 4.0 (d6, 600 s)
-# times; the losers the rule must exclude, 13.9 (d2, 180 s) and 11.4 (d4, 600 s). Repeating data
-# past about 4 epochs stops paying (Muennighoff et al. 2023); 8 lies between the two groups.
+# Fitted (docs/performance.md, DEPTH=auto; the recipe with the bigram table and the LR by depth):
+# the loss-minimizing tokens/param, from a parabola in log tokens/param through d2, d4 and d6, was
+# 13.0 at a 60 s budget and 12.0 at 180 s; 12.5 is their geometric mean.
+TOKENS_PER_PARAM = 12.5
+# Checked: the winners repeated Tiny Shakespeare 3.8 (d2, 60 s), 2.3 (d4, 180 s) and 3.1 (d6, 600 s)
+# times; the losers the rule must exclude, 11.0 (d2, 180 s) and 8.5 (d4, 600 s). Repeating data past
+# about 4 epochs stops paying (Muennighoff et al. 2023); 8 lies between the two groups.
 MAX_EPOCHS = config.MAX_EPOCHS
-# Fitted: the 600 s winner (d6) got 1.5 tokens/param; losers that got less: d6 at 180 s (0.39), d8 at
-# 180 s (0.2).
+# Checked: the 600 s winner (d6) got 1.1 tokens/param; losers that got less: d4 at 60 s (0.9), d6 at
+# 180 s (0.3), d8 at 600 s (0.2).
 MIN_TOKENS_PER_PARAM = 1.0
 LADDER = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64)
 PROBE_STEPS = 2  # timed steps per candidate at the run's micro-batch, after one warm-up step
