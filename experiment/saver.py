@@ -119,19 +119,18 @@ class Saver:
         assert self.pending is None, "one save in flight at a time: wait() and complete() the pending one first"
         started = time.time()
         data = {"model": model_data, "optimizer": optimizer_data}
-        background = background and self.background
+        background, staging_error = background and self.background, None
         if background:
             try:
                 data = self.buffers.stage(data)
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()  # the non-blocking copies have landed
             except (RuntimeError, MemoryError) as e:  # host memory ran out: this save fails, the training does not
-                p = Pending(step, meta, started, time.time() - started, None, context=context or {})
-                self.pending = p
-                self._failed(p, f"staging in host memory: {type(e).__name__}: {e}")
-                return  # complete() tells every rank, so none waits in a collective this rank never reaches
+                staging_error = f"staging in host memory: {type(e).__name__}: {e}"
         p = Pending(step, meta, started, time.time() - started, None, context=context or {})
-        if background:
+        if staging_error:  # complete() tells every rank, so none waits in a collective this rank never reaches
+            self._failed(p, staging_error)
+        elif background:
             p.thread = threading.Thread(target=self._write, args=(p, data), name=f"save-{step}", daemon=True)
             p.thread.start()
         else:
