@@ -32,7 +32,8 @@ def test_choice_grows_with_the_budget():
 
 
 def test_rule_picks_the_sweeps_winners_from_their_measured_speeds():
-    # The earlier recipe's sweep on Tiny Shakespeare (docs/performance.md): tok/s the runs measured, and the depth that won.
+    # The earlier recipe's sweep on Tiny Shakespeare (docs/performance.md): tok/s the runs measured,
+    # and the depth that won.
     train_tokens = 1_003_856
     speeds = {60: {2: 93_500, 4: 16_500, 6: 7_255}, 180: {2: 77_400, 4: 18_400, 6: 5_750},
               600: {2: 77_400, 4: 19_100, 6: 6_670}}
