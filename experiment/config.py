@@ -25,8 +25,8 @@ CPU_DEFAULTS = dict(depth="auto", aspect_ratio=32, head_dim=64, warmdown_frac=0.
                     max_seq_len=256, total_batch_size=4096, training_hours=0.05,
                     save_every_minutes=1.0, eval_every_minutes=0.5, eval_tokens=1 << 16)
 # CPU learning rates by depth (docs/performance.md, "The learning rate across depth"): an LR sweep at
-# the depth and budget DEPTH=auto pairs (d2 60 s, d4 180 s, d6 600 s) put the best at these multiples
-# of LRS; deeper models take d6's (at d8 only a 600 s sweep, far below its budget, favoured 2x).
+# the depth and budget DEPTH=auto pairs (d2 60 s, d4 180 s, d6 600 s, d8 3000 s) put the best at
+# these multiples of LRS, or within 0.001 of it (d8); deeper models take d6's and d8's.
 # CUDA takes LRS at every depth (nanochat's, unswept).
 CPU_LR_SCALES = ((4, dict(matrix_lr=1.0, embedding_lr=0.5, unembedding_lr=0.5)),
                  (math.inf, dict(matrix_lr=0.5, embedding_lr=0.25, unembedding_lr=0.25)))

@@ -46,9 +46,11 @@ def run_all(args, variants: list[tuple[str, list[str]]], peak: float) -> None:
                     finally:
                         shutil.rmtree(ws, ignore_errors=True)
                     row = {"variant": name, "flags": " ".join(flags), "common": args.common,
-                           "corpus": Path(data).stem, "seconds": seconds, "loss": res.loss, "used": res.seconds,
+                           "corpus": Path(data).stem, "seconds": seconds, "loss": res.loss, "best_loss": res.best_loss,
+                           "used": res.seconds,
                            "summary": res.summary, "peak_gflops": round(peak / 1e9)}
-                    print(f"ablate | {row['corpus']} {seconds:g}s {name}: {res.loss:.4f} ({res.summary})", flush=True)
+                    print(f"ablate | {row['corpus']} {seconds:g}s {name}: {res.loss:.4f}, best step {res.best_loss:.4f} "
+                          f"({res.summary})", flush=True)
                     with results.open("a") as f:
                         f.write(json.dumps(row) + "\n")
 

@@ -175,7 +175,8 @@ def cmd_speedrun(args) -> int:
     for t, loss in r.curve:
         print(f"curve | {t:7.1f}s | val_loss {loss:.4f} (eval slice)")
     print(f"speedrun | budget {args.seconds:g}s, used {r.seconds:.1f}s | {r.summary} | val_loss {r.loss:.4f} "
-          f"nats/char on the full val set ({r.val_tokens:,} tokens, last {args.val_fraction:g} of the text)")
+          f"nats/char on the full val set ({r.val_tokens:,} tokens, last {args.val_fraction:g} of the text); "
+          f"best step (served) {r.best_loss:.4f}")
     return 0
 
 

@@ -53,6 +53,7 @@ class Result:
     seconds: float  # budget (ours) or loop time (nanoGPT) actually used
     summary: str
     val_tokens: int  # predicted tokens in the final loss
+    best_loss: float | None = None  # ours: the same loss for the best-val step, the one the run serves
 
 
 # ------------------------------------------------------------------------------------------ ours
@@ -61,7 +62,7 @@ class Result:
 def run_ours(data: Path, seconds: float, val_fraction: float, workspace: Path, train_args: list[str],
              eval_every_seconds: float | None = None) -> Result:
     """Train from scratch for `seconds` of budget with the trainer's defaults (plus train_args) and
-    evaluate the final model on the whole val split."""
+    evaluate the final model and the best-val step on the whole val split."""
     cmd = [sys.executable, "-m", "experiment.train", "--data_dir", str(data), "--workspace", str(workspace),
            "--training_hours", str(seconds / 3600), "--val_fraction", str(val_fraction),
            "--model_tag", "speedrun", "--resume", "never", "--sample_tokens", "0",
@@ -72,18 +73,30 @@ def run_ours(data: Path, seconds: float, val_fraction: float, workspace: Path, t
     if proc.returncode != 0:
         raise RuntimeError(f"training exited {proc.returncode}")
     run_dir = workspace / "checkpoints" / "speedrun"
-    step = ckpt.complete_steps(run_dir)[-1]
-    model, meta = ckpt.load_model(ckpt.model_path(run_dir, step))
-    prepared = Prepared.load(meta["prepared"]["dir"])
-    seq, n_val = model.config.max_seq_len, len(prepared.tokens("val"))
-    loss, _, _ = evaluate(model, prepared, seq, 16, n_val, Dist(0, 0, 1, torch.device("cpu")))
+    steps = ckpt.complete_steps(run_dir)
+    step = steps[-1]
+    loss, meta, prepared = _full_val_loss(run_dir, step)
+    # The run serves its best-val step (picked on the eval slice), which a run that repeats its data
+    # ends far from; both on the full val split.
+    best_step = int((ckpt.read_best(run_dir) or {"step": step})["step"])
+    best_loss = _full_val_loss(run_dir, best_step)[0] if best_step != step and best_step in steps else loss
     curve = [(r["used_seconds"], r["val_loss"]) for r in read_records(run_dir / "metrics.jsonl") if r["kind"] == "eval"]
     c = meta["model_config"]
     tokens_per_step = meta["train_config"]["total_batch_size"]
     auto = (meta.get("auto") or {}).get("reason")
     summary = (f"d{c['depth']} w{c['depth'] * c['aspect_ratio']} seq {c['max_seq_len']}, {step} steps x "
                f"{tokens_per_step} tokens" + (f" ({auto})" if auto else ""))
-    return Result(loss, curve, meta["state"]["used_seconds"], summary, (n_val - 1) // seq * seq)
+    seq = c["max_seq_len"]
+    return Result(loss, curve, meta["state"]["used_seconds"], summary, (len(prepared.tokens("val")) - 1) // seq * seq,
+                  best_loss)
+
+
+def _full_val_loss(run_dir: Path, step: int) -> tuple[float, dict, Prepared]:
+    model, meta = ckpt.load_model(ckpt.model_path(run_dir, step))
+    prepared = Prepared.load(meta["prepared"]["dir"])
+    seq, n_val = model.config.max_seq_len, len(prepared.tokens("val"))
+    loss, _, _ = evaluate(model, prepared, seq, 16, n_val, Dist(0, 0, 1, torch.device("cpu")))
+    return loss, meta, prepared
 
 
 # --------------------------------------------------------------------------------------- nanoGPT

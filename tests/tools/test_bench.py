@@ -54,6 +54,8 @@ def test_speedrun_trains_for_its_budget_and_reports_full_val_loss(tmp_path):
     val_tokens = json.loads(next((tmp_path / "ws/prepared").glob("*/meta.json")).read_text())["split"]["val_tokens"]
     assert n == (val_tokens - 1) // 64 * 64  # every whole window of the val split
     assert "curve |" in proc.stdout
+    served = re.search(r"best step \(served\) ([\d.]+)", proc.stdout)
+    assert served and float(served.group(1)) < 3.0, proc.stdout[-2000:]
 
 
 def test_profile_splits_a_step_into_buckets_that_add_up_to_its_wall_time():
