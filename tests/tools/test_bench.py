@@ -115,7 +115,7 @@ NANOGPT = REPO.parent / "shared" / "anchors" / "nanogpt"
 @pytest.mark.skipif(not (NANOGPT / "train.py").exists() or not SHAKESPEARE.exists(),
                     reason="../shared/anchors/nanogpt or ../shared/data/tinyshakespeare.txt not present")
 def test_versus_runs_both_sides_and_compares_them(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "versus", "--seconds", "8",
+    proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "versus", "--seconds", "8", "--ladder", "2",
                            "--workspace", tmp_path], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = re.search(r"repeat 1 \| nanoGPT ([\d.]+) \((\d+) iters x 768 tokens, loop ([\d.]+)s\) \| ours ([\d.]+) "
@@ -125,6 +125,16 @@ def test_versus_runs_both_sides_and_compares_them(tmp_path):
     assert 2.0 < nano < 4.5 and 1.0 < ours < 4.5 and iters > 20
     assert loop < 8 * 1.5 and used <= 8
     assert re.search(r"median of 1 \| nanoGPT [\d.]+ \| ours [\d.]+ \| ours - nanoGPT [-+][\d.]+ \| reach", proc.stdout)
+    # ours' in-run evals cover the whole val split, the text of both final losses: the last eval (the
+    # final step's) reads the final loss
+    last_eval = float(re.search(r"\| ours (?:[\d.]+: [\d.]+, )*[\d.]+: ([\d.]+)$", proc.stdout, re.M).group(1))
+    assert last_eval == pytest.approx(ours, abs=0.002)
+    # the ladder: ours alone from scratch with half the budget, its loss against nanoGPT's
+    short = re.search(r"ladder 2x: ours with a 4.0s budget ends at ([\d.]+) \(d\d+.*\), nanoGPT - ours [-+][\d.]+: "
+                      r"(met|MISSED)", proc.stdout)
+    assert short and 1.0 < float(short.group(1)) < 4.5, proc.stdout[-3000:]
+    assert re.search(r"median of 1 \| ladder 2x: ours with a 4.0s budget [\d.]+, nanoGPT's 8s [\d.]+: (met|MISSED)",
+                     proc.stdout)
 
 
 def test_save_benchmark_prints_blocking_and_background_figures(tmp_path):
