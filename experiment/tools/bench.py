@@ -7,7 +7,7 @@
     python -m experiment.tools.bench speedrun --data FILE --seconds 180 [--val_fraction 0.1]
     python -m experiment.tools.bench prepare --mb 100
     python -m experiment.tools.bench profile [--depth 4 --aspect_ratio 32 --seq 256 --batch 16] [--table]
-    python -m experiment.tools.bench versus --nanogpt PATH --seconds 180 [--repeats 3]
+    python -m experiment.tools.bench versus --nanogpt PATH --seconds 180 [--repeats 3] [--ladder 3,5]
     python -m experiment.tools.bench serve [--checkpoint PATH] --clients 1,8,32
     python -m experiment.tools.bench gpucheck [--quick] [--workspace DIR] [--only env,correctness,...]
     python -m experiment.tools.bench repeats --corpus FILE [--chars 300000 --seconds 240 --depths 2,4,6,8]
@@ -30,8 +30,8 @@ against training seconds.
 profile: one CPU training step under torch.profiler, its time by bucket (matmul, attention, softmax +
 loss, norm, elementwise, optimizer, data, host overhead) (experiment/tools/stepprofile.py).
 versus: nanoGPT's baby-GPT CPU recipe and ours, one after the other on this machine, same text and
-split, both for the same budget: both full-val losses, and when ours reaches nanoGPT's final loss
-(experiment/tools/versus.py).
+split, both for the same budget: both full-val losses, when ours reaches nanoGPT's final loss, and
+whether ours trained with S/3, S/5 ... of the budget ends below it (experiment/tools/versus.py).
 prepare: a synthetic corpus of --mb MB prepared in a child process: MB/s, peak memory, cache-hit time
 (experiment/tools/prepbench.py).
 serve: starts the server on a checkpoint and drives it with 1, 8, 32 clients at once: aggregate tok/s

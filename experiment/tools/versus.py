@@ -86,7 +86,7 @@ def run_ours(data: Path, seconds: float, val_fraction: float, workspace: Path, t
     steps = ckpt.complete_steps(run_dir)
     step = steps[-1]
     loss, meta, prepared = _full_val_loss(run_dir, step)
-    # The run serves its best-val step (picked on the eval slice), which a run that repeats its data
+    # The run serves its best-val step (picked by its own evals), which a run that repeats its data
     # ends far from; both on the full val split.
     best_step = int((ckpt.read_best(run_dir) or {"step": step})["step"])
     best_loss = _full_val_loss(run_dir, best_step)[0] if best_step != step and best_step in steps else loss
@@ -245,7 +245,8 @@ def run_repeat(r: int, nanogpt: Path, data: Path, text: str, ws: Path, args) -> 
     print(f"versus | repeat {r + 1} | nanoGPT {nano.loss:.4f} ({nano.summary}) | ours {ours.loss:.4f} "
           f"({ours.summary}, used {ours.seconds:.1f}s) | ours - nanoGPT {row['delta']:+.4f} | ours reaches "
           f"{nano.loss:.4f} at {_fmt_reach(row)}", flush=True)
-    print("versus | curves (budget s: val loss; nanoGPT's 20 random batches, ours every window) | nanoGPT " + ", ".join(f"{t:.0f}: {v:.3f}" for t, v in nano.curve)
+    print("versus | curves (budget s: val loss; nanoGPT's 20 random batches, ours every window) | nanoGPT "
+          + ", ".join(f"{t:.0f}: {v:.3f}" for t, v in nano.curve)
           + " | ours " + ", ".join(f"{t:.0f}: {v:.3f}" for t, v in ours.curve), flush=True)
     row["ladder"] = {}
     for ratio in args.ladder:
