@@ -83,30 +83,29 @@ def run_ours(data: Path, seconds: float, val_fraction: float, workspace: Path, t
     if proc.returncode != 0:
         raise RuntimeError(f"training exited {proc.returncode}")
     run_dir = workspace / "checkpoints" / "speedrun"
-    steps = ckpt.complete_steps(run_dir)
-    step = steps[-1]
-    loss, meta, prepared = _full_val_loss(run_dir, step)
-    # The run serves its best-val step (picked by its own evals), which a run that repeats its data
-    # ends far from; both on the full val split.
-    best_step = int((ckpt.read_best(run_dir) or {"step": step})["step"])
-    best_loss = _full_val_loss(run_dir, best_step)[0] if best_step != step and best_step in steps else loss
+    step = ckpt.complete_steps(run_dir)[-1]
+    last = ckpt.model_path(run_dir, step)
+    loss, meta, val_tokens = _full_val_loss(last)
+    # The run serves its best-val step, which a run that repeats its data ends far from; both on the
+    # full val split. The server's own lookup names it.
+    served = ckpt.resolve_serving_checkpoint(run_dir, workspace)
+    best_loss = loss if served == last else _full_val_loss(served)[0]
     curve = [(r["used_seconds"], r["val_loss"]) for r in read_records(run_dir / "metrics.jsonl") if r["kind"] == "eval"]
     c = meta["model_config"]
     tokens_per_step = meta["train_config"]["total_batch_size"]
     auto = (meta.get("auto") or {}).get("reason")
     summary = (f"d{c['depth']} w{c['depth'] * c['aspect_ratio']} seq {c['max_seq_len']}, {step} steps x "
                f"{tokens_per_step} tokens" + (f" ({auto})" if auto else ""))
-    seq = c["max_seq_len"]
-    return Result(loss, curve, meta["state"]["used_seconds"], summary, (len(prepared.tokens("val")) - 1) // seq * seq,
-                  best_loss)
+    return Result(loss, curve, meta["state"]["used_seconds"], summary, val_tokens, best_loss)
 
 
-def _full_val_loss(run_dir: Path, step: int) -> tuple[float, dict, Prepared]:
-    model, meta = ckpt.load_model(ckpt.model_path(run_dir, step))
+def _full_val_loss(model_file: Path) -> tuple[float, dict, int]:
+    """(loss over every whole window of the val split, the step's meta, the tokens it predicted)."""
+    model, meta = ckpt.load_model(model_file)
     prepared = Prepared.load(meta["prepared"]["dir"])
     seq, n_val = model.config.max_seq_len, len(prepared.tokens("val"))
     loss, _, _ = evaluate(model, prepared, seq, 16, n_val, Dist(0, 0, 1, torch.device("cpu")))
-    return loss, meta, prepared
+    return loss, meta, (n_val - 1) // seq * seq
 
 
 # --------------------------------------------------------------------------------------- nanoGPT
