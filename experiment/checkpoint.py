@@ -308,7 +308,12 @@ class RunState:
     used_seconds: float = 0.0
     best_val: float = math.inf
     best_step: int = -1
-    evals_since_best: int = 0
+    # The stop at the val minimum (train.py, plateau_check): the val loss of the last eval that
+    # gained PLATEAU_MARGIN over the one before it, and the evals since; the anneal it started.
+    plateau_ref: float = math.inf
+    evals_without_gain: int = 0
+    anneal_start_tokens: int = -1  # tokens_seen where the warmdown started at the plateau; -1: none
+    anneal_tokens: int = 0  # its length
     data_state: dict | None = None  # the data position of the step's next batch (every rank reads the same)
     # Measured durations (longest eval, longest save, recent step): the reserve kept for the final
     # eval + save. Persisted, so a resumed run still knows what its ending costs.
@@ -322,8 +327,9 @@ class RunState:
 
 def run_state(meta: dict) -> RunState:
     """The RunState a meta records."""
-    if "state" in meta:
-        return RunState(**meta["state"])
+    if "state" in meta:  # fields added or dropped since a checkpoint was written take their defaults
+        known = {f.name for f in fields(RunState)}
+        return RunState(**{k: v for k, v in meta["state"].items() if k in known})
     # Metas written before the state was one dict hold its fields at the top level.
     flat = {f.name: meta[f.name] for f in fields(RunState) if f.name in meta}
     return RunState(**flat, best_val=meta["best_val_loss"] if meta["best_step"] >= 0 else math.inf,

@@ -32,6 +32,11 @@ CPU_LR_SCALES = ((4, dict(matrix_lr=1.0, embedding_lr=0.5, unembedding_lr=0.5)),
                  (math.inf, dict(matrix_lr=0.5, embedding_lr=0.25, unembedding_lr=0.25)))
 CPU_DEVICE_BATCH = 16
 MAX_EPOCHS = 8  # DEPTH=auto's cap on passes over the data (experiment/autosize.py says why)
+# The stop at the val minimum (train.py, maybe_eval; docs/training.md, "The stop at the val minimum"
+# says how these were measured): evals every quarter pass, patience 4 evals (a pass), margin 0.2%.
+EVAL_EVERY_EPOCHS = 0.25
+PLATEAU_EVALS = 4
+PLATEAU_MARGIN = 0.002
 GUARDS = ("demo", "repeat", "disk")  # the pre-flight's guards on CUDA, which ALLOW passes (preflight.py)
 
 
@@ -103,8 +108,15 @@ class TrainConfig:
                                  "slow volume in tests and benchmarks", 0.0)
     eval_every_minutes: float | None = opt("eval cadence (default 30 with CUDA, 0.5 without)")
     eval_every_steps: int = opt("also eval every N steps (0: off)", 0)
-    eval_tokens: int | None = opt("size of the fixed val slice (default 1048576 with CUDA, 65536 without)")
-    early_stop_evals: int = opt("stop after N evals without improvement (0: off)", 0)
+    eval_every_epochs: float = opt("also eval every this many passes over the training data (0: off), so that "
+                                   "evals see the val minimum on small data too", EVAL_EVERY_EPOCHS)
+    eval_tokens: int | None = opt("size of the eval sample: windows at even strides over the val split, the whole "
+                                  "split when it holds no more (default 1048576 with CUDA, 65536 without)")
+    plateau_evals: int = opt("stop at the val minimum: after this many evals in a row without a gain of "
+                             "plateau_margin, the LR warmdown starts at once and the run ends with it "
+                             "(0: off: train to the budget or MAX_EPOCHS)", PLATEAU_EVALS)
+    plateau_margin: float = opt("the gain, as a fraction of the val loss, that counts as an improvement for "
+                                "plateau_evals", PLATEAU_MARGIN)
     sample_tokens: int = opt("tokens sampled at each eval", 64)
     eval_prompt: str | None = opt("the text each eval's sample continues, so samples compare from eval to eval "
                                   "(default: the first 32 tokens of the val split)")
@@ -183,6 +195,9 @@ def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
         cfg.bigram_embed = int(cfg.tokenizer == "char")
     if cfg.max_epochs < 0:
         raise ConfigError(f"--max_epochs must be >= 0 (0: no limit), got {cfg.max_epochs}")
+    for name in ("eval_every_epochs", "plateau_evals", "plateau_margin"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
     unknown = set(filter(None, cfg.allow.split(","))) - set(GUARDS)
     if unknown:
         raise ConfigError(f"--allow: unknown guard(s) {', '.join(sorted(unknown))}; the guards are {', '.join(GUARDS)}")

@@ -622,13 +622,22 @@ def window_batch(tokens: np.ndarray, starts, seq_len: int) -> tuple[torch.Tensor
     return batch[:, :-1], batch[:, 1:]
 
 
+def val_windows(n_tokens: int, seq_len: int, max_tokens: int) -> list[int]:
+    """The eval sample's window starts: every whole window of the split when max_tokens holds them
+    all, else max_tokens // seq_len of them at even strides from the first to the last, the same at
+    every eval. A slice of the first tokens would read one stretch of the text: on Tiny Shakespeare
+    the first 65,536 val tokens read about 0.09 nats below the whole split."""
+    n = (n_tokens - 1) // seq_len
+    k = min(n, max(1, max_tokens // seq_len))
+    return [i * n // k * seq_len for i in range(k)]
+
+
 def val_batches(tokens: np.ndarray, seq_len: int, batch_size: int, max_tokens: int,
                 rank: int = 0, world_size: int = 1):
-    """The fixed val slice (first max_tokens of val, whole windows); window i goes to rank i % world."""
-    n = min((len(tokens) - 1) // seq_len, max(1, max_tokens // seq_len))
-    mine = list(range(rank, n, world_size))
+    """The fixed eval sample (val_windows) in batches; window i goes to rank i % world."""
+    mine = val_windows(len(tokens), seq_len, max_tokens)[rank::world_size]
     for i in range(0, len(mine), batch_size):
-        yield window_batch(tokens, [w * seq_len for w in mine[i : i + batch_size]], seq_len)
+        yield window_batch(tokens, mine[i : i + batch_size], seq_len)
 
 
 # ---------------------------------------------------------------- demo corpus

@@ -7,28 +7,43 @@ import math
 
 import torch
 
-from experiment.dataloader import Prepared, demo_lines, val_batches
+from experiment.dataloader import Prepared, demo_lines, val_batches, val_windows
 from experiment.distributed import Dist, autocast_for
 from experiment.engine import generate
 from experiment.model import GPT
+
+
+def eval_parts(prepared: Prepared, max_tokens: int, seq_len: int,
+               weights: list[float] | None = None) -> list[tuple[dict, float, int]]:
+    """(source, weight, its eval sample's size in tokens) for each part the eval reads: with source
+    `weights` (several sources, prepared.meta["source_splits"]) each source for max_tokens x its
+    weight of its own val tokens (one window at least), else the whole val split for max_tokens."""
+    splits = prepared.meta["source_splits"] if weights else None
+    if not splits:
+        split = prepared.meta["split"]
+        splits, weights = [{"name": None, "val": [0, split["val_tokens"]], "val_chars": split["val_chars"]}], [1.0]
+    return [(s, w, max(seq_len, int(max_tokens * w))) for s, w in zip(splits, weights)]
+
+
+def eval_coverage(prepared: Prepared, max_tokens: int, seq_len: int,
+                  weights: list[float] | None = None) -> tuple[int, int]:
+    """(tokens the eval sample predicts, tokens in the val split): what an eval line's val loss covers."""
+    read = sum(len(val_windows(s["val"][1] - s["val"][0], seq_len, n)) * seq_len
+               for s, _, n in eval_parts(prepared, max_tokens, seq_len, weights))
+    return read, prepared.meta["split"]["val_tokens"]
 
 
 @torch.no_grad()
 def evaluate(model: GPT, prepared: Prepared, seq_len: int, batch_size: int, max_tokens: int, d: Dist,
              weights: list[float] | None = None) -> tuple[float, float, dict[str, float] | None]:
     """(val loss in nats/token, bits per character, each source's loss or None), summed over all
-    ranks, in the trainer's precision. With source `weights` (several sources,
-    prepared.meta["source_splits"]) each source is evaluated on the first max_tokens x its weight of
-    its own val tokens (one window at least) and the loss and bpc are the weighted means; else the
-    first max_tokens of the whole val split."""
-    splits = prepared.meta["source_splits"] if weights else None
-    if not splits:
-        split = prepared.meta["split"]
-        splits, weights = [{"name": None, "val": [0, split["val_tokens"]], "val_chars": split["val_chars"]}], [1.0]
+    ranks, in the trainer's precision, over the eval sample of each part (eval_parts, val_windows:
+    windows spread evenly over the split); with several sources the loss and bpc are the weighted
+    means."""
     val, losses, total, bpc = prepared.tokens("val"), {}, 0.0, 0.0
-    for source, w in zip(splits, weights):
+    for source, w, n in eval_parts(prepared, max_tokens, seq_len, weights):
         a, b = source["val"]
-        loss = _val_loss(model, val[a:b], seq_len, batch_size, max(seq_len, int(max_tokens * w)), d)
+        loss = _val_loss(model, val[a:b], seq_len, batch_size, n, d)
         losses[source["name"]] = loss
         total += w * loss
         bpc += w * loss / math.log(2) / (source["val_chars"] / (b - a))
@@ -36,7 +51,7 @@ def evaluate(model: GPT, prepared: Prepared, seq_len: int, batch_size: int, max_
 
 
 def _val_loss(model: GPT, tokens, seq_len: int, batch_size: int, max_tokens: int, d: Dist) -> float:
-    """Mean loss in nats/token over the first max_tokens of `tokens`, summed over all ranks."""
+    """Mean loss in nats/token over the eval sample of `tokens` (val_batches), summed over all ranks."""
     autocast = autocast_for(d.device)
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=d.device)  # [sum of losses, tokens]

@@ -30,7 +30,7 @@ import torch
 
 from experiment import autosize
 from experiment.guards import DISK_WRITE_GBPS
-from experiment.config import CUDA_DEFAULTS, opt, parse_flags
+from experiment.config import CUDA_DEFAULTS, PLATEAU_EVALS, opt, parse_flags
 from experiment.dataloader import DataError, list_sources
 from experiment.files import default_workspace
 from experiment.hardware import peak_flops
@@ -138,6 +138,7 @@ def plan(cfg: PlanConfig) -> dict:
             "unspent_usd": (hours - chosen["useful_hours"]) * per_hour, "budget_hours": hours,
             "budget_usd": hours * per_hour, "usd_per_hour": per_hour, "tokens": tokens, "train_tokens": train_tokens,
             "counted": counted, "gpus": f"{gpus.count} x {gpus.name}", "peak_flops": gpus.peak,
+            "max_passes": chosen["epochs"], "stops_at_val_minimum": PLATEAU_EVALS > 0,
             "mfu_source": autosize.MFU_SOURCE, "rule": autosize.rule(best) + f"; never more than {autosize.MAX_EPOCHS} "
             "passes (repeated data is worth less and less: Muennighoff et al. 2023)", "rungs": rungs}
 
@@ -166,6 +167,9 @@ def table(p: dict) -> str:
               "disk's write rate",
               f"recommendation | DEPTH={p['depth']} for {p['hours']:.2f} h (${p['usd']:,.0f}) of the "
               f"{p['budget_hours']:.1f} h budget; ${p['unspent_usd']:,.0f} unspent",
+              f"recommendation | at most {p['max_passes']:.1f} passes"
+              + ("; stops earlier when val stops improving (the warmdown starts at the val minimum: "
+                 "docs/training.md)" if p["stops_at_val_minimum"] else ""),
               f"recommendation | rule: {p['rule']}"]
     return "\n".join(lines)
 

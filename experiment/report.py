@@ -102,7 +102,7 @@ def markdown(report: RunReport, st, status: str) -> str:
                   + f" (step {speed['step']})"),
         ("best", f"val loss {st.best_val:.4f} at step {st.best_step}: {f['best_file'].format(step=st.best_step)}"
                  if st.best_step >= 0 else "no checkpoint yet"),
-    ] + [(k, f[k]) for k in ("plan", "auto") if f.get(k)]
+    ] + [(k, f[k]) for k in ("eval", "plan", "auto") if f.get(k)]
     lines = [f"# Run report: {f['model_tag']}", "",
              f"{status} | step {st.step} | updated {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}", "",
              "![train and val loss against time and tokens; the best checkpoint marked](loss.svg)", "",

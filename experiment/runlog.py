@@ -57,15 +57,17 @@ class NullWriter:
 
 
 def report_eval(step: int, val_loss: float, val_bpc: float, by_source: dict[str, float] | None, st: RunState,
-                log: RunLog, writer) -> dict:
+                coverage: tuple[int, int], log: RunLog, writer) -> dict:
     """The eval line (with several sources, the weighted loss, then each source's) and TensorBoard;
-    returns the eval's metrics record."""
+    returns the eval's metrics record. `coverage`: (tokens the eval read, tokens in the val split)."""
     best = f"{st.best_val:.4f} @ {st.best_step:06d}" if st.best_step >= 0 else "- (step 0 is not saved)"
-    log(f"step {step:06d} | val_loss {val_loss:.4f} | val_bpc {val_bpc:.4f} | best {best}")
+    log(f"step {step:06d} | val_loss {val_loss:.4f} | val_bpc {val_bpc:.4f} | best {best} | "
+        f"{coverage[0]:,}/{coverage[1]:,} val tokens")
     writer.add_scalar("val/loss", val_loss, step)
     writer.add_scalar("val/bpc", val_bpc, step)
+    writer.add_scalar("val/eval_tokens", coverage[0], step)
     record = {"kind": "eval", "step": step, "used_seconds": round(st.used_seconds, 3), "tokens_seen": st.tokens_seen,
-              "val_loss": val_loss, "val_bpc": val_bpc}
+              "val_loss": val_loss, "val_bpc": val_bpc, "eval_tokens": coverage[0]}
     if by_source:
         log(f"step {step:06d} | val_loss by source | " + " | ".join(f"{n} {v:.4f}" for n, v in by_source.items()))
         for name, loss in by_source.items():

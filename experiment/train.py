@@ -31,7 +31,7 @@ from experiment.config import ConfigError, TrainConfig, checkpoint_meta, fill_lr
 from experiment.dataloader import DataError, Prepared, TokenBatches
 from experiment.distributed import (PHASE_TIMEOUTS, Dist, ParentWatch, StopSignal, all_ranks_ok, broadcast_object,
                                     gather_objects, resolve_device, setup_distributed, wrap_ddp)
-from experiment.evaluation import evaluate
+from experiment.evaluation import eval_coverage, evaluate
 from experiment.files import default_workspace
 from experiment.hardware import host_available_bytes, memory_gib
 from experiment.memory import checkpoint_bytes_per_rank, choose_memory_mode, find_device_batch, probe_reserve_bytes
@@ -78,6 +78,8 @@ class Trainer:
     max_tokens: float  # MAX_EPOCHS passes over the training data: the run stops there; inf without a cap
     saver: Saver  # this rank's checkpoint writer (in the background when staging fits)
     first_save_seconds: float  # what a save is taken to cost until one is measured (checkpoint_seconds)
+    eval_every_tokens: float  # EVAL_EVERY_EPOCHS passes over the training data; inf when off
+    eval_coverage: tuple[int, int]  # (tokens an eval predicts, tokens in the val split)
 
     @property
     def max_steps(self) -> int:
@@ -95,6 +97,7 @@ class Loop:
     last_eval_time: float
     last_save_time: float
     last_eval_step: int
+    last_eval_tokens: int  # tokens_seen at the latest eval: EVAL_EVERY_EPOCHS counts from there
     last_saved_step: int  # the latest save begun
     last_complete_step: int  # the latest save completed
     reserve_seconds: float = 0.0  # measured: the final eval + save + one step fit in what is left
@@ -102,6 +105,7 @@ class Loop:
     # The best of the latest completed save, (val, step): what a failed best save falls back to (an
     # eval's own "before" could name a step whose background save is still in flight, then fails).
     saved_best: tuple = (math.inf, -1)
+    progress: float = 0.0  # the fraction of the LR schedule done at the latest step (this rank's clock)
     measured_tokens: int = 0
     measured_time: float = 0.0
     planned: bool = False
@@ -209,6 +213,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
 
         writer = SummaryWriter(log_dir=str(workspace / "tensorboard" / cfg.model_tag))
     budget_seconds = cfg.training_hours * 3600
+    coverage = eval_coverage(prepared, cfg.eval_tokens, cfg.max_seq_len, weights)
     grad_accum = cfg.total_batch_size // (cfg.device_batch_size * cfg.max_seq_len * d.world_size)
     t = Trainer(
         cfg=cfg, d=d, log=log, run_dir=run_dir, prepared=prepared, model=model, opt=opt, ddp=ddp,
@@ -219,12 +224,14 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         budget_seconds=budget_seconds, run_meta=checkpoint_meta(cfg, prepared, budget_seconds, auto),
         flops_per_token=model.estimate_flops(cfg.max_seq_len),
         peak=gpu.peak if gpu else None,
-        report=RunReport(run_dir, report_facts(cfg, d, model, prepared, budget_seconds, grad_accum, auto),
+        report=RunReport(run_dir, report_facts(cfg, d, model, prepared, budget_seconds, grad_accum, auto, coverage),
                          resume_step, log)
         if d.master else NullReport(),
         eval_prompt=launch.eval_prompt_ids(cfg, prepared), lock=lock,
         max_tokens=cfg.max_epochs * prepared.meta["split"]["train_tokens"] if cfg.max_epochs else math.inf,
-        saver=make_saver(cfg, d, model, run_dir, log), first_save_seconds=checkpoint_seconds(model, d.world_size))
+        saver=make_saver(cfg, d, model, run_dir, log), first_save_seconds=checkpoint_seconds(model, d.world_size),
+        eval_every_tokens=cfg.eval_every_epochs * prepared.meta["split"]["train_tokens"] or math.inf,
+        eval_coverage=coverage)
     log(f"model {model.num_params():,} params (d{cfg.depth}, width {model_config.n_embd}, "
         f"{model_config.n_head} heads) | {t.flops_per_token:.3e} FLOP/token | batch {cfg.device_batch_size} x "
         f"{cfg.max_seq_len} x {d.world_size} ranks x {t.grad_accum} accum = {cfg.total_batch_size:,} tokens/step | "
@@ -252,7 +259,7 @@ def make_saver(cfg: TrainConfig, d: Dist, model: GPT, run_dir: Path, log: RunLog
 
 
 def report_facts(cfg: TrainConfig, d: Dist, model: GPT, prepared: Prepared, budget_seconds: float, accum: int,
-                 auto: dict | None) -> dict:
+                 auto: dict | None, coverage: tuple[int, int]) -> dict:
     """What the run report says the run is: fixed at setup."""
     c, meta = model.config, prepared.meta
     device = torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "cpu"
@@ -267,7 +274,19 @@ def report_facts(cfg: TrainConfig, d: Dist, model: GPT, prepared: Prepared, budg
                 f"({meta['tokenizer']} tokenizer, vocabulary {meta['vocab_used']}) in {prepared.dir}",
         "best_file": "model_{step:06d}.pt" if d.world_size == 1 else f"model_{{step:06d}}_rank0..{d.world_size - 1}.pt",
         "auto": (auto or {}).get("reason"),
+        "eval": f"{eval_sample_text(coverage)}, every {cfg.eval_every_minutes:g} min"
+                + (f" or {cfg.eval_every_epochs:g} passes" if cfg.eval_every_epochs else "")
+                + (f"; the run stops {cfg.plateau_evals} evals after the val loss last gained "
+                   f"{cfg.plateau_margin:.1%}, at the end of a warmdown" if cfg.plateau_evals else
+                   "; no stop at the val minimum (PLATEAU_EVALS=0)"),
     }
+
+
+def eval_sample_text(coverage: tuple[int, int]) -> str:
+    read, total = coverage
+    if read >= total - total // 100:  # the split less the tail that fills no whole window
+        return f"{read:,} val tokens (the whole split)"
+    return f"{read:,} of the {total:,} val tokens ({read / total:.0%}, windows at even strides over the split)"
 
 
 def restore_checkpoint(run_dir: Path, step: int, model: GPT, opt: ShardedOptimizer, d: Dist) -> RunState:
@@ -363,7 +382,8 @@ def start_loop(t: Trainer) -> Loop:
     first = t.st.step if t.resume_step is not None else -1
     now = time.time()
     return Loop(x=x, y=y, data_state=data_state, started=now, used_at_start=t.st.used_seconds, last_eval_time=now,
-                last_save_time=now, last_eval_step=first, last_saved_step=first, last_complete_step=first,
+                last_save_time=now, last_eval_step=first, last_eval_tokens=t.st.tokens_seen, last_saved_step=first,
+                last_complete_step=first,
                 saved_best=(t.st.best_val, t.st.best_step))  # a resume's best: its checkpoint is complete
 
 
@@ -447,7 +467,8 @@ def decide(t: Trainer, loop: Loop, signum: int, writing: bool = False) -> tuple[
     all-reduce (max) gives every rank the same decisions, so none is left waiting in a collective."""
     cfg, d, st, step = t.cfg, t.d, t.st, t.st.step
     eval_due = (time.time() - loop.last_eval_time >= cfg.eval_every_minutes * 60
-                or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0) or step == 0)
+                or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0) or step == 0
+                or st.tokens_seen - loop.last_eval_tokens >= t.eval_every_tokens)
     save_due = (time.time() - loop.last_save_time >= cfg.save_every_minutes * 60
                 or (cfg.save_every_steps > 0 and step % cfg.save_every_steps == 0 and step > 0))
     # An eval (and the save a new best brings) or a save due now is paid for on top of the reserve
@@ -457,41 +478,87 @@ def decide(t: Trainer, loop: Loop, signum: int, writing: bool = False) -> tuple[
     # What a save in flight still needs: the final save waits for it. Not in the schedule's reserve,
     # which would dip the LR during every background write.
     in_flight = t.saver.seconds_left(save)
-    last = (step >= t.max_steps or st.tokens_seen >= t.max_tokens
+    last = (step >= t.max_steps or st.tokens_seen >= t.max_tokens or annealed(st)
             or st.used_seconds + loop.reserve_seconds + in_flight + due_now >= t.budget_seconds)
     flags = torch.tensor([d.master and last, d.master and eval_due, d.master and save_due, signum, writing],
                          dtype=torch.int32, device=d.device)
     return tuple(int(v) for v in d.all_reduce(flags, "max").tolist())
 
 
+def annealed(st: RunState) -> bool:
+    """The warmdown that the stop at the val minimum started is done."""
+    return st.anneal_start_tokens >= 0 and st.tokens_seen >= st.anneal_start_tokens + st.anneal_tokens
+
+
 def last_outcome(t: Trainer) -> str:
     if t.st.step >= t.max_steps:
         return "finished: max_steps reached"
+    if annealed(t.st):
+        passes = t.st.anneal_start_tokens / t.prepared.meta["split"]["train_tokens"]
+        return (f"finished: the val loss stopped improving at {passes:.2f} passes and the warmdown started there is "
+                f"done; {unspent_text(t, max(t.budget_seconds - t.st.used_seconds, 0))} of the budget unspent")
     if t.st.tokens_seen >= t.max_tokens:
         return f"finished: {t.cfg.max_epochs:g} passes over the training data (MAX_EPOCHS), before the budget"
     return "finished: the budget is spent"
 
 
 def maybe_eval(t: Trainer, loop: Loop) -> None:
-    """Eval over all ranks, best tracking and the eval report. Early stopping ends the run after
-    this step's save (every rank saw the same reduced val loss, so all agree)."""
+    """Eval over all ranks, best tracking, the eval report and the stop at the val minimum
+    (plateau_check; every rank saw the same reduced val loss, so all agree)."""
     cfg, st, step = t.cfg, t.st, t.st.step
     t0 = time.time()
     loop.val_loss, val_bpc, by_source = evaluate(t.model, t.prepared, cfg.max_seq_len, cfg.device_batch_size,
                                                  cfg.eval_tokens, t.d, t.weights)
-    loop.last_eval_step, loop.last_eval_time = step, time.time()
-    if step > 0 and loop.val_loss < st.best_val:
-        st.best_val, st.best_step, st.evals_since_best = loop.val_loss, step, 0
-    elif step > 0:
-        st.evals_since_best += 1
-    t.report.add(report_eval(step, loop.val_loss, val_bpc, by_source, st, t.log, t.writer))
+    loop.last_eval_step, loop.last_eval_time, loop.last_eval_tokens = step, time.time(), st.tokens_seen
+    new_best = step > 0 and loop.val_loss < st.best_val
+    if new_best:
+        st.best_val, st.best_step = loop.val_loss, step
+    t.report.add(report_eval(step, loop.val_loss, val_bpc, by_source, st, t.eval_coverage, t.log, t.writer))
     if t.d.master and cfg.sample_tokens > 0:
         report_sample(step, t.model, t.prepared, t.eval_prompt, cfg.sample_tokens, t.log, t.writer, t.report)
     t.report.write(st, "running")
-    if cfg.early_stop_evals and st.evals_since_best >= cfg.early_stop_evals:
-        t.log(f"early stop: {st.evals_since_best} evals without improvement")
-        loop.stop(0, f"finished: early stop after {st.evals_since_best} evals without improvement")
+    if step > 0 and cfg.plateau_evals and loop.end is None:  # the final eval decides nothing
+        plateau_check(t, loop, new_best)
     st.eval_seconds = max(st.eval_seconds, time.time() - t0)
+
+
+def plateau_check(t: Trainer, loop: Loop, new_best: bool) -> None:
+    """The stop at the val minimum, on evals after step 0. At the LR's peak an eval gains when its
+    val loss is below the last gaining one's by PLATEAU_MARGIN (a fraction of it: a slow creep adds
+    up to a gain, noise does not); after PLATEAU_EVALS evals in a row without a gain the warmdown
+    starts at once, as long as the schedule's would be for a run planned to end here
+    (warmdown_frac / (1 - warmdown_frac) of the tokens so far), and the run ends with it. In a
+    warmdown (the schedule's or that one) an eval gains when it is a new best; after PLATEAU_EVALS
+    without one the run ends at once: the repetition of the data now outweighs the anneal, and
+    the best step is saved. docs/training.md, "The stop at the val minimum"."""
+    cfg, st = t.cfg, t.st
+    # Rank 0's word on whether a warmdown has begun (the schedule's follows each rank's clock).
+    in_warmdown = st.anneal_start_tokens >= 0 or loop.progress > 1 - cfg.warmdown_frac
+    flag = torch.tensor([int(t.d.master and in_warmdown)], dtype=torch.int32, device=t.d.device)
+    in_warmdown = bool(t.d.all_reduce(flag, "max").item())
+    if new_best if in_warmdown else loop.val_loss < st.plateau_ref * (1 - cfg.plateau_margin):
+        st.plateau_ref, st.evals_without_gain = loop.val_loss, 0
+        return
+    st.evals_without_gain += 1
+    if st.evals_without_gain < cfg.plateau_evals:
+        return
+    passes = st.tokens_seen / t.prepared.meta["split"]["train_tokens"]
+    best = f"best {st.best_val:.4f} at step {st.best_step}"
+    if in_warmdown:
+        left = unspent_text(t, max(t.budget_seconds - loop.used(), 0))
+        t.log(f"plateau | no new best in {st.evals_without_gain} evals during the warmdown ({best}): stopping at "
+              f"{passes:.2f} passes with {left} of the budget unspent")
+        loop.stop(0, f"finished: the val loss stopped improving during the warmdown ({best}); {left} of the "
+                     "budget unspent")
+        return
+    wd = cfg.warmdown_frac
+    st.anneal_start_tokens = st.tokens_seen
+    st.anneal_tokens = max(cfg.total_batch_size, round(st.tokens_seen * wd / max(1 - wd, 1e-9)))
+    st.evals_without_gain = 0  # the warmdown gets its own evals before it can be stopped in turn
+    end = (st.tokens_seen + st.anneal_tokens) / t.prepared.meta["split"]["train_tokens"]
+    t.log(f"plateau | no gain of {cfg.plateau_margin:.1%} in {cfg.plateau_evals} evals ({best}): the LR warmdown "
+          f"starts now at {passes:.2f} passes and the run ends with it at {end:.2f} passes (PLATEAU_EVALS=0 trains "
+          "to the budget)")
 
 
 def maybe_save(t: Trainer, loop: Loop, save_due: bool, preempted: bool, writing: bool = False) -> None:
@@ -567,7 +634,11 @@ def train_step(t: Trainer, loop: Loop) -> tuple[torch.Tensor, float]:
         progress = max(progress, st.step / cfg.max_steps)
     # The schedule ends where the run does: at the budget, or at MAX_EPOCHS passes when those come first.
     progress = max(progress, st.tokens_seen / t.max_tokens)
+    loop.progress = progress
     mult = lr_multiplier(progress, cfg.warmup_frac, cfg.warmdown_frac, cfg.final_lr_frac)
+    if st.anneal_start_tokens >= 0:  # the warmdown the val minimum started, unless the schedule's is lower
+        done = (st.tokens_seen - st.anneal_start_tokens) / max(st.anneal_tokens, 1)
+        mult = min(mult, lr_multiplier(done, 0.0, 1.0, cfg.final_lr_frac))
     t.opt.set_lr_multiplier(mult)
     loss_sum = torch.zeros((), device=d.device)
     for micro in range(t.grad_accum):
@@ -678,7 +749,9 @@ def finish(t: Trainer, loop: Loop) -> None:
         t.log(f"serve it: bash run.sh serve   (or: python -m experiment.server --checkpoint {t.run_dir}, which "
               "serves its best)")
         unspent = (f" | the data's {t.cfg.max_epochs:g} passes are done: {unspent_text(t, t.budget_seconds - spent)} "
-                   "of the budget unspent" if t.st.tokens_seen >= t.max_tokens else "")
+                   "of the budget unspent" if t.st.tokens_seen >= t.max_tokens else
+                   f" | the val loss stopped improving: {unspent_text(t, t.budget_seconds - spent)} of the budget "
+                   "unspent" if "stopped improving" in loop.outcome else "")
         t.log(f"done: step {t.st.step:06d}, {spent / 3600:.3f}h of {t.cfg.training_hours:.3f}h used "
               f"({spent:.1f}s of {t.budget_seconds:.1f}s) | best checkpoint {files} (val_loss {best['val_loss']:.4f})"
               + unspent)

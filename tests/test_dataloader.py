@@ -13,7 +13,7 @@ import torch
 
 from conftest import REPO, SHAKESPEARE
 from experiment import chunks, dataloader
-from experiment.dataloader import (CharTokenizer, DataError, TokenBatches, demo_lines, prepare, val_batches,
+from experiment.dataloader import (CharTokenizer, DataError, TokenBatches, demo_lines, prepare, val_batches, val_windows,
                                    write_demo_corpus)
 
 
@@ -163,7 +163,17 @@ def test_val_slice_is_split_across_ranks_without_overlap():
     full = torch.cat([x[:, 0] for x, _ in val_batches(tokens, 10, 4, 1000, 0, 1)])
     parts = [torch.cat([x[:, 0] for x, _ in val_batches(tokens, 10, 4, 1000, r, 3)]) for r in range(3)]
     assert sorted(torch.cat(parts).tolist()) == full.tolist() == list(range(0, 210, 10))
-    assert len(list(val_batches(tokens, 10, 100, 55, 0, 1))[0][0]) == 5  # max_tokens bounds the slice
+    assert len(list(val_batches(tokens, 10, 100, 55, 0, 1))[0][0]) == 5  # max_tokens bounds the sample
+
+
+def test_val_sample_spreads_over_the_whole_split_at_even_strides():
+    starts = val_windows(100 * 10 + 1, 10, 25 * 10)  # 25 of the split's 100 windows
+    assert starts == list(range(0, 1000, 40))  # every 4th window, from the first to the last stretch
+    assert val_windows(100 * 10 + 1, 10, 10**9) == list(range(0, 1000, 10))  # it fits: the whole split
+    assert val_windows(1000, 10, 35 * 10)[-1] >= 900  # an uneven stride still reaches the split's end
+    tokens = np.arange(100 * 10 + 1, dtype=np.uint32)
+    firsts = torch.cat([x[:, 0] for x, _ in val_batches(tokens, 10, 8, 250, 0, 1)]).tolist()
+    assert firsts == starts == list(val_windows(len(tokens), 10, 250))  # the batches read those windows
 
 
 def test_demo_corpus_is_correct_arithmetic_and_deterministic(tmp_path):

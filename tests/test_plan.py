@@ -3,6 +3,8 @@
 import json
 import subprocess
 
+import pytest
+
 from conftest import ENV, REPO
 
 from experiment import autosize
@@ -33,6 +35,9 @@ def test_the_issue_example_as_json_and_as_a_table():
     table = run_plan(env=env).stdout
     assert "PREDICTED" in table and "reports/gpucheck-h100.md" in table
     assert f"recommendation | DEPTH={p['depth']} for {p['hours']:.2f} h" in table
+    assert p["max_passes"] == pytest.approx(autosize.MAX_EPOCHS)  # the data limits: all its passes
+    assert f"at most {p['max_passes']:.1f} passes; stops earlier when val stops improving" in table
+    assert p["stops_at_val_minimum"] is True
 
 
 def test_the_hours_are_the_budget_or_the_passes_whichever_ends_first_and_dollars_set_the_budget():

@@ -13,6 +13,7 @@
     python -m experiment.tools.bench repeats --corpus FILE [--chars 300000 --seconds 240 --depths 2,4,6,8]
     python -m experiment.tools.bench save [--depth 6 --write_mbps 50 --rounds 3]
     python -m experiment.tools.bench reduce [--depth 4 --ranks 8]
+    python -m experiment.tools.bench grid --results R.jsonl --corpus A.txt B.txt [--chars ... --seconds ...]
 
 generate: tokens/s for N generated tokens with the KV cache and with the naive path (a full forward
 over the last max_seq_len tokens per token), on a checkpoint (default: the newest run's best) or,
@@ -46,6 +47,9 @@ capped at --write_mbps: seconds training was blocked, and the step time while th
 reduce: bf16 gradients all-reduced in bf16 (DDP's default with PRECISION=bf16) against their fp32 mean,
 NCCL's ring simulated on one CPU: the reduction's error beside the gradients' own rounding and
 sampling noise (experiment/tools/reduceprec.py).
+grid: DEPTH=auto against a sweep of explicit depths, each with the stop at the val minimum, on a grid of
+corpora x data sizes x budgets: auto's regret against the sweep's best, the seconds each spent, the
+winner's passes and tokens per parameter; a results file that grows over sittings (experiment/tools/grid.py).
 """
 
 from __future__ import annotations
@@ -67,7 +71,8 @@ from experiment.memory import MODES, count_params, format_plan, plan_memory
 from experiment.model import GPT, GPTConfig, build_model
 from experiment.optim import LRS, ShardedOptimizer
 from experiment.step import forward_backward, optimizer_step
-from experiment.tools import ablate, codecorpus, gpucheck, loadtest, prepbench, reduceprec, repeats, savebench, stepprofile, versus
+from experiment.tools import (ablate, codecorpus, gpucheck, grid, loadtest, prepbench, reduceprec, repeats, savebench,
+                              stepprofile, versus)
 from experiment.tools.probes import cpu_matmul_peak, probe_peak_memory
 
 
@@ -231,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     savebench.add_arguments(sub.add_parser("save", help="training blocked by a checkpoint save, blocking vs background"))
     codecorpus.add_arguments(sub.add_parser("corpus", help="a Python-source benchmark corpus from the standard library"))
     ablate.add_arguments(sub.add_parser("ablate", help="recipe variants side by side on corpora and budgets"))
+    grid.add_arguments(sub.add_parser("grid", help="DEPTH=auto against a depth sweep on corpora x sizes x budgets"))
     return parser
 
 
@@ -272,7 +278,7 @@ def main(argv=None) -> int:
     commands = {"generate": cmd_generate, "plan": cmd_plan, "fitprobe": cmd_fitprobe, "throughput": cmd_throughput,
                 "speedrun": cmd_speedrun, "prepare": prepbench.main, "serve": loadtest.main, "versus": versus.main, "profile": stepprofile.main, "gpucheck": gpucheck.main,
                 "repeats": repeats.main, "save": savebench.main, "reduce": reduceprec.main,
-                "corpus": codecorpus.main, "ablate": ablate.main}
+                "corpus": codecorpus.main, "ablate": ablate.main, "grid": grid.main}
     return commands[args.command](args)
 
 

@@ -1,0 +1,120 @@
+"""`bench grid`: DEPTH=auto against a sweep of explicit depths on a grid of corpora x data sizes x budgets.
+
+    python -m experiment.tools.bench grid --results R.jsonl --corpus shakespeare.txt code.txt \\
+        --chars 20000 150000 600000 --seconds 30 90 [--depths 2,4,6,8] [--table]
+
+A cell is one corpus cut to its first --chars characters and one budget. In each cell every depth of
+--depths trains from scratch for the whole budget (an explicit DEPTH: no pass cap), then the default
+run (DEPTH=auto, its probe and its pass cap included); every run keeps the trainer's default stop at
+the val minimum. Each run appends one JSON line to --results: the full-val loss of the step it serves
+(its best), the budget seconds it used, its passes and tokens per parameter, and why it stopped. A
+cell already in the file is skipped, so the grid grows over several sittings; --table prints the
+cells from the file without training: auto's regret against the sweep's best and the seconds each
+spent. Runs one after another: nothing else should run beside it (the budget is wall-clock).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from experiment import checkpoint as ckpt
+from experiment.autosize import rule_params
+from experiment.model import GPTConfig
+from experiment.report import read_records
+from experiment.tools.probes import cpu_matmul_peak
+from experiment.tools.versus import run_ours
+
+VAL_FRACTION = 0.05  # the trainer's default
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--results", required=True, help="a JSON-lines file that only grows")
+    p.add_argument("--corpus", nargs="+", required=True, help=".txt files (bench corpus writes the code one)")
+    p.add_argument("--chars", type=int, nargs="+", default=[20_000, 150_000, 600_000])
+    p.add_argument("--seconds", type=float, nargs="+", default=[30.0, 90.0], help="the budgets")
+    p.add_argument("--depths", default="2,4,6,8", help="the explicit sweep")
+    p.add_argument("--table", action="store_true", help="print the table from --results; train nothing")
+
+
+def run_cell(corpus: Path, chars: int, seconds: float, depths: list[int], peak: float) -> list[dict]:
+    """Every run of one cell, sweep first, then auto; the data written once into a temp workspace."""
+    ws = Path(tempfile.mkdtemp(prefix="grid-"))
+    rows = []
+    try:
+        data = ws / "data"
+        data.mkdir()
+        (data / "corpus.txt").write_text(corpus.read_text(encoding="utf-8")[:chars], encoding="utf-8")
+        for name, flags in [(f"d{d}", ["--depth", str(d)]) for d in depths] + [("auto", [])]:
+            run_ws = ws / name
+            res = run_ours(data, seconds, VAL_FRACTION, run_ws, flags)
+            rows.append(describe(name, res, run_ws / "checkpoints" / "speedrun", corpus.stem, chars, seconds, peak))
+            print(f"grid | {corpus.stem} {chars:,} chars {seconds:g}s {name}: served {rows[-1]['served']:.4f} "
+                  f"in {rows[-1]['used']:.1f}s | {rows[-1]['outcome']}", flush=True)
+            shutil.rmtree(run_ws / "checkpoints", ignore_errors=True)
+    finally:
+        shutil.rmtree(ws, ignore_errors=True)
+    return rows
+
+
+def describe(name: str, res, run_dir: Path, corpus: str, chars: int, seconds: float, peak: float) -> dict:
+    """One run's row: the served step's full-val loss, the seconds, passes and tokens/param it took."""
+    meta = ckpt.read_meta(run_dir, ckpt.complete_steps(run_dir)[-1])
+    state, best = meta["state"], ckpt.read_best(run_dir)
+    train_tokens = json.loads((Path(meta["prepared"]["dir"]) / "meta.json").read_text())["split"]["train_tokens"]
+    end = [r for r in read_records(run_dir / "metrics.jsonl") if r["kind"] == "end"]
+    params = rule_params(GPTConfig(**meta["model_config"]))  # as DEPTH=auto counts them
+    return {"corpus": corpus, "chars": chars, "seconds": seconds, "run": name,
+            "depth": meta["model_config"]["depth"], "served": res.best_loss, "final": res.loss,
+            "used": round(state["used_seconds"], 2), "passes": round(state["tokens_seen"] / train_tokens, 3),
+            "best_passes": round(best["step"] * meta["train_config"]["total_batch_size"] / train_tokens, 3),
+            "tokens_per_param": round(state["tokens_seen"] / params, 3), "train_tokens": train_tokens,
+            "outcome": end[-1]["outcome"] if end else "", "peak_gflops": round(peak / 1e9)}
+
+
+def read_rows(results: Path) -> list[dict]:
+    return [json.loads(line) for line in results.read_text().splitlines() if line.strip()] if results.exists() else []
+
+
+def cells(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
+    out: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        out.setdefault((r["corpus"], r["chars"], r["seconds"]), {})[r["run"]] = r
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    """Per complete cell: auto's served loss, the sweep's best, the regret, the seconds, the winner."""
+    lines = ["| corpus | chars | budget | auto | sweep's best | regret | seconds: auto / winner | winner's passes, "
+             "tokens/param | GFLOP/s |", "|---|---|---|---|---|---|---|---|---|"]
+    for (corpus, chars, seconds), runs in sorted(cells(rows).items()):
+        auto, sweep = runs.get("auto"), [r for n, r in runs.items() if n != "auto"]
+        if auto is None or not sweep:
+            continue
+        win = min(sweep, key=lambda r: r["served"])
+        regret = auto["served"] / win["served"] - 1
+        lines.append(f"| {corpus} | {chars:,} | {seconds:g} s | d{auto['depth']} {auto['served']:.4f} | "
+                     f"d{win['depth']} {win['served']:.4f} | {regret:+.2%}{'' if regret <= 0.01 else ' (miss)'} | "
+                     f"{auto['used']:.0f} / {win['used']:.0f} | {win['passes']:.1f}, {win['tokens_per_param']:.2f} | "
+                     f"{auto['peak_gflops']} |")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    results = Path(args.results)
+    if not args.table:
+        peak = cpu_matmul_peak()
+        print(f"grid | fp32 matmul peak {peak / 1e9:.0f} GFLOP/s | results {results}", flush=True)
+        depths = [int(d) for d in args.depths.split(",")]
+        for seconds in args.seconds:
+            for chars in args.chars:
+                for corpus in map(Path, args.corpus):
+                    if (corpus.stem, chars, seconds) in cells(read_rows(results)):
+                        continue  # done in an earlier sitting
+                    rows = run_cell(corpus, chars, seconds, depths, peak)
+                    with results.open("a") as f:
+                        f.writelines(json.dumps(r) + "\n" for r in rows)
+    print(table(read_rows(results)))
+    return 0
