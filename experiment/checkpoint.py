@@ -309,11 +309,14 @@ class RunState:
     best_val: float = math.inf
     best_step: int = -1
     # The stop at the val minimum (train.py, plateau_check): the val loss of the last eval that
-    # gained PLATEAU_MARGIN over the one before it, and the evals since; the anneal it started.
+    # gained (at the peak LR: PLATEAU_MARGIN below the one before; in a warmdown: a new best), the
+    # evals since, whether a warmdown has been seen, the anneal it started, and whether it ended the run.
     plateau_ref: float = math.inf
     evals_without_gain: int = 0
+    warmdown_seen: bool = False
     anneal_start_tokens: int = -1  # tokens_seen where the warmdown started at the plateau; -1: none
     anneal_tokens: int = 0  # its length
+    plateau_stopped: bool = False  # a warmdown stopped gaining: the run is over (a resume trains no more)
     data_state: dict | None = None  # the data position of the step's next batch (every rank reads the same)
     # Measured durations (longest eval, longest save, recent step): the reserve kept for the final
     # eval + save. Persisted, so a resumed run still knows what its ending costs.

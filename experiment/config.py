@@ -195,9 +195,11 @@ def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
         cfg.bigram_embed = int(cfg.tokenizer == "char")
     if cfg.max_epochs < 0:
         raise ConfigError(f"--max_epochs must be >= 0 (0: no limit), got {cfg.max_epochs}")
-    for name in ("eval_every_epochs", "plateau_evals", "plateau_margin"):
+    for name in ("eval_every_epochs", "plateau_evals"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
+    if not 0 <= cfg.plateau_margin < 1:
+        raise ConfigError(f"--plateau_margin must lie in [0, 1) (a fraction of the val loss), got {cfg.plateau_margin}")
     unknown = set(filter(None, cfg.allow.split(","))) - set(GUARDS)
     if unknown:
         raise ConfigError(f"--allow: unknown guard(s) {', '.join(sorted(unknown))}; the guards are {', '.join(GUARDS)}")

@@ -26,11 +26,15 @@ def eval_parts(prepared: Prepared, max_tokens: int, seq_len: int,
 
 
 def eval_coverage(prepared: Prepared, max_tokens: int, seq_len: int,
-                  weights: list[float] | None = None) -> tuple[int, int]:
-    """(tokens the eval sample predicts, tokens in the val split): what an eval line's val loss covers."""
-    read = sum(len(val_windows(s["val"][1] - s["val"][0], seq_len, n)) * seq_len
-               for s, _, n in eval_parts(prepared, max_tokens, seq_len, weights))
-    return read, prepared.meta["split"]["val_tokens"]
+                  weights: list[float] | None = None) -> tuple[int, int, bool]:
+    """(tokens the eval sample predicts, tokens in the val split, whether the sample is every whole
+    window of the split): what an eval line's val loss covers."""
+    windows = []  # (windows read, whole windows in the part), as val_windows counts them
+    for s, _, n in eval_parts(prepared, max_tokens, seq_len, weights):
+        whole = (s["val"][1] - s["val"][0] - 1) // seq_len
+        windows.append((min(whole, max(1, n // seq_len)), whole))
+    read = sum(k for k, _ in windows) * seq_len
+    return read, prepared.meta["split"]["val_tokens"], all(k == n for k, n in windows)
 
 
 @torch.no_grad()

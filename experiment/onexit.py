@@ -1,5 +1,5 @@
 """ON_EXIT: the user's command, run once when a launch ends for any reason (finished, budget spent,
-early stop, a stop signal, a crash, torchrun giving up, the launcher killed).
+the stop at the val minimum, a stop signal, a crash, torchrun giving up, the launcher killed).
 
     python -m experiment.onexit PID RUN_DIR SINCE COMMAND      (started by experiment/run.sh)
 

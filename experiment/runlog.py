@@ -57,9 +57,9 @@ class NullWriter:
 
 
 def report_eval(step: int, val_loss: float, val_bpc: float, by_source: dict[str, float] | None, st: RunState,
-                coverage: tuple[int, int], log: RunLog, writer) -> dict:
+                coverage: tuple[int, int, bool], log: RunLog, writer) -> dict:
     """The eval line (with several sources, the weighted loss, then each source's) and TensorBoard;
-    returns the eval's metrics record. `coverage`: (tokens the eval read, tokens in the val split)."""
+    returns the eval's metrics record. `coverage`: (tokens the eval read, tokens in the val split, all)."""
     best = f"{st.best_val:.4f} @ {st.best_step:06d}" if st.best_step >= 0 else "- (step 0 is not saved)"
     log(f"step {step:06d} | val_loss {val_loss:.4f} | val_bpc {val_bpc:.4f} | best {best} | "
         f"{coverage[0]:,}/{coverage[1]:,} val tokens")

@@ -79,7 +79,7 @@ class Trainer:
     saver: Saver  # this rank's checkpoint writer (in the background when staging fits)
     first_save_seconds: float  # what a save is taken to cost until one is measured (checkpoint_seconds)
     eval_every_tokens: float  # EVAL_EVERY_EPOCHS passes over the training data; inf when off
-    eval_coverage: tuple[int, int]  # (tokens an eval predicts, tokens in the val split)
+    eval_coverage: tuple[int, int, bool]  # (tokens an eval predicts, tokens in the val split, all of it)
 
     @property
     def max_steps(self) -> int:
@@ -112,8 +112,8 @@ class Loop:
     bad_in_a_row: int = 0
     phase: str = "setup"  # which of PHASE_TIMEOUTS the process group waits: setup until warmed up
     # The one way the loop stops (stop()): the exit code once the run must end. 0 (budget, max_steps,
-    # early stop, a stop signal) ends it after this step's save; 1 (a failed final save, a diverging
-    # run) ends it at once. `outcome` says why, for the report.
+    # the stop at the val minimum, a stop signal) ends it after this step's save; 1 (a failed final
+    # save, a diverging run) ends it at once. `outcome` says why, for the report.
     end: int | None = None
     outcome: str = "running"
 
@@ -259,7 +259,7 @@ def make_saver(cfg: TrainConfig, d: Dist, model: GPT, run_dir: Path, log: RunLog
 
 
 def report_facts(cfg: TrainConfig, d: Dist, model: GPT, prepared: Prepared, budget_seconds: float, accum: int,
-                 auto: dict | None, coverage: tuple[int, int]) -> dict:
+                 auto: dict | None, coverage: tuple[int, int, bool]) -> dict:
     """What the run report says the run is: fixed at setup."""
     c, meta = model.config, prepared.meta
     device = torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "cpu"
@@ -276,16 +276,16 @@ def report_facts(cfg: TrainConfig, d: Dist, model: GPT, prepared: Prepared, budg
         "auto": (auto or {}).get("reason"),
         "eval": f"{eval_sample_text(coverage)}, every {cfg.eval_every_minutes:g} min"
                 + (f" or {cfg.eval_every_epochs:g} passes" if cfg.eval_every_epochs else "")
-                + (f"; the run stops {cfg.plateau_evals} evals after the val loss last gained "
-                   f"{cfg.plateau_margin:.1%}, at the end of a warmdown" if cfg.plateau_evals else
-                   "; no stop at the val minimum (PLATEAU_EVALS=0)"),
+                + (f"; stop at the val minimum: {cfg.plateau_evals} evals without a gain of {cfg.plateau_margin:.1%} "
+                   f"at the peak LR start the warmdown, {cfg.plateau_evals} without a new best in a warmdown end "
+                   "the run" if cfg.plateau_evals else "; no stop at the val minimum (PLATEAU_EVALS=0)"),
     }
 
 
-def eval_sample_text(coverage: tuple[int, int]) -> str:
-    read, total = coverage
-    if read >= total - total // 100:  # the split less the tail that fills no whole window
-        return f"{read:,} val tokens (the whole split)"
+def eval_sample_text(coverage: tuple[int, int, bool]) -> str:
+    read, total, whole = coverage
+    if whole:
+        return f"{read:,} of the {total:,} val tokens (the whole split, in whole windows)"
     return f"{read:,} of the {total:,} val tokens ({read / total:.0%}, windows at even strides over the split)"
 
 
@@ -478,25 +478,26 @@ def decide(t: Trainer, loop: Loop, signum: int, writing: bool = False) -> tuple[
     # What a save in flight still needs: the final save waits for it. Not in the schedule's reserve,
     # which would dip the LR during every background write.
     in_flight = t.saver.seconds_left(save)
-    last = (step >= t.max_steps or st.tokens_seen >= t.max_tokens or annealed(st)
+    last = (step >= t.max_steps or st.tokens_seen >= t.max_tokens or stopped_at_minimum(t)
             or st.used_seconds + loop.reserve_seconds + in_flight + due_now >= t.budget_seconds)
     flags = torch.tensor([d.master and last, d.master and eval_due, d.master and save_due, signum, writing],
                          dtype=torch.int32, device=d.device)
     return tuple(int(v) for v in d.all_reduce(flags, "max").tolist())
 
 
-def annealed(st: RunState) -> bool:
-    """The warmdown that the stop at the val minimum started is done."""
-    return st.anneal_start_tokens >= 0 and st.tokens_seen >= st.anneal_start_tokens + st.anneal_tokens
+def stopped_at_minimum(t: Trainer) -> bool:
+    """The stop at the val minimum ended the run: a warmdown stopped gaining, or the one it started
+    is done. PLATEAU_EVALS=0 on a resume overrules it (and the warmdown it started): the run trains on."""
+    st = t.st
+    return bool(t.cfg.plateau_evals) and (st.plateau_stopped or st.anneal_start_tokens >= 0
+                                          and st.tokens_seen >= st.anneal_start_tokens + st.anneal_tokens)
 
 
 def last_outcome(t: Trainer) -> str:
     if t.st.step >= t.max_steps:
         return "finished: max_steps reached"
-    if annealed(t.st):
-        passes = t.st.anneal_start_tokens / t.prepared.meta["split"]["train_tokens"]
-        return (f"finished: the val loss stopped improving at {passes:.2f} passes and the warmdown started there is "
-                f"done; {unspent_text(t, max(t.budget_seconds - t.st.used_seconds, 0))} of the budget unspent")
+    if stopped_at_minimum(t):
+        return plateau_outcome(t, t.st.used_seconds)
     if t.st.tokens_seen >= t.max_tokens:
         return f"finished: {t.cfg.max_epochs:g} passes over the training data (MAX_EPOCHS), before the budget"
     return "finished: the budget is spent"
@@ -525,17 +526,19 @@ def maybe_eval(t: Trainer, loop: Loop) -> None:
 def plateau_check(t: Trainer, loop: Loop, new_best: bool) -> None:
     """The stop at the val minimum, on evals after step 0. At the LR's peak an eval gains when its
     val loss is below the last gaining one's by PLATEAU_MARGIN (a fraction of it: a slow creep adds
-    up to a gain, noise does not); after PLATEAU_EVALS evals in a row without a gain the warmdown
-    starts at once, as long as the schedule's would be for a run planned to end here
-    (warmdown_frac / (1 - warmdown_frac) of the tokens so far), and the run ends with it. In a
-    warmdown (the schedule's or that one) an eval gains when it is a new best; after PLATEAU_EVALS
-    without one the run ends at once: the repetition of the data now outweighs the anneal, and
-    the best step is saved. docs/training.md, "The stop at the val minimum"."""
+    up to a gain); after PLATEAU_EVALS evals in a row without a gain the warmdown starts at once, as
+    long as the schedule's would be for a run planned to end here (warmdown_frac / (1 -
+    warmdown_frac) of the tokens so far), and the run ends with it. In a warmdown (the schedule's or
+    that one; the count starts afresh when one begins) an eval gains when it is a new best; after
+    PLATEAU_EVALS without one the run ends at once: the repetition of the data now outweighs the
+    anneal, and the best step is saved. docs/training.md, "The stop at the val minimum"."""
     cfg, st = t.cfg, t.st
     # Rank 0's word on whether a warmdown has begun (the schedule's follows each rank's clock).
     in_warmdown = st.anneal_start_tokens >= 0 or loop.progress > 1 - cfg.warmdown_frac
     flag = torch.tensor([int(t.d.master and in_warmdown)], dtype=torch.int32, device=t.d.device)
     in_warmdown = bool(t.d.all_reduce(flag, "max").item())
+    if in_warmdown and not st.warmdown_seen:  # a count from the peak LR does not carry over
+        st.warmdown_seen, st.evals_without_gain = True, 0
     if new_best if in_warmdown else loop.val_loss < st.plateau_ref * (1 - cfg.plateau_margin):
         st.plateau_ref, st.evals_without_gain = loop.val_loss, 0
         return
@@ -545,20 +548,30 @@ def plateau_check(t: Trainer, loop: Loop, new_best: bool) -> None:
     passes = st.tokens_seen / t.prepared.meta["split"]["train_tokens"]
     best = f"best {st.best_val:.4f} at step {st.best_step}"
     if in_warmdown:
-        left = unspent_text(t, max(t.budget_seconds - loop.used(), 0))
+        st.plateau_stopped = True
         t.log(f"plateau | no new best in {st.evals_without_gain} evals during the warmdown ({best}): stopping at "
-              f"{passes:.2f} passes with {left} of the budget unspent")
-        loop.stop(0, f"finished: the val loss stopped improving during the warmdown ({best}); {left} of the "
-                     "budget unspent")
+              f"{passes:.2f} passes")
+        loop.stop(0, plateau_outcome(t, loop.used()))
         return
     wd = cfg.warmdown_frac
     st.anneal_start_tokens = st.tokens_seen
     st.anneal_tokens = max(cfg.total_batch_size, round(st.tokens_seen * wd / max(1 - wd, 1e-9)))
-    st.evals_without_gain = 0  # the warmdown gets its own evals before it can be stopped in turn
+    st.warmdown_seen, st.evals_without_gain = True, 0  # the warmdown gets its own evals
     end = (st.tokens_seen + st.anneal_tokens) / t.prepared.meta["split"]["train_tokens"]
     t.log(f"plateau | no gain of {cfg.plateau_margin:.1%} in {cfg.plateau_evals} evals ({best}): the LR warmdown "
           f"starts now at {passes:.2f} passes and the run ends with it at {end:.2f} passes (PLATEAU_EVALS=0 trains "
           "to the budget)")
+
+
+def plateau_outcome(t: Trainer, used: float) -> str:
+    """Why a run that the stop at the val minimum ended stopped, and the budget it left."""
+    st, left = t.st, unspent_text(t, max(t.budget_seconds - used, 0))
+    if st.plateau_stopped:
+        return (f"finished: the val loss stopped improving during the warmdown (best {st.best_val:.4f} at step "
+                f"{st.best_step}); {left} of the budget unspent")
+    passes = st.anneal_start_tokens / t.prepared.meta["split"]["train_tokens"]
+    return (f"finished: the val loss stopped improving at {passes:.2f} passes and the warmdown started there is "
+            f"done; {left} of the budget unspent")
 
 
 def maybe_save(t: Trainer, loop: Loop, save_due: bool, preempted: bool, writing: bool = False) -> None:
@@ -636,7 +649,7 @@ def train_step(t: Trainer, loop: Loop) -> tuple[torch.Tensor, float]:
     progress = max(progress, st.tokens_seen / t.max_tokens)
     loop.progress = progress
     mult = lr_multiplier(progress, cfg.warmup_frac, cfg.warmdown_frac, cfg.final_lr_frac)
-    if st.anneal_start_tokens >= 0:  # the warmdown the val minimum started, unless the schedule's is lower
+    if st.anneal_start_tokens >= 0 and cfg.plateau_evals:  # the warmdown the val minimum started, or the schedule's
         done = (st.tokens_seen - st.anneal_start_tokens) / max(st.anneal_tokens, 1)
         mult = min(mult, lr_multiplier(done, 0.0, 1.0, cfg.final_lr_frac))
     t.opt.set_lr_multiplier(mult)
@@ -748,10 +761,10 @@ def finish(t: Trainer, loop: Loop) -> None:
             t.log(export_best(t.run_dir))
         t.log(f"serve it: bash run.sh serve   (or: python -m experiment.server --checkpoint {t.run_dir}, which "
               "serves its best)")
-        unspent = (f" | the data's {t.cfg.max_epochs:g} passes are done: {unspent_text(t, t.budget_seconds - spent)} "
-                   "of the budget unspent" if t.st.tokens_seen >= t.max_tokens else
-                   f" | the val loss stopped improving: {unspent_text(t, t.budget_seconds - spent)} of the budget "
-                   "unspent" if "stopped improving" in loop.outcome else "")
+        left = unspent_text(t, t.budget_seconds - spent)
+        unspent = (f" | the val loss stopped improving: {left} of the budget unspent" if "stopped improving" in
+                   loop.outcome else f" | the data's {t.cfg.max_epochs:g} passes are done: {left} of the budget "
+                   "unspent" if t.st.tokens_seen >= t.max_tokens else "")
         t.log(f"done: step {t.st.step:06d}, {spent / 3600:.3f}h of {t.cfg.training_hours:.3f}h used "
               f"({spent:.1f}s of {t.budget_seconds:.1f}s) | best checkpoint {files} (val_loss {best['val_loss']:.4f})"
               + unspent)

@@ -13,8 +13,8 @@ import torch
 
 from conftest import REPO, SHAKESPEARE
 from experiment import chunks, dataloader
-from experiment.dataloader import (CharTokenizer, DataError, TokenBatches, demo_lines, prepare, val_batches, val_windows,
-                                   write_demo_corpus)
+from experiment.dataloader import (CharTokenizer, DataError, TokenBatches, demo_lines, prepare, val_batches,
+                                   val_windows, write_demo_corpus)
 
 
 def _files(tmp_path, **files):
@@ -167,13 +167,15 @@ def test_val_slice_is_split_across_ranks_without_overlap():
 
 
 def test_val_sample_spreads_over_the_whole_split_at_even_strides():
-    starts = val_windows(100 * 10 + 1, 10, 25 * 10)  # 25 of the split's 100 windows
-    assert starts == list(range(0, 1000, 40))  # every 4th window, from the first to the last stretch
+    starts = val_windows(100 * 10 + 1, 10, 34 * 10)  # 34 of the split's 100 windows
+    assert starts == list(range(0, 1000, 30))  # every 3rd window, from the first to the last
     assert val_windows(100 * 10 + 1, 10, 10**9) == list(range(0, 1000, 10))  # it fits: the whole split
-    assert val_windows(1000, 10, 35 * 10)[-1] >= 900  # an uneven stride still reaches the split's end
+    uneven = [w // 10 for w in val_windows(1000, 10, 25 * 10)]  # 25 of 99 windows
+    assert uneven[0] == 0 and uneven[-1] == 98 and len(uneven) == 25  # the first and the last window
+    assert {b - a for a, b in zip(uneven, uneven[1:])} == {4, 5}  # at strides as even as they can be
     tokens = np.arange(100 * 10 + 1, dtype=np.uint32)
-    firsts = torch.cat([x[:, 0] for x, _ in val_batches(tokens, 10, 8, 250, 0, 1)]).tolist()
-    assert firsts == starts == list(val_windows(len(tokens), 10, 250))  # the batches read those windows
+    firsts = torch.cat([x[:, 0] for x, _ in val_batches(tokens, 10, 8, 340, 0, 1)]).tolist()
+    assert firsts == starts  # the batches read those windows
 
 
 def test_demo_corpus_is_correct_arithmetic_and_deterministic(tmp_path):

@@ -105,7 +105,8 @@ def test_a_failed_best_save_falls_back_to_the_best_of_a_completed_save(tmp_path)
                         report=SimpleNamespace(add=lambda record: None), log=lines.append,
                         cfg=SimpleNamespace(keep_last=3, keep_best_optimizer=0))
     loop = train.Loop(x=None, y=None, data_state={}, started=0.0, used_at_start=0.0, last_eval_time=0.0,
-                      last_save_time=0.0, last_eval_step=0, last_saved_step=0, last_complete_step=0)
+                      last_save_time=0.0, last_eval_step=0, last_eval_tokens=0, last_saved_step=0,
+                      last_complete_step=0)
 
     def save(step, val, fails):
         st.best_val, st.best_step = val, step  # this step's eval was a new best

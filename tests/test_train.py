@@ -139,13 +139,18 @@ def test_budget_stop_two_ranks_then_second_launch_resumes(tmp_path, corpus):
     assert run_meta(tmp_path, ckpt.complete_steps(run_dir)[-1])["state"]["used_seconds"] <= budget + 2
 
 
-def test_early_stop_after_evals_without_improvement(tmp_path, corpus):
+def test_a_run_that_stopped_gaining_in_its_warmdown_stops_and_a_second_launch_trains_no_more(tmp_path, corpus):
+    """With the LRs at 0 nothing gains after step 1; the whole run is warmdown (WARMDOWN_FRAC=1), so
+    2 evals without a new best end it at step 3, and the same command again resumes and ends at once."""
     args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 128,
             "--matrix_lr", 0, "--embedding_lr", 0, "--unembedding_lr", 0, "--max_steps", 50,
-            "--eval_every_steps", 1, "--early_stop_evals", 2]
+            "--eval_every_steps", 1, "--plateau_evals", 2, "--warmdown_frac", 1]
     proc = run_train(args)
-    assert "early stop: 2 evals without improvement" in proc.stdout
+    assert "plateau | no new best in 2 evals during the warmdown" in proc.stdout
     assert ckpt.complete_steps(tmp_path / "checkpoints/d2")[-1] == 3  # best at 1, no gain at 2 and 3
+    again = run_train(args)
+    assert "resumed from" in again.stdout and "the val loss stopped improving" in again.stdout
+    assert ckpt.complete_steps(tmp_path / "checkpoints/d2")[-1] == 3
 
 
 def test_bad_data_and_bad_settings_exit_nonzero_and_write_nothing(tmp_path, corpus):
@@ -340,7 +345,8 @@ def test_an_eval_due_when_the_budget_has_no_room_for_another_makes_this_step_the
     from experiment.checkpoint import RunState
     from experiment.distributed import Dist
 
-    cfg = SimpleNamespace(eval_every_minutes=1.0, eval_every_steps=0, save_every_minutes=60.0, save_every_steps=0)
+    cfg = SimpleNamespace(eval_every_minutes=1.0, eval_every_steps=0, save_every_minutes=60.0, save_every_steps=0,
+                          plateau_evals=4)
     now = time.time()
     for eval_ago, used, writing, last in ((120, 95.0, 0, 1), (10, 95.0, 0, 0), (120, 92.0, 0, 0), (10, 95.0, 2, 1)):
         # reserve 4 s (eval 2 + save 1 + step 1) of a 100 s budget; an eval due now costs 3 s more,
@@ -348,8 +354,9 @@ def test_an_eval_due_when_the_budget_has_no_room_for_another_makes_this_step_the
         st = RunState(step=50, used_seconds=used, eval_seconds=2.0, save_seconds=1.0, step_seconds=1.0)
         saver = SimpleNamespace(seconds_left=lambda save_seconds, left=writing: float(left))
         t = SimpleNamespace(cfg=cfg, d=Dist(0, 0, 1, torch.device("cpu")), st=st, max_steps=10**9, budget_seconds=100.0,
-                            max_tokens=math.inf, saver=saver, first_save_seconds=1.0)
-        loop = SimpleNamespace(last_eval_time=now - eval_ago, last_save_time=now, reserve_seconds=4.0)
+                            max_tokens=math.inf, saver=saver, first_save_seconds=1.0, eval_every_tokens=math.inf)
+        loop = SimpleNamespace(last_eval_time=now - eval_ago, last_save_time=now, reserve_seconds=4.0,
+                               last_eval_tokens=0)
         assert train.decide(t, loop, 0)[:2] == (last, int(eval_ago > 60)), (eval_ago, used)
     # Before the first save its estimate stands in: 92.5 + 4 + an eval (2) and a save (1.5) due now
     # reach the budget; counting the save as free would not.
@@ -358,6 +365,17 @@ def test_an_eval_due_when_the_budget_has_no_room_for_another_makes_this_step_the
     assert train.decide(t, loop, 0)[:2] == (1, 1) and train.save_seconds(t) == 1.5
     t.first_save_seconds = 0.0
     assert train.decide(t, loop, 0)[:2] == (0, 1)
+    # EVAL_EVERY_EPOCHS: an eval is due once a quarter pass of tokens has gone by since the last
+    loop.last_eval_time, st.used_seconds, t.eval_every_tokens = now, 50.0, 1000.0
+    st.tokens_seen, loop.last_eval_tokens = 5000, 4001
+    assert train.decide(t, loop, 0)[:2] == (0, 0)
+    loop.last_eval_tokens = 4000
+    assert train.decide(t, loop, 0)[:2] == (0, 1)
+    # a warmdown the stop at the val minimum started ends the run when it is done; PLATEAU_EVALS=0 overrules it
+    st.anneal_start_tokens, st.anneal_tokens = 3000, 2000
+    assert train.decide(t, loop, 0)[0] == 1
+    cfg.plateau_evals = 0
+    assert train.decide(t, loop, 0)[0] == 0
 
 
 def test_a_damaged_newest_step_is_found_by_the_preflight_and_the_run_resumes_the_one_before(tmp_path, corpus):

@@ -6,11 +6,11 @@
 A cell is one corpus cut to its first --chars characters and one budget. In each cell every depth of
 --depths trains from scratch for the whole budget (an explicit DEPTH: no pass cap), then the default
 run (DEPTH=auto, its probe and its pass cap included); every run keeps the trainer's default stop at
-the val minimum. Each run appends one JSON line to --results: the full-val loss of the step it serves
-(its best), the budget seconds it used, its passes and tokens per parameter, and why it stopped. A
-cell already in the file is skipped, so the grid grows over several sittings; --table prints the
-cells from the file without training: auto's regret against the sweep's best and the seconds each
-spent. Runs one after another: nothing else should run beside it (the budget is wall-clock).
+the val minimum. Each run appends one JSON line to --results as it ends: the full-val loss of the
+step it serves (its best), the budget seconds it used, its passes and tokens per parameter, and why
+it stopped. A run already in the file is skipped, so the grid grows over several sittings; --table
+prints the cells from the file without training: auto's regret against the sweep's best and the
+seconds each spent. Runs one after another: nothing else should run beside it (the budget is wall-clock).
 """
 
 from __future__ import annotations
@@ -39,24 +39,30 @@ def add_arguments(p) -> None:
     p.add_argument("--table", action="store_true", help="print the table from --results; train nothing")
 
 
-def run_cell(corpus: Path, chars: int, seconds: float, depths: list[int], peak: float) -> list[dict]:
-    """Every run of one cell, sweep first, then auto; the data written once into a temp workspace."""
+def run_cell(corpus: Path, chars: int, seconds: float, depths: list[int], peak: float, results: Path) -> None:
+    """Every run of one cell not yet in `results`, sweep first, then auto, each appended as it ends;
+    the data written once into a temp workspace."""
+    done = cells(read_rows(results)).get((corpus.stem, chars, seconds), {})
+    todo = [(name, flags) for name, flags in [(f"d{d}", ["--depth", str(d)]) for d in depths] + [("auto", [])]
+            if name not in done]
+    if not todo:
+        return
     ws = Path(tempfile.mkdtemp(prefix="grid-"))
-    rows = []
     try:
         data = ws / "data"
         data.mkdir()
         (data / "corpus.txt").write_text(corpus.read_text(encoding="utf-8")[:chars], encoding="utf-8")
-        for name, flags in [(f"d{d}", ["--depth", str(d)]) for d in depths] + [("auto", [])]:
+        for name, flags in todo:
             run_ws = ws / name
             res = run_ours(data, seconds, VAL_FRACTION, run_ws, flags)
-            rows.append(describe(name, res, run_ws / "checkpoints" / "speedrun", corpus.stem, chars, seconds, peak))
-            print(f"grid | {corpus.stem} {chars:,} chars {seconds:g}s {name}: served {rows[-1]['served']:.4f} "
-                  f"in {rows[-1]['used']:.1f}s | {rows[-1]['outcome']}", flush=True)
+            row = describe(name, res, run_ws / "checkpoints" / "speedrun", corpus.stem, chars, seconds, peak)
+            with results.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"grid | {corpus.stem} {chars:,} chars {seconds:g}s {name}: served {row['served']:.4f} "
+                  f"in {row['used']:.1f}s | {row['outcome']}", flush=True)
             shutil.rmtree(run_ws / "checkpoints", ignore_errors=True)
     finally:
         shutil.rmtree(ws, ignore_errors=True)
-    return rows
 
 
 def describe(name: str, res, run_dir: Path, corpus: str, chars: int, seconds: float, peak: float) -> dict:
@@ -111,10 +117,6 @@ def main(args) -> int:
         for seconds in args.seconds:
             for chars in args.chars:
                 for corpus in map(Path, args.corpus):
-                    if (corpus.stem, chars, seconds) in cells(read_rows(results)):
-                        continue  # done in an earlier sitting
-                    rows = run_cell(corpus, chars, seconds, depths, peak)
-                    with results.open("a") as f:
-                        f.writelines(json.dumps(r) + "\n" for r in rows)
+                    run_cell(corpus, chars, seconds, depths, peak, results)  # skips the runs done already
     print(table(read_rows(results)))
     return 0

@@ -1,0 +1,112 @@
+"""The eval sample that represents the val split, and the stop at the val minimum, on real text."""
+
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import SHAKESPEARE, run_meta, run_train
+from experiment import checkpoint as ckpt
+from experiment.dataloader import Prepared
+from experiment.distributed import Dist
+from experiment.evaluation import evaluate
+from experiment.report import read_records
+
+pytestmark = pytest.mark.skipif(not SHAKESPEARE.exists(), reason="../shared/data/tinyshakespeare.txt not present")
+
+# The overfitting case at a size CI affords (docs/training.md, "The stop at the val minimum"): d4 on
+# the first 20,000 characters, 1,024 tokens a step, at most 8 passes; the clock never steers it (a
+# 1 h budget, evals by passes only), so both runs are the same step for step until one stops.
+SMALL = ["--depth", "4", "--total_batch_size", "1024", "--device_batch_size", "4", "--max_epochs", "8",
+         "--training_hours", "1", "--eval_every_minutes", "1000", "--save_every_minutes", "1000",
+         "--sample_tokens", "0", "--log_every_steps", "1"]
+
+
+def _small_corpus(tmp_path, chars=20_000):
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "shakespeare.txt").write_text(SHAKESPEARE.read_text(encoding="utf-8")[:chars], encoding="utf-8")
+    return d
+
+
+def _evals(run_dir):
+    return [r for r in read_records(run_dir / "metrics.jsonl") if r["kind"] == "eval"]
+
+
+def _end(run_dir):
+    return [r for r in read_records(run_dir / "metrics.jsonl") if r["kind"] == "end"][-1]["outcome"]
+
+
+def test_in_run_eval_reads_the_whole_split_to_within_0_01(tmp_path):
+    """VAL_FRACTION=0.1 on Tiny Shakespeare: about 111k val tokens, more than an eval's 65,536. The
+    last in-run val loss must match the whole split's; the first 65,536 tokens alone read lower."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "shakespeare.txt").write_text(SHAKESPEARE.read_text(encoding="utf-8"), encoding="utf-8")
+    run_train(["--data_dir", data, "--workspace", tmp_path, "--depth", "2", "--val_fraction", "0.1",
+               "--max_steps", "80", "--eval_every_minutes", "1000", "--sample_tokens", "0", "--log_every_steps", "20"])
+    run_dir = tmp_path / "checkpoints" / "d2"
+    last = _evals(run_dir)[-1]
+    assert last["step"] == 80 and last["eval_tokens"] == 65_536
+    model, meta = ckpt.load_model(ckpt.model_path(run_dir, 80))
+    prepared = Prepared.load(meta["prepared"]["dir"])
+    n_val, d = prepared.meta["split"]["val_tokens"], Dist(0, 0, 1, torch.device("cpu"))
+    assert n_val > 100_000
+    whole = evaluate(model, prepared, 256, 16, n_val, d)[0]
+    first_slice = _mean_loss(model, prepared.tokens("val")[: 65_536 + 1], 256)
+    assert abs(last["val_loss"] - whole) < 0.01, (last["val_loss"], whole)
+    assert whole - first_slice > 0.03, (whole, first_slice)  # the old slice could not pass the test above
+    assert "65,536 of the" in (run_dir / "report.md").read_text()  # the report says what the eval covers
+
+
+@torch.no_grad()
+def _mean_loss(model, tokens: np.ndarray, seq: int) -> float:
+    n = (len(tokens) - 1) // seq
+    x = torch.from_numpy(tokens[: n * seq].astype(np.int64)).view(n, seq)
+    y = torch.from_numpy(tokens[1 : n * seq + 1].astype(np.int64)).view(n, seq)
+    return (model(x, y, reduction="sum") / y.numel()).item()
+
+
+def test_on_data_the_fixed_passes_overfit_the_stop_serves_as_well_for_fewer_tokens(tmp_path):
+    data = _small_corpus(tmp_path)
+    run_train([*SMALL, "--data_dir", data, "--workspace", tmp_path, "--model_tag", "fixed", "--plateau_evals", "0"])
+    run_train([*SMALL, "--data_dir", data, "--workspace", tmp_path, "--model_tag", "stop"])
+    fixed, stop = tmp_path / "checkpoints" / "fixed", tmp_path / "checkpoints" / "stop"
+    fixed_evals = _evals(fixed)
+    # the case: the fixed 8 passes end well above their best (overfitting)
+    assert fixed_evals[-1]["val_loss"] > ckpt.read_best(fixed)["val_loss"] + 0.05
+    # the stop serves a model at least as good (the eval reads the whole split here) for fewer tokens
+    assert ckpt.read_best(stop)["val_loss"] <= ckpt.read_best(fixed)["val_loss"]
+    last = {tag: run_meta(tmp_path, ckpt.complete_steps(tmp_path / "checkpoints" / tag)[-1], tag)
+            for tag in ("fixed", "stop")}
+    assert last["stop"]["state"]["tokens_seen"] < 0.9 * last["fixed"]["state"]["tokens_seen"]
+    assert "stopped improving during the warmdown" in _end(stop) and "of the budget unspent" in _end(stop)
+    assert "passes over the training data (MAX_EPOCHS)" in _end(fixed)
+    assert "(the whole split, in whole windows)" in (stop / "report.md").read_text()
+
+
+def test_a_plateau_at_the_peak_lr_starts_the_warmdown_and_the_run_ends_with_it(tmp_path):
+    """No pass cap and a budget the clock never reaches: the LR stays at its peak until the val loss
+    stops gaining, then falls linearly to 0 over a ninth of the tokens so far (warmdown_frac 0.1)."""
+    data = _small_corpus(tmp_path)
+    proc = run_train([*SMALL, "--data_dir", data, "--workspace", tmp_path, "--max_epochs", "0",
+                      "--warmdown_frac", "0.1"])
+    run_dir = tmp_path / "checkpoints" / "d4"
+    state = run_meta(tmp_path, ckpt.complete_steps(run_dir)[-1], "d4")["state"]
+    start, length = state["anneal_start_tokens"], state["anneal_tokens"]
+    assert start > 0 and length == round(start * 0.1 / 0.9)
+    assert start + length <= state["tokens_seen"] < start + length + 1024  # ended with the warmdown
+    lines = proc.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if "the LR warmdown starts now" in line)
+    lr = lambda part: [float(m) for m in re.findall(r"^step \d+ \| loss [\d.]+ \| lr ([\d.e+-]+)", "\n".join(part),
+                                                     re.M)]
+    before, after = lr(lines[:at]), lr(lines[at:])
+    assert len(set(before)) == 1 and after[0] == before[0]  # the peak until the plateau
+    assert len(after) == math.ceil(length / 1024)  # a step line each (LOG_EVERY_STEPS=1) until the end
+    assert all(b <= a for a, b in zip(after, after[1:]))  # then linearly down
+    assert after[-1] == pytest.approx(before[0] * (1 - (len(after) - 1) * 1024 / length), rel=0.02)
+    outcome = _end(run_dir)
+    assert outcome.startswith("finished: the val loss stopped improving at") and "warmdown" in outcome
+    assert "of the budget unspent" in outcome
