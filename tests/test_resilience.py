@@ -152,7 +152,8 @@ def test_training_goes_on_during_a_background_write_and_sigterm_completes_it(tmp
 def test_a_second_launch_on_a_running_run_exits_2_and_one_after_a_kill_resumes(tmp_path, corpus):
     env = {**ENV, "DEPTH": "2", "ASPECT_RATIO": "32", "HEAD_DIM": "32", "MAX_SEQ_LEN": "32", "DEVICE_BATCH_SIZE": "4",
            "TOTAL_BATCH_SIZE": "256", "SAMPLE_TOKENS": "0", "DATA_DIR": str(corpus), "WORKSPACE": str(tmp_path),
-           "SAVE_EVERY_STEPS": "5", "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+           "SAVE_EVERY_STEPS": "5", "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+           "PLATEAU_EVALS": "0"}  # the first launch must still run when the second starts: no stop at the minimum
     launch = ["bash", str(REPO / "experiment/run.sh")]
     run_dir = tmp_path / "checkpoints/d2"
     first = subprocess.Popen(launch, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -245,8 +246,10 @@ def test_on_exit_runs_once_when_the_run_ends_however_it_ends(tmp_path, corpus):
 
 def test_kill9_at_random_points_and_during_saves_then_resume_equals_uninterrupted(tmp_path, corpus):
     steps = 40
+    # An eval comes with every save, so the stop at the val minimum would end the reference before
+    # step 40 and the kills would land after its end: off, so every launch has steps left to kill.
     args = [*TINY, "--data_dir", corpus, "--max_steps", steps, "--save_every_steps", 1, "--total_batch_size", 256,
-            "--keep_last", 2]
+            "--keep_last", 2, "--plateau_evals", 0]
     run_train([*args, "--workspace", tmp_path / "ref"], nproc=2)
     ws = tmp_path / "killed"
     run_dir = ws / "checkpoints/d2"

@@ -5,7 +5,7 @@
 
 A cell is one corpus cut to its first --chars characters and one budget. In each cell every depth of
 --depths trains from scratch for the whole budget (an explicit DEPTH: no pass cap), then the default
-run (DEPTH=auto, its probe and its pass cap included); every run keeps the trainer's default stop at
+run (DEPTH=auto, its probe and its pass cap included; --auto adds variants); every run keeps the trainer's default stop at
 the val minimum. Each run appends one JSON line to --results as it ends: the full-val loss of the
 step it serves (its best), the budget seconds it used, its passes and tokens per parameter, and why
 it stopped. A run already in the file is skipped, so the grid grows over several sittings; --table
@@ -24,6 +24,7 @@ from experiment import checkpoint as ckpt
 from experiment.autosize import rule_params
 from experiment.model import GPTConfig
 from experiment.report import read_records
+from experiment.tools.ablate import parse_variant
 from experiment.tools.probes import cpu_matmul_peak
 from experiment.tools.versus import run_ours
 
@@ -36,14 +37,18 @@ def add_arguments(p) -> None:
     p.add_argument("--chars", type=int, nargs="+", default=[20_000, 150_000, 600_000])
     p.add_argument("--seconds", type=float, nargs="+", default=[30.0, 90.0], help="the budgets")
     p.add_argument("--depths", default="2,4,6,8", help="the explicit sweep")
+    p.add_argument("--auto", action="append", default=None, metavar="NAME:FLAGS",
+                   help="a DEPTH=auto run and its extra flags, e.g. 'auto16:--max_epochs 16' (repeatable; "
+                        "default 'auto:', the trainer's defaults); the table compares each with the sweep")
     p.add_argument("--table", action="store_true", help="print the table from --results; train nothing")
 
 
-def run_cell(corpus: Path, chars: int, seconds: float, depths: list[int], peak: float, results: Path) -> None:
+def run_cell(corpus: Path, chars: int, seconds: float, depths: list[int], autos: list[tuple[str, list[str]]],
+             peak: float, results: Path) -> None:
     """Every run of one cell not yet in `results`, sweep first, then auto, each appended as it ends;
     the data written once into a temp workspace."""
     done = cells(read_rows(results)).get((corpus.stem, chars, seconds), {})
-    todo = [(name, flags) for name, flags in [(f"d{d}", ["--depth", str(d)]) for d in depths] + [("auto", [])]
+    todo = [(name, flags) for name, flags in [(f"d{d}", ["--depth", str(d)]) for d in depths] + autos
             if name not in done]
     if not todo:
         return
@@ -92,19 +97,21 @@ def cells(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
 
 
 def table(rows: list[dict]) -> str:
-    """Per complete cell: auto's served loss, the sweep's best, the regret, the seconds, the winner."""
-    lines = ["| corpus | chars | budget | auto | sweep's best | regret | seconds: auto / winner | winner's passes, "
-             "tokens/param | GFLOP/s |", "|---|---|---|---|---|---|---|---|---|"]
+    """Per cell and DEPTH=auto variant: its served loss, the sweep's best, the regret, the seconds,
+    the winner's passes and tokens per parameter."""
+    lines = ["| corpus | chars | budget | run | auto | sweep's best | regret | seconds: auto / winner | winner's "
+             "passes, tokens/param | GFLOP/s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for (corpus, chars, seconds), runs in sorted(cells(rows).items()):
-        auto, sweep = runs.get("auto"), [r for n, r in runs.items() if n != "auto"]
-        if auto is None or not sweep:
+        sweep = [r for n, r in runs.items() if not n.startswith("auto")]
+        if not sweep:
             continue
         win = min(sweep, key=lambda r: r["served"])
-        regret = auto["served"] / win["served"] - 1
-        lines.append(f"| {corpus} | {chars:,} | {seconds:g} s | d{auto['depth']} {auto['served']:.4f} | "
-                     f"d{win['depth']} {win['served']:.4f} | {regret:+.2%}{'' if regret <= 0.01 else ' (miss)'} | "
-                     f"{auto['used']:.0f} / {win['used']:.0f} | {win['passes']:.1f}, {win['tokens_per_param']:.2f} | "
-                     f"{auto['peak_gflops']} |")
+        for name, auto in sorted((n, r) for n, r in runs.items() if n.startswith("auto")):
+            regret = auto["served"] / win["served"] - 1
+            lines.append(f"| {corpus} | {chars:,} | {seconds:g} s | {name} | d{auto['depth']} {auto['served']:.4f} | "
+                         f"d{win['depth']} {win['served']:.4f} | {regret:+.2%}{'' if regret <= 0.01 else ' (miss)'} | "
+                         f"{auto['used']:.0f} / {win['used']:.0f} | {win['passes']:.1f}, "
+                         f"{win['tokens_per_param']:.2f} | {auto['peak_gflops']} |")
     return "\n".join(lines)
 
 
@@ -114,9 +121,10 @@ def main(args) -> int:
         peak = cpu_matmul_peak()
         print(f"grid | fp32 matmul peak {peak / 1e9:.0f} GFLOP/s | results {results}", flush=True)
         depths = [int(d) for d in args.depths.split(",")]
+        autos = [parse_variant(a) for a in args.auto or ["auto:"]]
         for seconds in args.seconds:
             for chars in args.chars:
                 for corpus in map(Path, args.corpus):
-                    run_cell(corpus, chars, seconds, depths, peak, results)  # skips the runs done already
+                    run_cell(corpus, chars, seconds, depths, autos, peak, results)  # skips the runs done already
     print(table(read_rows(results)))
     return 0
