@@ -57,7 +57,8 @@ def test_in_run_eval_reads_the_whole_split_to_within_0_01(tmp_path):
     whole = evaluate(model, prepared, 256, 16, n_val, d)[0]
     first_slice = _mean_loss(model, prepared.tokens("val")[: 65_536 + 1], 256)
     assert abs(last["val_loss"] - whole) < 0.01, (last["val_loss"], whole)
-    assert whole - first_slice > 0.03, (whole, first_slice)  # the old slice could not pass the test above
+    # the old slice, the first 65,536 tokens, reads lower by more than twice that tolerance (0.031 here)
+    assert whole - first_slice > 0.02, (whole, first_slice)
     assert "65,536 of the" in (run_dir / "report.md").read_text()  # the report says what the eval covers
 
 
