@@ -627,9 +627,14 @@ def val_windows(n_tokens: int, seq_len: int, max_tokens: int) -> list[int]:
     all, else max_tokens // seq_len of them at even strides from the first window to the last, the
     same at every eval. A slice of the first tokens would read one stretch of the text: on Tiny
     Shakespeare the first 65,536 val tokens read about 0.09 nats below the whole split."""
-    n = (n_tokens - 1) // seq_len
-    k = min(n, max(1, max_tokens // seq_len))
+    k, n = val_window_count(n_tokens, seq_len, max_tokens)
     return [i * (n - 1) // max(k - 1, 1) * seq_len for i in range(k)]
+
+
+def val_window_count(n_tokens: int, seq_len: int, max_tokens: int) -> tuple[int, int]:
+    """(windows the eval sample reads, whole windows in the split): at least one, at most all."""
+    n = (n_tokens - 1) // seq_len
+    return min(n, max(1, max_tokens // seq_len)), n
 
 
 def val_batches(tokens: np.ndarray, seq_len: int, batch_size: int, max_tokens: int,

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from experiment.dataloader import Prepared, demo_lines, val_batches, val_windows
+from experiment.dataloader import Prepared, demo_lines, val_batches, val_window_count
 from experiment.distributed import Dist, autocast_for
 from experiment.engine import generate
 from experiment.model import GPT
@@ -29,10 +29,8 @@ def eval_coverage(prepared: Prepared, max_tokens: int, seq_len: int,
                   weights: list[float] | None = None) -> tuple[int, int, bool]:
     """(tokens the eval sample predicts, tokens in the val split, whether the sample is every whole
     window of the split): what an eval line's val loss covers."""
-    windows = []  # (windows read, whole windows in the part), as val_windows counts them
-    for s, _, n in eval_parts(prepared, max_tokens, seq_len, weights):
-        whole = (s["val"][1] - s["val"][0] - 1) // seq_len
-        windows.append((min(whole, max(1, n // seq_len)), whole))
+    windows = [val_window_count(s["val"][1] - s["val"][0], seq_len, n)
+               for s, _, n in eval_parts(prepared, max_tokens, seq_len, weights)]
     read = sum(k for k, _ in windows) * seq_len
     return read, prepared.meta["split"]["val_tokens"], all(k == n for k, n in windows)
 

@@ -762,8 +762,8 @@ def finish(t: Trainer, loop: Loop) -> None:
         t.log(f"serve it: bash run.sh serve   (or: python -m experiment.server --checkpoint {t.run_dir}, which "
               "serves its best)")
         left = unspent_text(t, t.budget_seconds - spent)
-        unspent = (f" | the val loss stopped improving: {left} of the budget unspent" if "stopped improving" in
-                   loop.outcome else f" | the data's {t.cfg.max_epochs:g} passes are done: {left} of the budget "
+        unspent = (f" | the val loss stopped improving: {left} of the budget unspent" if stopped_at_minimum(t)
+                   else f" | the data's {t.cfg.max_epochs:g} passes are done: {left} of the budget "
                    "unspent" if t.st.tokens_seen >= t.max_tokens else "")
         t.log(f"done: step {t.st.step:06d}, {spent / 3600:.3f}h of {t.cfg.training_hours:.3f}h used "
               f"({spent:.1f}s of {t.budget_seconds:.1f}s) | best checkpoint {files} (val_loss {best['val_loss']:.4f})"
