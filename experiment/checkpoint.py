@@ -32,6 +32,8 @@ from experiment.model import GPT, GPTConfig, build_model
 META_RE = re.compile(r"^meta_(\d{6,})\.json$")
 MODEL_RE = re.compile(r"^model_(\d{6,})(?:_rank\d+)?\.pt$")  # the whole model or one rank's part
 STEP_FILE_RE = re.compile(r"^(?:model|optim)_(\d{6,})(?:_rank\d+)?\.pt$")
+# _atomic_write's temp files of a checkpoint's files: .<name>.<random>.tmp
+CHECKPOINT_TMP_RE = re.compile(r"^\.(?:(?:model|optim)_\d{6,}(?:_rank\d+)?\.pt|meta_\d{6,}\.json|best\.json)\..+\.tmp$")
 # A step's files are checked against their recorded CRC-32 when they total at most this (a read of
 # seconds); larger steps are checked by size, which finds a truncated file, the common damage.
 CHECKSUM_MAX_BYTES = 2 * 10**9
@@ -166,15 +168,34 @@ def is_resumable(run_dir: Path, step: int) -> bool:
 
 
 def remove_incomplete(run_dir: Path) -> None:
-    """Drop files of steps that never got their meta (a crash mid-save) and stale temp files."""
+    """Drop files of steps that never got their meta (a crash mid-save) and the checkpoints' stale
+    temp files; another writer's temp file (an export's .best.pt.*.tmp) is not ours to delete.
+    Rank 0 calls this between collectives, so an I/O error here is said on stderr, never raised: a
+    raise would end rank 0 alone and leave the other ranks waiting in the next collective."""
     run_dir = Path(run_dir)
-    done = set(complete_steps(run_dir))
-    for p in run_dir.glob("*.pt"):
-        m = STEP_FILE_RE.match(p.name)
-        if m and int(m.group(1)) not in done and p.is_file():
-            p.unlink(missing_ok=True)
-    for p in run_dir.glob(".*.tmp"):
-        p.unlink(missing_ok=True)
+    try:
+        done = set(complete_steps(run_dir))
+        for p in run_dir.glob("*.pt"):
+            m = STEP_FILE_RE.match(p.name)
+            if m and int(m.group(1)) not in done and p.is_file():
+                p.unlink(missing_ok=True)
+        for p in run_dir.glob(".*.tmp"):
+            if CHECKPOINT_TMP_RE.match(p.name):
+                p.unlink(missing_ok=True)
+    except OSError as e:
+        print(f"warning: removing an incomplete checkpoint's files from {run_dir} failed ({e}); they are never "
+              "loaded, and the next launch tries again", file=sys.stderr, flush=True)
+
+
+def repair_best(run_dir: Path, best_val: float, best_step: int) -> bool:
+    """Make best.json name the best step the resumed checkpoint records, when that step is complete
+    and best.json names another: a kill between a step's meta and its best.json leaves best.json
+    behind, and retention protects only the step best.json names. True when it was rewritten."""
+    best = read_best(run_dir)
+    if best_step < 0 or best_step not in complete_steps(run_dir) or (best and int(best["step"]) == best_step):
+        return False
+    atomic_write_json(Path(run_dir) / "best.json", {"step": best_step, "val_loss": best_val})
+    return True
 
 
 def resolve_serving_checkpoint(path: str | Path | None, workspace: Path) -> Path:

@@ -98,7 +98,7 @@ class TrainConfig:
     resume: str = opt("auto: latest complete checkpoint; never; or a step number", "auto")
     save_every_minutes: float | None = opt("checkpoint cadence (default 60 with CUDA, 1 without)")
     save_every_steps: int = opt("also checkpoint every N steps (0: off)", 0)
-    keep_last: int = opt("complete checkpoints kept, plus the best", 3)
+    keep_last: int = opt("complete checkpoints kept (at least 1), plus the best", 3)
     keep_best_optimizer: int = opt("1: a best checkpoint older than the last keep_last keeps its optimizer "
                                     "shards (resumable); 0: only its model and meta (servable)", 0)
     async_save: int = opt("1: each rank copies its share of a checkpoint into host memory and writes it in the "
@@ -198,6 +198,8 @@ def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
     for name in ("eval_every_epochs", "plateau_evals"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.keep_last < 1:  # 0 would delete the step just saved (a preemption's checkpoint included)
+        raise ConfigError(f"--keep_last must be >= 1 (the newest complete checkpoint is always kept), got {cfg.keep_last}")
     if not 0 <= cfg.plateau_margin < 1:
         raise ConfigError(f"--plateau_margin must lie in [0, 1) (a fraction of the val loss), got {cfg.plateau_margin}")
     unknown = set(filter(None, cfg.allow.split(","))) - set(GUARDS)

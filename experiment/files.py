@@ -30,6 +30,17 @@ def default_workspace() -> Path:
     return REPO_ROOT
 
 
+def volume(path: Path) -> tuple[Path, int]:
+    """(the mount point that holds `path`, its free bytes): what an error about a full disk names."""
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    mount = path
+    while not os.path.ismount(mount):
+        mount = mount.parent
+    return mount, shutil.disk_usage(path).free
+
+
 def _atomic_write(path: Path, write):
     """write(f) into a temp file beside path, fsync, rename; returns what write returned."""
     path.parent.mkdir(parents=True, exist_ok=True)

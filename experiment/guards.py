@@ -17,7 +17,6 @@ They only decide, from what they are handed: the tests give them a CUDA-shaped c
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +24,9 @@ import torch
 
 from experiment import autosize
 from experiment.config import MAX_EPOCHS, ConfigError, TrainConfig
+from experiment.files import volume
 from experiment.hardware import peak_flops
-from experiment.memory import checkpoint_bytes
+from experiment.memory import checkpoint_bytes, checkpoint_precision, staged_bytes_per_rank
 from experiment.saver import HOST_STAGING_FRACTION
 
 
@@ -45,6 +45,7 @@ class GpuPlan:
     epochs: float  # the passes the run trains: the budget's, or MAX_EPOCHS when fewer
     hours: float  # the hours those take
     checkpoint_bytes: int
+    staged_rank_bytes: int  # the largest rank's share staged in pinned host memory (background saves)
     disk_peak_bytes: int
     save_seconds: float  # the checkpoint at DISK_WRITE_GBPS: what a save takes, every rank into one volume
 
@@ -76,8 +77,10 @@ def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: 
     rate = autosize.predicted_tok_per_s(config, gpu.peak, world_size)
     budget_epochs = rate * cfg.training_hours * 3600 / train_tokens
     epochs = min(budget_epochs, cfg.max_epochs or budget_epochs)
+    precision = checkpoint_precision(config, world_size, gpu.memory_bytes, cfg.precision)
     ckpt = checkpoint_bytes(config, world_size, gpu.memory_bytes, cfg.precision)
-    return GpuPlan(config.depth, rate, budget_epochs, epochs, epochs * train_tokens / rate / 3600, ckpt,
+    staged = max(staged_bytes_per_rank(config, world_size, precision, pinned=True))
+    return GpuPlan(config.depth, rate, budget_epochs, epochs, epochs * train_tokens / rate / 3600, ckpt, staged,
                    (cfg.keep_last + 2) * ckpt, ckpt / (DISK_WRITE_GBPS * 1e9))
 
 
@@ -110,8 +113,9 @@ def plan_line(cfg: TrainConfig, p: GpuPlan, world_size: int, gpu: Gpu) -> str:
 def staging_line(cfg: TrainConfig, p: GpuPlan, world_size: int, nproc_per_node: int, available: int) -> str:
     """Whether saves can write in the background: this node's ranks stage their checkpoint shares in
     host memory, which must hold them within saver.HOST_STAGING_FRACTION of what is available (the
-    trainer checks the same at start and otherwise saves blocking)."""
-    need = p.checkpoint_bytes * nproc_per_node / world_size
+    trainer checks the same at start and otherwise saves blocking), counted as the pinned allocator
+    takes it (each buffer rounded up to a power of two)."""
+    need = p.staged_rank_bytes * nproc_per_node
     if not cfg.async_save:
         return f"preflight | saves block training (ASYNC_SAVE=0): about {p.save_seconds:.0f} s each"
     if need > HOST_STAGING_FRACTION * available:
@@ -122,8 +126,9 @@ def staging_line(cfg: TrainConfig, p: GpuPlan, world_size: int, nproc_per_node: 
             f"({available / 1e9:.0f} GB available); training waits only for the copy")
 
 
-def check(cfg: TrainConfig, p: GpuPlan | None, demo: bool, workspace: Path, run_dir: Path) -> None:
-    """ConfigError naming every guard that fails and is not in ALLOW, each with its way out."""
+def check(cfg: TrainConfig, p: GpuPlan | None, demo: bool, workspace: Path, run_dir: Path, resume: bool = False) -> None:
+    """ConfigError naming every guard that fails and is not in ALLOW, each with its way out. The disk
+    guard refuses a fresh run only: a resume hears it as a warning (disk_warning)."""
     allowed = set(filter(None, cfg.allow.split(",")))
     errors = []
     if demo and "demo" not in allowed:
@@ -133,21 +138,29 @@ def check(cfg: TrainConfig, p: GpuPlan | None, demo: bool, workspace: Path, run_
         errors.append(f"d{p.depth} would see the training data {p.epochs:.1f} times in the {cfg.training_hours:g}h "
                       f"budget (predicted), past {MAX_EPOCHS} (repeated data is worth less and less); use DEPTH=auto, "
                       f"MAX_EPOCHS={MAX_EPOCHS} (stops there), fewer TRAINING_HOURS, or ALLOW=repeat")
-    if p is not None and "disk" not in allowed:
-        free = free_bytes(workspace) + held_bytes(run_dir)
-        if free < p.disk_peak_bytes:
-            errors.append(f"{workspace} has {free / 1e9:.1f} GB free (with what {run_dir.name} holds now), below the "
-                          f"planned peak {p.disk_peak_bytes / 1e9:.1f} GB ({cfg.keep_last} + 2 checkpoints of "
-                          f"{p.checkpoint_bytes / 1e9:.1f} GB); free space, lower KEEP_LAST, or ALLOW=disk")
+    if p is not None and "disk" not in allowed and not resume and (short := disk_shortfall(cfg, p.checkpoint_bytes,
+                                                                                           workspace, run_dir)):
+        errors.append(short + "; free space, lower KEEP_LAST, or ALLOW=disk")
     if errors:
         raise ConfigError("; and ".join(errors))
 
 
-def free_bytes(path: Path) -> int:
-    path = Path(path)
-    while not path.exists():
-        path = path.parent
-    return shutil.disk_usage(path).free
+def disk_shortfall(cfg: TrainConfig, checkpoint_bytes: int, workspace: Path, run_dir: Path) -> str | None:
+    """Why the volume cannot hold the planned peak (KEEP_LAST + the best + the one being written),
+    counting what the run directory holds now (retention replaces it); None when it can."""
+    mount, free = volume(run_dir)  # the run directory's own volume (it may be a mount of its own)
+    peak, free = (cfg.keep_last + 2) * checkpoint_bytes, free + held_bytes(run_dir)
+    if free >= peak:
+        return None
+    return (f"the volume {mount} of {run_dir} has {free / 1e9:.3g} GB free (with what {Path(run_dir).name} holds now), below the planned "
+            f"peak {peak / 1e9:.3g} GB ({cfg.keep_last} + 2 checkpoints of {checkpoint_bytes / 1e9:.3g} GB)")
+
+
+def disk_warning(cfg: TrainConfig, checkpoint_bytes: int, workspace: Path, run_dir: Path) -> str | None:
+    """The disk guard where it does not refuse (a resume, a CPU run): the line to print, if any."""
+    short = disk_shortfall(cfg, checkpoint_bytes, workspace, run_dir)
+    return short and (f"warning: {short}: a save that finds the volume full fails and training goes on, but a final "
+                      "one ends the run; free space or lower KEEP_LAST")
 
 
 def held_bytes(run_dir: Path) -> int:

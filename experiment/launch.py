@@ -94,6 +94,46 @@ def _try_lock(f) -> bool:
         return False
 
 
+# torchrun restarts every worker that exits non-zero (MAX_RESTARTS times). A launch the trainer itself
+# ended with a failure (a final save the volume refused, a diverging loss) would then resume and
+# train up to the same failure again, each time: the hours since the latest checkpoint, over and
+# over. So its workers leave a marker for their torchrun agent (named by host and the agent's pid,
+# which restarted workers share), and a restarted worker that finds it exits at once.
+ENDED_PREFIX = ".ended."
+
+
+def _ended_marker(run_dir: Path) -> Path | None:
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # not under torchrun: nothing restarts this process
+        return None
+    return Path(run_dir) / f"{ENDED_PREFIX}{socket.gethostname()}.{os.getppid()}"
+
+
+def end_launch(run_dir: Path, outcome: str) -> None:
+    """Every rank whose trainer ended the launch with a failure: no restart of this launch trains again."""
+    if (marker := _ended_marker(run_dir)) is not None:
+        try:
+            marker.write_text(outcome + "\n")
+        except OSError:  # a full volume may refuse even this: torchrun then restarts as before
+            pass
+
+
+def ended_launch(run_dir: Path) -> str | None:
+    """The outcome that ended this launch, when this process is one of torchrun's restarts after it."""
+    marker = _ended_marker(run_dir)
+    if marker is None or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 or not marker.is_file():
+        return None
+    return marker.read_text().strip() or "failed"
+
+
+def clear_ended(run_dir: Path) -> None:
+    """Rank 0 of a launch that trains: earlier launches' markers are stale."""
+    for p in Path(run_dir).glob(ENDED_PREFIX + "*"):
+        try:
+            p.unlink(missing_ok=True)
+        except OSError:  # only a restart of its own launch ever reads one
+            pass
+
+
 EVAL_PROMPT_TOKENS = 32  # the default eval prompt: this many tokens from the start of the val split
 
 

@@ -119,12 +119,40 @@ def checkpoint_bytes_per_rank(config: GPTConfig, world: int, precision: str) -> 
     return list(zip(part, shard))
 
 
+def pinned_block_bytes(nbytes: int) -> int:
+    """What torch's pinned host allocator (CachingHostAllocator) takes for a block of `nbytes`: it
+    rounds every request up to a power of two, so a 768 x 768 fp32 matrix (2.36 MB) takes 4.19 MB."""
+    return 1 << max(nbytes - 1, 0).bit_length() if nbytes > 0 else 0
+
+
+def staged_bytes_per_rank(config: GPTConfig, world: int, precision: str, pinned: bool) -> list[int]:
+    """Host memory each rank's staged checkpoint share takes (experiment/saver.py, HostBuffers): one
+    buffer per tensor of checkpoint_bytes_per_rank's files, each rounded up as the pinned allocator
+    does when `pinned` (CUDA), else exact. The RNG states and AdamW's step counters are left out (bytes)."""
+    shapes = param_shapes(config)
+    owner = partition({n: math.prod(sh) for n, sh in shapes.items()}, world)
+    weight = 2 if precision == "bf16" else 4
+    block = pinned_block_bytes if pinned else (lambda n: n)
+    staged = [0] * world
+    for n, sh in shapes.items():
+        size = math.prod(sh)
+        # the model part's tensor; the shard's fp32 master and Muon momentum or AdamW's two moments
+        tensors = [size * weight, 4 * size] + [4 * size] * (1 if uses_muon(n, sh) else 2)
+        staged[owner[n]] += sum(block(b) for b in tensors)
+    return staged
+
+
 def checkpoint_bytes(config: GPTConfig, world: int, gpu_bytes: int, precision: str = "auto") -> int:
     """One checkpoint's bytes, all ranks together, in the precision the memory plan picks at one
     sequence per micro-batch (bf16 when nothing fits)."""
+    return sum(part + shard for part, shard in checkpoint_bytes_per_rank(config, world, checkpoint_precision(
+        config, world, gpu_bytes, precision)))
+
+
+def checkpoint_precision(config: GPTConfig, world: int, gpu_bytes: int, precision: str = "auto") -> str:
+    """The weights' precision the memory plan picks at one sequence per micro-batch (bf16 when nothing fits)."""
     mode = choose_mode(config, world, 1, config.max_seq_len, gpu_bytes, precision)
-    weights = mode.precision if mode else ("bf16" if precision == "auto" else precision)
-    return sum(part + shard for part, shard in checkpoint_bytes_per_rank(config, world, weights))
+    return mode.precision if mode else ("bf16" if precision == "auto" else precision)
 
 
 def choose_mode(config: GPTConfig, world_size: int, batch: int, seq: int, gpu_bytes: int,

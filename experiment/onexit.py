@@ -75,8 +75,11 @@ def main(argv=None) -> int:
     while last_words(Path(run_dir), float(since)) is None and time.time() < deadline:
         time.sleep(POLL_SECONDS)
     env = outcome_env(Path(run_dir), float(since))
-    print(f"on_exit | {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} | {env['RUN_OUTCOME']} | running: "
-          f"{command}", flush=True)
+    try:
+        print(f"on_exit | {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} | {env['RUN_OUTCOME']} | running: "
+              f"{command}", flush=True)
+    except OSError:  # on_exit.log lives in the run directory, whose volume may be full: run the command anyway
+        pass
     return subprocess.run(command, shell=True, env={**os.environ, **env}).returncode
 
 

@@ -32,6 +32,7 @@ from experiment.files import atomic_write_json, default_workspace
 from experiment.hardware import host_available_bytes
 from experiment.launch import (check_not_running, check_resume_target, depth_for, eval_prompt_ids, make_config, model_config,
                                prepare_data, uses_demo)
+from experiment.memory import checkpoint_bytes
 from experiment.mixture import source_weights
 from experiment.model import GPTConfig
 
@@ -117,7 +118,11 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
         log(guards.plan_line(cfg, gpu_plan, world_size, gpu))
         log(guards.staging_line(cfg, gpu_plan, world_size, nproc_per_node or world_size, host_available_bytes()))
     if gpu is not None:
-        guards.check(cfg, gpu_plan, demo, workspace, run_dir)
+        guards.check(cfg, gpu_plan, demo, workspace, run_dir, resume=resume_step is not None)
+    if config is not None and (gpu_plan is None or resume_step is not None) and (warning := guards.disk_warning(
+            cfg, gpu_plan.checkpoint_bytes if gpu_plan else checkpoint_bytes(config, world_size, 1 << 62, cfg.precision),
+            workspace, run_dir)):
+        log(warning)
     if len(weights or []) > MANY_SOURCES:
         log(f"warning: {len(weights)} sources (each *.txt at the top of DATA_DIR is one): each is evaluated at "
             "every eval and needs a DATA_MIX weight; group files into sub-directories (one source each)")

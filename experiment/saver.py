@@ -88,7 +88,10 @@ class Pending:
     meta: dict  # rank 0 writes it at completion, with every rank's files
     started: float
     staged_seconds: float  # training was blocked for the copy to host memory
-    thread: threading.Thread | None  # None: written in the calling thread
+    # Written in a background thread: the same on every rank (a rank whose staging failed has no
+    # thread, yet completes with the others), so the caller may branch on it.
+    background: bool
+    thread: threading.Thread | None  # None: written in the calling thread, or the staging failed
     outcome: dict = field(default_factory=dict)  # the writer's: error, files, done_at
     context: dict = field(default_factory=dict)  # the caller's, handed back at completion
 
@@ -127,9 +130,9 @@ class Saver:
                     torch.cuda.current_stream(self.device).synchronize()  # the non-blocking copies have landed
             except (RuntimeError, MemoryError) as e:  # host memory ran out: this save fails, the training does not
                 staging_error = f"staging in host memory: {type(e).__name__}: {e}"
-        p = Pending(step, meta, started, time.time() - started, None, context=context or {})
-        if staging_error:  # complete() tells every rank, so none waits in a collective this rank never reaches
-            self._failed(p, staging_error)
+        p = Pending(step, meta, started, time.time() - started, background, None, context=context or {})
+        if staging_error:  # complete() tells every rank (it is still a background save on every rank, so this
+            self._failed(p, staging_error)  # one does not complete it early, alone in a collective)
         elif background:
             p.thread = threading.Thread(target=self._write, args=(p, data), name=f"save-{step}", daemon=True)
             p.thread.start()
@@ -171,6 +174,15 @@ class Saver:
         error = ckpt.complete_step(self.run_dir, p.step, p.outcome["error"], p.outcome["files"], p.meta, self.rank,
                                    self.all_ok, self.gather)
         return p, error
+
+    def block_from_now_on(self) -> bool:
+        """Every later save blocks training, and the host buffers are freed: after a failed save (host
+        memory short while staging, a volume that refused a write), a second one is likelier than
+        not, and a blocking save leaves nothing staged to fail. Call it on every rank alike. True
+        when saves were in the background until now."""
+        was, self.background = self.background, False
+        self.buffers = HostBuffers(pinned=self.buffers.pinned)
+        return was
 
     def seconds_left(self, save_seconds: float) -> float:
         """A guess at what the pending write still needs (a save takes about `save_seconds`): the

@@ -32,9 +32,10 @@ from experiment.dataloader import DataError, Prepared, TokenBatches
 from experiment.distributed import (PHASE_TIMEOUTS, Dist, ParentWatch, StopSignal, all_ranks_ok, broadcast_object,
                                     gather_objects, resolve_device, setup_distributed, wrap_ddp)
 from experiment.evaluation import eval_coverage, evaluate
-from experiment.files import default_workspace
+from experiment.files import default_workspace, volume
 from experiment.hardware import host_available_bytes, memory_gib
-from experiment.memory import checkpoint_bytes_per_rank, choose_memory_mode, find_device_batch, probe_reserve_bytes
+from experiment.memory import (checkpoint_bytes_per_rank, choose_memory_mode, find_device_batch, probe_reserve_bytes,
+                               staged_bytes_per_rank)
 from experiment.mixture import MixedBatches, source_weights
 from experiment.model import DTYPES, GPT, GPTConfig, build_model
 from experiment.optim import ShardedOptimizer, lr_multiplier
@@ -203,6 +204,9 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
             f"{st.used_seconds / 3600:.3f}h used, best {st.best_val:.4f} @ {st.best_step:06d}")
     if d.master:  # files of a save that a crash cut short; the loaded step is complete, so never these
         ckpt.remove_incomplete(run_dir)
+        launch.clear_ended(run_dir)
+        if resume_step is not None:
+            repair_best(run_dir, st, log)
     weights = source_weights(prepared.meta, cfg.data_mix)
     ddp = wrap_ddp(model, d)
     use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda)
@@ -241,9 +245,10 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
 
 def make_saver(cfg: TrainConfig, d: Dist, model: GPT, run_dir: Path, log: RunLog) -> Saver:
     """Saves in the background when ASYNC_SAVE=1 and the node's host memory holds every local rank's
-    staged share within HOST_STAGING_FRACTION of what is available (on every node), else blocking."""
+    staged share within HOST_STAGING_FRACTION of what is available (on every node), else blocking.
+    On CUDA the share is counted as the pinned allocator takes it (memory.staged_bytes_per_rank)."""
     precision = "bf16" if model.wte.weight.dtype == torch.bfloat16 else "fp32"
-    share = sum(checkpoint_bytes_per_rank(model.config, d.world_size, precision)[d.rank])
+    share = staged_bytes_per_rank(model.config, d.world_size, precision, pinned=d.device.type == "cuda")[d.rank]
     need, available = share * d.local_world_size, host_available_bytes()
     background = bool(cfg.async_save) and all_ranks_ok(need <= HOST_STAGING_FRACTION * available, d)
     if background:
@@ -415,7 +420,8 @@ def train_loop(t: Trainer) -> int:
             if signum:  # preempted: save what we have now; an eval would spend the grace period
                 name = signal.Signals(signum).name
                 loop.stop(0, f"stopped: {name} at step {step}; the same command resumes it")
-                log(f"received {name}: saving step {step:06d} and exiting")
+                log(f"received {name}: " + (f"completing step {t.saver.pending.step:06d}'s save, in flight, and exiting"
+                                             if writing else f"saving step {step:06d} and exiting"))
             elif (eval_due or save_due or last_step) and step != loop.last_eval_step:
                 maybe_eval(t, loop)
             maybe_save(t, loop, save_due, preempted=bool(signum), writing=bool(writing))
@@ -433,6 +439,8 @@ def train_loop(t: Trainer) -> int:
     outcome = loop.outcome if loop.end is not None else "finished: no step was left to run"
     t.report.add({"kind": "end", "step": t.st.step, "outcome": outcome, "code": loop.end or 0, "time": time.time()})
     t.report.write(t.st, outcome)
+    if loop.end == 1:  # the trainer's own decision (a failed final save, a diverging loss): a restart repeats it
+        launch.end_launch(t.run_dir, outcome)
     return loop.end or 0
 
 
@@ -583,16 +591,25 @@ def maybe_save(t: Trainer, loop: Loop, save_due: bool, preempted: bool, writing:
     st, step, final = t.st, t.st.step, loop.end is not None
     # No periodic save during a streak of skipped updates: retention must not push the last
     # checkpoint from before the streak out. (Skipped updates leave the weights valid, so the final
-    # save still happens.)
+    # save still happens, and so does a new best's: best.json must name a step that exists.)
     if not ((save_due or final or st.best_step == step) and step != loop.last_saved_step
-            and (final or not loop.bad_in_a_row)):
+            and (final or st.best_step == step or not loop.bad_in_a_row)):
         return
     if t.saver.pending is not None:
         before, t0 = t.saver.pending.step, time.time()
         finish_save(t, loop, wait=True)
-        if writing:
-            st.save_waits, st.save_wait_seconds = st.save_waits + 1, st.save_wait_seconds + time.time() - t0
-            t.log(f"save | step {step:06d} waited {time.time() - t0:.1f}s for step {before:06d}'s write to finish "
+        waited = time.time() - t0
+        if preempted and loop.last_complete_step == before:
+            # A stop signal during a write: that save, complete now, is the one the run stops on. A second
+            # would spend another whole write of the grace period; the steps since it are trained again.
+            t.log(f"save | stopping on step {before:06d}'s checkpoint, whose write was in flight at the signal "
+                  f"(waited {waited:.1f}s); a resume trains the {step - before} steps since it again")
+            return
+        if final:
+            t.log(f"save | the final save waited {waited:.1f}s for step {before:06d}'s write to finish")
+        elif writing:
+            st.save_waits, st.save_wait_seconds = st.save_waits + 1, st.save_wait_seconds + waited
+            t.log(f"save | step {step:06d} waited {waited:.1f}s for step {before:06d}'s write to finish "
                   f"({st.save_waits} waits, {st.save_wait_seconds:.1f}s in all: saves come due faster than one "
                   "writes; a longer SAVE_EVERY_MINUTES avoids it)")
     st.used_seconds, st.data_state = loop.used(), loop.data_state
@@ -600,7 +617,7 @@ def maybe_save(t: Trainer, loop: Loop, save_due: bool, preempted: bool, writing:
     t.saver.begin(step, *share, background=not final,
                   context={"final": final})
     loop.last_saved_step, loop.last_save_time = step, time.time()  # a failed save is retried when due again
-    if t.saver.pending.thread is None:  # written already: the final save, or staging is off
+    if not t.saver.pending.background:  # written already (the final save, or staging is off): on every rank
         finish_save(t, loop, wait=True)
 
 
@@ -615,7 +632,7 @@ def finish_save(t: Trainer, loop: Loop, wait: bool = False) -> None:
         t.saver.wait()
     p, error = t.saver.complete()
     loop.enter(phase, t.d)
-    blocked = p.staged_seconds + time.time() - t0 if p.thread else time.time() - p.started
+    blocked = p.staged_seconds + time.time() - t0 if p.background else time.time() - p.started
     st.save_seconds = max(st.save_seconds, p.write_seconds)
     t.report.add({"kind": "save", "step": p.step, "seconds": round(p.write_seconds, 3), "blocked": round(blocked, 3),
                   "ok": error is None})
@@ -628,14 +645,41 @@ def finish_save(t: Trainer, loop: Loop, wait: bool = False) -> None:
                   + f" | written in {p.write_seconds:.1f}s, training blocked {blocked:.2f}s"
                   + ckpt.retain(t.run_dir, retention, t.log))
         return
-    final = p.context["final"]
-    t.log(f"error: checkpoint step {p.step:06d} not saved ({error}); earlier checkpoints are kept"
-          + ("" if final else ", training goes on"))
-    if final:
-        t.log("error: the final checkpoint could not be written; the latest complete one is kept")
-        loop.stop(1, "failed: the final checkpoint could not be written (training.log says why)")
-    elif st.best_step == p.step:  # best.json must name a checkpoint that exists; evals stay counted
+    if p.context["final"]:
+        t.log(f"error: the final checkpoint, step {p.step:06d}, could not be written to {t.run_dir} ({error}); "
+              f"{volume_text(t.run_dir)}; the latest complete checkpoint is "
+              + (f"step {loop.last_complete_step:06d}" if loop.last_complete_step >= 0 else "none")
+              + ": the same command resumes from it once the volume has room")
+        loop.stop(1, f"failed: the final checkpoint, step {p.step:06d}, could not be written (training.log says why)")
+        return
+    t.log(f"error: checkpoint step {p.step:06d} not saved ({error}); earlier checkpoints are kept, training goes on")
+    if t.saver.block_from_now_on():
+        t.log("save | every later save blocks training: a save failed, and host memory staged for the next "
+              "is freed")
+    if st.best_step == p.step:  # best.json must name a checkpoint that exists; evals stay counted
         st.best_val, st.best_step = loop.saved_best
+        if loop.last_eval_step == st.step > 0 and loop.val_loss < st.best_val:
+            # this step's eval (made while that write was in flight) beats the best that stands: its
+            # save, begun next, makes it the best
+            st.best_val, st.best_step = loop.val_loss, st.step
+
+
+def volume_text(run_dir: Path) -> str:
+    try:
+        mount, free = volume(run_dir)
+    except OSError as e:
+        return f"its volume cannot be read ({e})"
+    return f"the volume {mount} has {free / 1e6:,.1f} MB free"
+
+
+def repair_best(run_dir: Path, st: RunState, log: RunLog) -> None:
+    """Rank 0 on a resume: best.json names the best step the resumed checkpoint records (a kill
+    between a step's meta and its best.json leaves it naming an older one)."""
+    try:
+        if ckpt.repair_best(run_dir, st.best_val, st.best_step):
+            log(f"best.json names step {st.best_step:06d} again, the best its checkpoint records")
+    except OSError as e:  # the old best.json stands: it names a complete step too
+        log(f"warning: best.json could not be rewritten to name step {st.best_step:06d} ({e})")
 
 
 def train_step(t: Trainer, loop: Loop) -> tuple[torch.Tensor, float]:
@@ -787,6 +831,11 @@ def train(cfg: TrainConfig, d: Dist) -> int:
     cfg = resolve(cfg, d.device.type == "cuda", d.world_size)
     workspace = Path(cfg.workspace) if cfg.workspace else default_workspace()
     run_dir = workspace / "checkpoints" / cfg.model_tag
+    if (ended := launch.ended_launch(run_dir)) is not None:
+        if d.master:
+            print(f"error: not restarting: this launch already ended ({ended}); training.log in {run_dir} says "
+                  "why", file=sys.stderr, flush=True)
+        return 1
     log = RunLog(run_dir / "training.log" if d.master else None)
     log(f"config {json.dumps(dataclasses.asdict(cfg))}")
     try:

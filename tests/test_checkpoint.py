@@ -43,6 +43,40 @@ def test_only_steps_with_meta_count_and_prune_keeps_last_k_and_best(tmp_path):
     assert not ckpt.model_path(run, 6).exists() and ckpt.model_path(run, 5).exists()
 
 
+def test_removing_an_incomplete_step_leaves_other_writers_temp_files_and_never_raises(tmp_path, capsys):
+    run = tmp_path / "run"
+    _fake_step(run, 1)
+    _fake_step(run, 2, complete=False)
+    ours = [run / ".optim_000002_rank1.pt.k2j3h4g5.tmp", run / ".meta_000002.json.abc.tmp", run / ".best.json.x1.tmp"]
+    export = run / ".best.pt.q8w7e6r5.tmp"  # an export writing best.pt beside the checkpoints
+    for p in (*ours, export):
+        p.write_bytes(b"partial")
+    ckpt.remove_incomplete(run)
+    assert export.exists() and not any(p.exists() for p in ours) and not ckpt.model_path(run, 2).exists()
+    # an I/O error is said, not raised: rank 0 calls this between collectives (a raise ends it alone)
+    import unittest.mock
+
+    _fake_step(run, 3, complete=False)
+    with unittest.mock.patch("pathlib.Path.unlink", side_effect=PermissionError(13, "Permission denied")):
+        ckpt.remove_incomplete(run)
+    assert "removing an incomplete checkpoint's files" in capsys.readouterr().err
+
+
+def test_a_resume_repairs_a_best_json_that_a_kill_left_naming_an_older_step(tmp_path):
+    """A kill between step 4's meta (it records step 4 as the best) and its best.json: best.json still
+    names step 2, and retention protects only that one, so step 4 would be pruned once it ages out."""
+    run = tmp_path / "run"
+    for s in (2, 4):
+        _fake_step(run, s)
+    ckpt.atomic_write_json(run / "best.json", {"step": 2, "val_loss": 2.0})
+    assert ckpt.repair_best(run, 1.5, 4) and ckpt.read_best(run) == {"step": 4, "val_loss": 1.5}
+    assert not ckpt.repair_best(run, 1.5, 4)  # names it already
+    assert not ckpt.repair_best(run, 1.0, 6) and ckpt.read_best(run)["step"] == 4  # step 6 is not complete
+    _fake_step(run, 6)
+    _fake_step(run, 8)
+    assert ckpt.prune(run, keep_last=1) == [2, 6] and ckpt.complete_steps(run) == [4, 8]
+
+
 def test_model_parts_follow_the_same_rules_and_a_half_saved_step_is_never_used(tmp_path):
     run = tmp_path / "run"
     for s in (1, 2, 100000, 1000000):  # 100000's files are a prefix of 1000000's: never confused

@@ -9,7 +9,8 @@ import pytest
 
 from experiment import preflight
 from experiment.config import ConfigError, parse_args
-from experiment.guards import Gpu, free_bytes
+from experiment.files import volume
+from experiment.guards import Gpu
 from experiment.hardware import peak_flops
 
 H100 = Gpu("NVIDIA H100 PCIe", peak_flops("H100 PCIe"), 80 * 2**30)
@@ -63,7 +64,7 @@ def test_less_free_disk_than_the_checkpoints_need_is_refused_naming_both_numbers
                                            capture_output=True).returncode != 0:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
-        assert free_bytes(ws / "checkpoints/d24") <= 4 * 2**20  # measured on the nearest existing parent
+        assert volume(ws / "checkpoints/d24") == (ws, volume(ws)[1]) and volume(ws)[1] <= 4 * 2**20  # measured on the nearest existing parent
         error, _ = run_preflight(ws, "--data_dir", corpus, "--depth", 24, "--max_epochs", 8)
         assert isinstance(error, ConfigError), error
         message = str(error)
@@ -115,10 +116,11 @@ def test_the_plan_says_whether_host_memory_holds_the_staged_checkpoint_shares(tm
     plan, lines = run_preflight(tmp_path, "--data_dir", corpus)
     assert any(x.startswith("preflight | saves write in the background:") for x in lines), lines
     cfg = resolve(parse_args([]), True, 8)
-    p = guards.GpuPlan(64, 1e6, 1.0, 1.0, 1.0, checkpoint_bytes=129 * 10**9, disk_peak_bytes=0, save_seconds=430.0)
-    # one node of 8 ranks stages the whole 129 GB checkpoint; two nodes half each
+    p = guards.GpuPlan(64, 1e6, 1.0, 1.0, 1.0, checkpoint_bytes=129 * 10**9, staged_rank_bytes=16_125 * 10**6,
+                       disk_peak_bytes=0, save_seconds=430.0)
+    # one node of 8 ranks stages 8 shares; a node of 4 ranks half as many
     assert "saves write in the background: 129.0 GB" in guards.staging_line(cfg, p, 8, 8, 1000 * 10**9)
-    assert "64.5 GB staged" in guards.staging_line(cfg, p, 16, 8, 200 * 10**9)
+    assert "64.5 GB staged" in guards.staging_line(cfg, p, 16, 4, 200 * 10**9)
     short = guards.staging_line(cfg, p, 8, 8, 200 * 10**9)
     assert short.startswith("warning:") and "every save will block training for about 430 s" in short
     cfg.async_save = 0

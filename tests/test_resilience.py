@@ -121,9 +121,9 @@ def _writing_step(run_dir):
 
 
 def test_training_goes_on_during_a_background_write_and_sigterm_completes_it(tmp_path, corpus):
-    # Each rank's share is ~0.9 MB: at 0.3 MB/s a save writes for ~3 s, hundreds of tiny steps.
+    # Each rank's share is ~0.9 MB: at 0.2 MB/s a save writes for ~4.5 s, hundreds of tiny steps.
     args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256, "--save_every_steps", 4,
-            "--save_write_mbps", 0.3]
+            "--save_write_mbps", 0.2]
     run_dir = tmp_path / "checkpoints/d2"
     agent = _launch_until_logged(args, 2, tmp_path, "waited", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _wait_for(lambda: _writing_step(run_dir) is not None, what="a background write")
@@ -135,9 +135,11 @@ def test_training_goes_on_during_a_background_write_and_sigterm_completes_it(tmp
     assert agent.returncode == 0, err[-2000:]
     log = (run_dir / "training.log").read_text()
     steps = ckpt.complete_steps(run_dir)
-    stopped = int(log.split("received SIGTERM: saving step ")[1][:6])
-    # the write in flight was completed, then the step the signal found was saved: both resumable
-    assert stopped in steps and writing in steps and writing < stopped, (steps, writing, stopped)
+    # the write in flight was completed and is the checkpoint the run stopped on: no second write in
+    # the grace period (before, the step the signal found was written after it, two writes)
+    assert f"received SIGTERM: completing step {writing:06d}'s save, in flight, and exiting" in log
+    assert f"stopping on step {writing:06d}'s checkpoint" in log and steps[-1] == writing, (steps, writing)
+    stopped = writing
     assert time.time() - t0 < 60 and "Traceback" not in err
     assert ckpt.pick_resume_step(run_dir, "auto") == stopped
     # a save due while one wrote waited, and said so; the meta counts it
@@ -273,7 +275,7 @@ def test_kill9_at_random_points_and_during_saves_then_resume_equals_uninterrupte
     hit = []
     # The second launch saves every 4 steps at 0.3 MB/s (~3 s a save): the kill comes while training
     # steps beside a background write.
-    slow = ["--save_every_steps", 4, "--save_write_mbps", 0.3]
+    slow = ["--save_every_steps", 4, "--save_write_mbps", 0.2]
     for what, predicate in [("random", None), ("background write", background_write), ("mid-write", temp_file_present),
                             ("shards, no meta", shards_without_meta), ("random", None), ("mid-write", temp_file_present)]:
         flags = [*args, "--workspace", ws, *(slow if what == "background write" else [])]
@@ -438,7 +440,7 @@ def test_failed_save_keeps_earlier_checkpoints_and_training_goes_on(tmp_path, co
 
     ckpt.model_part_path(run_dir, 8, 1).mkdir()  # now rank 1 cannot write its model part: the final save fails
     proc = run_train([*args, "--max_steps", 8], nproc=2, check=False)
-    assert proc.returncode != 0 and "the final checkpoint could not be written" in proc.stdout
+    assert proc.returncode != 0 and "the final checkpoint, step 000008, could not be written" in proc.stdout
     assert ckpt.complete_steps(run_dir) == [2, 6]
 
 
@@ -474,6 +476,73 @@ def test_nonfinite_losses_skip_updates_and_a_streak_stops_the_run(tmp_path, corp
     assert ckpt.complete_steps(tmp_path / "checkpoints/d2")[-1] == 7  # nothing saved after the streak began
 
 
+def test_a_new_best_during_skipped_updates_is_saved_so_best_json_can_name_it(tmp_path, corpus, monkeypatch):
+    """Steps 2 and 3 skip their updates; step 3's eval (the first since step 0) is a new best. Broken
+    before: no save during a streak, so the run ended with best_step naming step 3, which no file held."""
+    from experiment import train
+    from experiment.model import GPT
+
+    forward, calls = GPT.forward, {"n": 0}
+
+    def nan_at_steps_2_and_3(self, idx, targets=None, **kw):
+        out = forward(self, idx, targets, **kw)
+        if targets is not None and self.training:
+            calls["n"] += 1
+            if calls["n"] in (3, 4):
+                return out * float("nan")
+        return out
+
+    monkeypatch.setattr(GPT, "forward", nan_at_steps_2_and_3)
+    code = train.main([*map(str, TINY), "--data_dir", str(corpus), "--workspace", str(tmp_path), "--total_batch_size",
+                       "128", "--eval_every_steps", "3", "--max_steps", "4"])
+    run_dir = tmp_path / "checkpoints/d2"
+    assert code == 0 and run_meta(tmp_path, 4)["state"]["best_step"] == 3
+    assert 3 in ckpt.complete_steps(run_dir) and ckpt.read_best(run_dir)["step"] == 3
+
+
+def test_a_kill_between_meta_and_best_json_is_repaired_by_the_resume(tmp_path, corpus, monkeypatch):
+    from experiment import train
+
+    write, killed = ckpt.atomic_write_json, []
+
+    def killed_at_step_4s_best_json(path, obj):
+        if path.name == "best.json" and obj["step"] == 4:
+            killed.append(True)
+            raise KeyboardInterrupt  # stands in for a kill -9 after meta_000004.json went in
+        write(path, obj)
+
+    base = [*map(str, TINY), "--data_dir", str(corpus), "--workspace", str(tmp_path), "--total_batch_size", "128",
+            "--eval_every_steps", "2", "--save_every_steps", "2", "--async_save", "0"]
+    monkeypatch.setattr(ckpt, "atomic_write_json", killed_at_step_4s_best_json)
+    with pytest.raises(KeyboardInterrupt):
+        train.main([*base, "--max_steps", "6"])
+    monkeypatch.undo()
+    run_dir = tmp_path / "checkpoints/d2"
+    assert killed and ckpt.complete_steps(run_dir)[-1] == 4 and ckpt.read_best(run_dir)["step"] == 2
+    assert train.main([*base, "--max_steps", "4"]) == 0  # a resume with no step left to run still repairs it
+    assert ckpt.read_best(run_dir) == {"step": 4, "val_loss": run_meta(tmp_path, 4)["val_loss"]}
+
+
+def test_a_staging_failure_on_one_rank_leaves_both_training_and_later_saves_blocking(tmp_path, corpus):
+    """Rank 1's first copy into host memory fails while rank 0's succeeds. Broken before: rank 1 alone
+    completed that save at once, its all-reduce meeting rank 0's next collective (a hang on NCCL)."""
+    args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256, "--max_steps", 8,
+            "--save_every_steps", 2]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "tests/faulty_train.py"), *map(str, args)]
+    proc = subprocess.run(cmd, cwd=REPO, env={**ENV, "FAULT_STAGING_RANK": "1"}, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "checkpoints/d2"
+    assert "saves write in the background" in proc.stdout and "injected by tests/faulty_train.py" in proc.stderr
+    assert "error: checkpoint step 000002 not saved" in proc.stdout and "step 000008 | loss" in proc.stdout
+    assert proc.stdout.count("every later save blocks training") == 1
+    steps = ckpt.complete_steps(run_dir)
+    assert 2 not in steps and steps[-3:] == [4, 6, 8] and not list(run_dir.glob("*_000002*"))
+    later = [r for r in _records(run_dir) if r["kind"] == "save" and r["step"] > 2]
+    assert len(later) == 3 and all(r["ok"] and r["blocked"] >= r["seconds"] for r in later), later  # blocking
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """tmp_path/checkpoints/d2 on a real 2.5 MiB tmpfs (room for one tiny checkpoint and its best.pt,
@@ -498,12 +567,34 @@ def test_a_full_disk_costs_a_save_not_the_run(tmp_path, corpus, small_disk):
     assert "saves write in the background" in proc.stdout  # step 4's write fails in the background writer
     assert "error: checkpoint step 000004 not saved" in proc.stdout and "writing checkpoint step 000004" in proc.stderr
     assert "step 000006 | loss" in proc.stdout  # training went on after the failed save
-    assert proc.returncode == 1 and "the final checkpoint could not be written" in proc.stdout
+    assert proc.returncode == 1 and "the final checkpoint, step 000006, could not be written" in proc.stdout
     assert ckpt.complete_steps(run_dir) == [2]  # the earlier checkpoint is kept, whole
     assert not [p.name for p in run_dir.iterdir() if "_000004" in p.name or "_000006" in p.name or p.suffix == ".tmp"]
     small_disk("16m")  # room again: the same command resumes from step 2 and finishes
     again = run_train(args)
     assert "resumed from" in again.stdout and ckpt.complete_steps(run_dir)[-1] == 6
+
+
+def test_a_full_disk_at_the_final_save_ends_the_launch_once(tmp_path, corpus, small_disk):
+    """The whole launch (run.sh, torchrun, MAX_RESTARTS=3) on a volume that fills at step 4's save.
+    Broken before: the failed final save exited 1, torchrun restarted the worker 3 times, and each
+    restart resumed step 2 and trained to the same failed final save (config printed 4 times)."""
+    out = tmp_path / "on_exit.txt"
+    env = {**ENV, "DEPTH": "2", "ASPECT_RATIO": "32", "HEAD_DIM": "32", "MAX_SEQ_LEN": "32", "DEVICE_BATCH_SIZE": "4",
+           "TOTAL_BATCH_SIZE": "256", "SAMPLE_TOKENS": "0", "EVAL_TOKENS": "512", "DATA_DIR": str(corpus),
+           "WORKSPACE": str(tmp_path), "MAX_STEPS": "6", "SAVE_EVERY_STEPS": "2", "KEEP_LAST": "1", "LOG_EVERY_STEPS": "1",
+           "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "ON_EXIT": f'echo "$RUN_OUTCOME" >> {out}'}
+    proc = subprocess.run(["bash", str(REPO / "experiment/run.sh")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    run_dir = tmp_path / "checkpoints/d2"
+    assert proc.returncode != 0 and proc.stdout.count("config {") == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "below the planned peak" in proc.stdout  # the pre-flight's disk guard, a warning on CPU
+    assert proc.stdout.count("step 000003 | loss") == 1 and proc.stdout.count("step 000006 | loss") == 1  # trained once
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("error: the final checkpoint"))
+    assert f"the volume {run_dir} has" in line and "MB free" in line and "checkpoint is step 000002" in line
+    assert ckpt.complete_steps(run_dir) == [2] and not ckpt.damaged_files(run_dir, 2)
+    assert _wait_for_file(out).splitlines() == [
+        "failed: the final checkpoint, step 000006, could not be written (training.log says why)"]
 
 
 # ---------------------------------------------------------------- memory modes

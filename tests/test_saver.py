@@ -164,3 +164,94 @@ def test_a_best_json_that_cannot_be_written_leaves_the_step_incomplete_as_report
     _, error = saver.complete()
     assert error and error.startswith("meta:")
     assert ckpt.complete_steps(tmp_path) == [1] and not ckpt.model_path(tmp_path, 2).exists()
+
+
+def test_a_best_eval_made_while_a_failed_best_save_was_in_flight_becomes_the_best(tmp_path):
+    """Step 3's eval was a new best (1.5) and its save fails; step 4's eval (1.8, not a new best then)
+    came while step 3's write was in flight. Once step 3 fails, step 4 beats the best that stands
+    (step 2, 2.0) and its save makes it the best. Broken before: the best went back to step 2 and
+    stayed there although step 4's own save completed."""
+    from types import SimpleNamespace
+
+    from experiment import train
+    from experiment.checkpoint import RunState
+    from experiment.distributed import Dist
+
+    st, lines = RunState(), []
+    t = SimpleNamespace(st=st, saver=_saver(tmp_path), d=Dist(0, 0, 1, torch.device("cpu")), run_dir=tmp_path,
+                        report=SimpleNamespace(add=lambda record: None), log=lines.append,
+                        cfg=SimpleNamespace(keep_last=3, keep_best_optimizer=0))
+    loop = train.Loop(x=None, y=None, data_state={}, started=0.0, used_at_start=0.0, last_eval_time=0.0,
+                      last_save_time=0.0, last_eval_step=0, last_eval_tokens=0, last_saved_step=0,
+                      last_complete_step=0)
+
+    def save(step, fails):
+        if fails:
+            ckpt.optim_path(tmp_path, step, 0).mkdir()  # its shard cannot be written
+        meta = {"step": step, "val_loss": loop.val_loss, "state": {"best_val": st.best_val, "best_step": st.best_step},
+                "world_size": 1, "model_parts": 1}
+        t.saver.begin(step, {"w": torch.ones(10)}, {}, meta, background=True, context={"final": False})
+
+    st.step, loop.last_eval_step, loop.val_loss = 2, 2, 2.0
+    st.best_val, st.best_step = 2.0, 2
+    save(2, fails=False)
+    train.finish_save(t, loop, wait=True)
+    st.step, loop.last_eval_step, loop.val_loss = 3, 3, 1.5
+    st.best_val, st.best_step = 1.5, 3
+    save(3, fails=True)
+    st.step, loop.last_eval_step, loop.val_loss = 4, 4, 1.8  # step 4's eval: no new best while step 3 stands
+    train.finish_save(t, loop, wait=True)  # step 4's save first completes step 3's: failed
+    assert (st.best_val, st.best_step) == (1.8, 4)
+    save(4, fails=False)
+    train.finish_save(t, loop, wait=True)
+    assert ckpt.complete_steps(tmp_path) == [2, 4] and ckpt.read_best(tmp_path) == {"step": 4, "val_loss": 1.8}
+
+
+def test_after_a_failed_save_every_later_save_blocks_and_the_host_buffers_are_freed(tmp_path):
+    saver = _saver(tmp_path)
+    saver.begin(1, {"w": torch.ones(10)}, {}, _meta(1), background=True)
+    assert saver.pending.background and saver.buffers.nbytes() > 0
+    saver.wait()
+    saver.complete()
+    assert saver.block_from_now_on() and not saver.block_from_now_on()  # said once
+    assert saver.buffers.nbytes() == 0
+    saver.begin(2, {"w": torch.ones(10)}, {}, _meta(2), background=True)
+    assert not saver.pending.background and saver.pending.thread is None and saver.complete()[1] is None
+
+
+def test_staging_is_counted_as_the_pinned_allocator_takes_it(tmp_path, monkeypatch):
+    """On CUDA the host buffers are pinned, and torch's pinned allocator rounds each one up to a power
+    of two (a 768 x 768 fp32 matrix takes 1.78x its bytes). The memory check counts that; on CPU the
+    buffers take exactly their bytes, measured here from a real staged share."""
+    from types import SimpleNamespace
+
+    from experiment import train
+    from experiment.distributed import Dist
+    from experiment.memory import pinned_block_bytes, staged_bytes_per_rank
+    from experiment.model import GPTConfig, build_model
+    from experiment.optim import LRS, ShardedOptimizer
+
+    assert [pinned_block_bytes(n) for n in (1, 4096, 4097, 768 * 768 * 4)] == [1, 4096, 8192, 4 * 2**20]
+    model = build_model(GPTConfig(vocab_size=65, depth=2, aspect_ratio=48, head_dim=32, max_seq_len=32))  # 96 wide
+    opt = ShardedOptimizer(model, 0, 1, **LRS)
+    model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)).backward()
+    opt.step()  # the optimizer state exists from the first step on
+    d = Dist(0, 0, 1, torch.device("cpu"))
+    saver = _saver(tmp_path)
+    saver.begin(1, ckpt.strip_compile_prefix(model.state_dict()), opt.shard_state(), _meta(1), background=True)
+    saver.wait()
+    saver.complete()
+    sizes = [b.numel() * b.element_size() for key, b in saver.buffers.buffers.items() if "step" not in key]
+    assert staged_bytes_per_rank(model.config, 1, "fp32", pinned=False) == [sum(sizes)]
+    assert staged_bytes_per_rank(model.config, 1, "fp32", pinned=True) == [sum(map(pinned_block_bytes, sizes))]
+
+    # host memory that holds the exact share within HOST_STAGING_FRACTION, not the pinned one
+    exact = staged_bytes_per_rank(model.config, 1, "fp32", pinned=False)[0]
+    pinned = staged_bytes_per_rank(model.config, 1, "fp32", pinned=True)[0]
+    assert pinned > 1.5 * exact  # 96 x 96 fp32 matrices take 1.78x
+    monkeypatch.setattr(train, "host_available_bytes", lambda: exact + pinned)  # half of it: >= exact, < pinned
+    cfg, lines = SimpleNamespace(async_save=1, save_write_mbps=0.0), []
+    assert train.make_saver(cfg, d, model, tmp_path, lines.append).background
+    cuda = Dist(0, 0, 1, torch.device("cuda", 0))  # only the saver's accounting: nothing is allocated here
+    assert not train.make_saver(cfg, cuda, model, tmp_path, lines.append).background
+    assert "every save blocks training" in lines[-1]

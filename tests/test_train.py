@@ -51,6 +51,9 @@ def test_settings_that_cannot_work_are_named():
         resolve(TrainConfig(device_batch_size=3), cuda=False, world_size=2)
     cfg = resolve(TrainConfig(budget_usd=8.0), cuda=True, world_size=8)
     assert cfg.training_hours == pytest.approx(0.25) and cfg.depth == "auto" and cfg.model_tag == "auto"
+    # KEEP_LAST=0 would have the prune delete the step it just completed, a preemption's save included
+    with pytest.raises(ConfigError, match="--keep_last must be >= 1"):
+        resolve(TrainConfig(keep_last=0), cuda=False, world_size=1)
 
 
 def test_peak_flops_by_name_and_none_for_unknown():
