@@ -32,8 +32,9 @@ from experiment.model import GPT, GPTConfig, build_model
 META_RE = re.compile(r"^meta_(\d{6,})\.json$")
 MODEL_RE = re.compile(r"^model_(\d{6,})(?:_rank\d+)?\.pt$")  # the whole model or one rank's part
 STEP_FILE_RE = re.compile(r"^(?:model|optim)_(\d{6,})(?:_rank\d+)?\.pt$")
-# _atomic_write's temp files of a checkpoint's files: .<name>.<random>.tmp
-CHECKPOINT_TMP_RE = re.compile(r"^\.(?:(?:model|optim)_\d{6,}(?:_rank\d+)?\.pt|meta_\d{6,}\.json|best\.json)\..+\.tmp$")
+# _atomic_write's temp files of the trainer's own files (checkpoints, the report): .<name>.<random>.tmp
+CHECKPOINT_TMP_RE = re.compile(
+    r"^\.(?:(?:model|optim)_\d{6,}(?:_rank\d+)?\.pt|meta_\d{6,}\.json|best\.json|report\.md|loss\.svg)\..+\.tmp$")
 # A step's files are checked against their recorded CRC-32 when they total at most this (a read of
 # seconds); larger steps are checked by size, which finds a truncated file, the common damage.
 CHECKSUM_MAX_BYTES = 2 * 10**9
@@ -191,8 +192,11 @@ def repair_best(run_dir: Path, best_val: float, best_step: int) -> bool:
     """Make best.json name the best step the resumed checkpoint records, when that step is complete
     and best.json names another: a kill between a step's meta and its best.json leaves best.json
     behind, and retention protects only the step best.json names. True when it was rewritten."""
-    best = read_best(run_dir)
-    if best_step < 0 or best_step not in complete_steps(run_dir) or (best and int(best["step"]) == best_step):
+    best, steps = read_best(run_dir), complete_steps(run_dir)
+    if best_step < 0 or best_step not in steps:
+        return False
+    # A later step than the recorded best is another branch's (a --resume to an earlier step): it stands.
+    if best is not None and int(best["step"]) in steps and int(best["step"]) >= best_step:
         return False
     atomic_write_json(Path(run_dir) / "best.json", {"step": best_step, "val_loss": best_val})
     return True

@@ -139,13 +139,13 @@ def check(cfg: TrainConfig, p: GpuPlan | None, demo: bool, workspace: Path, run_
                       f"budget (predicted), past {MAX_EPOCHS} (repeated data is worth less and less); use DEPTH=auto, "
                       f"MAX_EPOCHS={MAX_EPOCHS} (stops there), fewer TRAINING_HOURS, or ALLOW=repeat")
     if p is not None and "disk" not in allowed and not resume and (short := disk_shortfall(cfg, p.checkpoint_bytes,
-                                                                                           workspace, run_dir)):
+                                                                                           run_dir)):
         errors.append(short + "; free space, lower KEEP_LAST, or ALLOW=disk")
     if errors:
         raise ConfigError("; and ".join(errors))
 
 
-def disk_shortfall(cfg: TrainConfig, checkpoint_bytes: int, workspace: Path, run_dir: Path) -> str | None:
+def disk_shortfall(cfg: TrainConfig, checkpoint_bytes: int, run_dir: Path) -> str | None:
     """Why the volume cannot hold the planned peak (KEEP_LAST + the best + the one being written),
     counting what the run directory holds now (retention replaces it); None when it can."""
     mount, free = volume(run_dir)  # the run directory's own volume (it may be a mount of its own)
@@ -156,9 +156,9 @@ def disk_shortfall(cfg: TrainConfig, checkpoint_bytes: int, workspace: Path, run
             f"peak {peak / 1e9:.3g} GB ({cfg.keep_last} + 2 checkpoints of {checkpoint_bytes / 1e9:.3g} GB)")
 
 
-def disk_warning(cfg: TrainConfig, checkpoint_bytes: int, workspace: Path, run_dir: Path) -> str | None:
+def disk_warning(cfg: TrainConfig, checkpoint_bytes: int, run_dir: Path) -> str | None:
     """The disk guard where it does not refuse (a resume, a CPU run): the line to print, if any."""
-    short = disk_shortfall(cfg, checkpoint_bytes, workspace, run_dir)
+    short = disk_shortfall(cfg, checkpoint_bytes, run_dir)
     return short and (f"warning: {short}: a save that finds the volume full fails and training goes on, but a final "
                       "one ends the run; free space or lower KEEP_LAST")
 

@@ -98,7 +98,9 @@ def _try_lock(f) -> bool:
 # ended with a failure (a final save the volume refused, a diverging loss) would then resume and
 # train up to the same failure again, each time: the hours since the latest checkpoint, over and
 # over. So its workers leave a marker for their torchrun agent (named by host and the agent's pid,
-# which restarted workers share), and a restarted worker that finds it exits at once.
+# which restarted workers share), and a restarted worker that finds it exits at once. The marker is
+# an empty file: creating one takes no data block, so a full volume still takes it. experiment/run.sh
+# deletes the markers before each launch (a container's torchrun may get the same pid every time).
 ENDED_PREFIX = ".ended."
 
 
@@ -108,21 +110,19 @@ def _ended_marker(run_dir: Path) -> Path | None:
     return Path(run_dir) / f"{ENDED_PREFIX}{socket.gethostname()}.{os.getppid()}"
 
 
-def end_launch(run_dir: Path, outcome: str) -> None:
+def end_launch(run_dir: Path) -> None:
     """Every rank whose trainer ended the launch with a failure: no restart of this launch trains again."""
     if (marker := _ended_marker(run_dir)) is not None:
         try:
-            marker.write_text(outcome + "\n")
-        except OSError:  # a full volume may refuse even this: torchrun then restarts as before
+            marker.touch()
+        except OSError:  # a volume out of inodes, or gone: torchrun then restarts as before
             pass
 
 
-def ended_launch(run_dir: Path) -> str | None:
-    """The outcome that ended this launch, when this process is one of torchrun's restarts after it."""
+def launch_ended(run_dir: Path) -> bool:
+    """This process is one of torchrun's restarts after its trainer ended the launch (end_launch)."""
     marker = _ended_marker(run_dir)
-    if marker is None or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 or not marker.is_file():
-        return None
-    return marker.read_text().strip() or "failed"
+    return marker is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and marker.exists()
 
 
 def clear_ended(run_dir: Path) -> None:

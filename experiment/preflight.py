@@ -121,7 +121,7 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
         guards.check(cfg, gpu_plan, demo, workspace, run_dir, resume=resume_step is not None)
     if config is not None and (gpu_plan is None or resume_step is not None) and (warning := guards.disk_warning(
             cfg, gpu_plan.checkpoint_bytes if gpu_plan else checkpoint_bytes(config, world_size, 1 << 62, cfg.precision),
-            workspace, run_dir)):
+            run_dir)):
         log(warning)
     if len(weights or []) > MANY_SOURCES:
         log(f"warning: {len(weights)} sources (each *.txt at the top of DATA_DIR is one): each is evaluated at "

@@ -182,6 +182,10 @@ class Saver:
         when saves were in the background until now."""
         was, self.background = self.background, False
         self.buffers = HostBuffers(pinned=self.buffers.pinned)
+        if self.buffers.pinned:  # the pinned allocator caches freed blocks, still page-locked: give them back
+            empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+            if empty is not None:  # torch 2.13; older ones keep the cache
+                empty()
         return was
 
     def seconds_left(self, save_seconds: float) -> float:

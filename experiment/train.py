@@ -39,7 +39,7 @@ from experiment.memory import (checkpoint_bytes_per_rank, choose_memory_mode, fi
 from experiment.mixture import MixedBatches, source_weights
 from experiment.model import DTYPES, GPT, GPTConfig, build_model
 from experiment.optim import ShardedOptimizer, lr_multiplier
-from experiment.report import NullReport, RunReport
+from experiment.report import NullReport, RunReport, read_records
 from experiment.saver import HOST_STAGING_FRACTION, Saver
 from experiment.runlog import (NullWriter, RunLog, log_crash, log_step, planner_line, report_eval, report_sample,
                                source_epoch_lines)
@@ -440,7 +440,7 @@ def train_loop(t: Trainer) -> int:
     t.report.add({"kind": "end", "step": t.st.step, "outcome": outcome, "code": loop.end or 0, "time": time.time()})
     t.report.write(t.st, outcome)
     if loop.end == 1:  # the trainer's own decision (a failed final save, a diverging loss): a restart repeats it
-        launch.end_launch(t.run_dir, outcome)
+        launch.end_launch(t.run_dir)
     return loop.end or 0
 
 
@@ -604,7 +604,10 @@ def maybe_save(t: Trainer, loop: Loop, save_due: bool, preempted: bool, writing:
             # would spend another whole write of the grace period; the steps since it are trained again.
             t.log(f"save | stopping on step {before:06d}'s checkpoint, whose write was in flight at the signal "
                   f"(waited {waited:.1f}s); a resume trains the {step - before} steps since it again")
+            loop.outcome = loop.outcome.replace(f"at step {step};", f"at step {step}, on step {before}'s checkpoint;")
             return
+        if preempted:
+            t.log(f"save | saving step {step:06d} instead")
         if final:
             t.log(f"save | the final save waited {waited:.1f}s for step {before:06d}'s write to finish")
         elif writing:
@@ -652,15 +655,17 @@ def finish_save(t: Trainer, loop: Loop, wait: bool = False) -> None:
               + ": the same command resumes from it once the volume has room")
         loop.stop(1, f"failed: the final checkpoint, step {p.step:06d}, could not be written (training.log says why)")
         return
-    t.log(f"error: checkpoint step {p.step:06d} not saved ({error}); earlier checkpoints are kept, training goes on")
-    if t.saver.block_from_now_on():
-        t.log("save | every later save blocks training: a save failed, and host memory staged for the next "
-              "is freed")
+    stopping = loop.end is not None  # a preemption's save in flight failed: the step it found is saved next
+    t.log(f"error: checkpoint step {p.step:06d} not saved ({error}); earlier checkpoints are kept"
+          + ("" if stopping else ", training goes on"))
+    if t.saver.block_from_now_on() and not stopping:
+        t.log("save | every later save blocks training: a save failed, and the host memory staged for saves "
+              "is given back")
     if st.best_step == p.step:  # best.json must name a checkpoint that exists; evals stay counted
         st.best_val, st.best_step = loop.saved_best
-        if loop.last_eval_step == st.step > 0 and loop.val_loss < st.best_val:
-            # this step's eval (made while that write was in flight) beats the best that stands: its
-            # save, begun next, makes it the best
+        if p.step < loop.last_eval_step == st.step and loop.val_loss < st.best_val:
+            # this step's eval (made while that earlier write was in flight) beats the best that
+            # stands: its save, begun next, makes it the best
             st.best_val, st.best_step = loop.val_loss, st.step
 
 
@@ -678,7 +683,7 @@ def repair_best(run_dir: Path, st: RunState, log: RunLog) -> None:
     try:
         if ckpt.repair_best(run_dir, st.best_val, st.best_step):
             log(f"best.json names step {st.best_step:06d} again, the best its checkpoint records")
-    except OSError as e:  # the old best.json stands: it names a complete step too
+    except (OSError, CheckpointError) as e:  # the old best.json stands (rank 0 alone must not leave here)
         log(f"warning: best.json could not be rewritten to name step {st.best_step:06d} ({e})")
 
 
@@ -827,14 +832,20 @@ def export_best(run_dir: Path) -> str:
 # ---------------------------------------------------------------- entry
 
 
+def last_outcome_said(run_dir: Path) -> str:
+    ends = [r for r in read_records(run_dir / "metrics.jsonl") if r.get("kind") == "end"]
+    return ends[-1]["outcome"] if ends else "its outcome is not on record"
+
+
 def train(cfg: TrainConfig, d: Dist) -> int:
     cfg = resolve(cfg, d.device.type == "cuda", d.world_size)
     workspace = Path(cfg.workspace) if cfg.workspace else default_workspace()
     run_dir = workspace / "checkpoints" / cfg.model_tag
-    if (ended := launch.ended_launch(run_dir)) is not None:
+    # Every rank asks, so that all exit together even where one node's marker is missing.
+    if not all_ranks_ok(not launch.launch_ended(run_dir), d):
         if d.master:
-            print(f"error: not restarting: this launch already ended ({ended}); training.log in {run_dir} says "
-                  "why", file=sys.stderr, flush=True)
+            print(f"error: not restarting: the trainer ended this launch with a failure that a restart would repeat "
+                  f"({last_outcome_said(run_dir)}; training.log in {run_dir} says more)", file=sys.stderr, flush=True)
         return 1
     log = RunLog(run_dir / "training.log" if d.master else None)
     log(f"config {json.dumps(dataclasses.asdict(cfg))}")

@@ -75,6 +75,28 @@ def test_a_resume_repairs_a_best_json_that_a_kill_left_naming_an_older_step(tmp_
     _fake_step(run, 6)
     _fake_step(run, 8)
     assert ckpt.prune(run, keep_last=1) == [2, 6] and ckpt.complete_steps(run) == [4, 8]
+    # a --resume to an earlier step: best.json naming a later complete step (that branch's) stands
+    ckpt.atomic_write_json(run / "best.json", {"step": 8, "val_loss": 1.2})
+    assert not ckpt.repair_best(run, 1.5, 4) and ckpt.read_best(run)["step"] == 8
+
+
+def test_a_launch_the_trainer_ended_is_refused_to_torchruns_restarts_only(tmp_path, monkeypatch):
+    from experiment import launch
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    launch.end_launch(tmp_path)  # a plain process: nothing restarts it, nothing is marked
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    launch.end_launch(tmp_path)
+    assert len(list(tmp_path.glob(".ended.*"))) == 1
+    assert not launch.launch_ended(tmp_path)  # a first attempt is a new launch
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert launch.launch_ended(tmp_path)  # a restart of the ended launch
+    monkeypatch.setattr(launch.os, "getppid", lambda: 1)
+    assert not launch.launch_ended(tmp_path)  # another torchrun's restart
+    launch.clear_ended(tmp_path)
+    assert not list(tmp_path.iterdir())
 
 
 def test_model_parts_follow_the_same_rules_and_a_half_saved_step_is_never_used(tmp_path):

@@ -595,6 +595,14 @@ def test_a_full_disk_at_the_final_save_ends_the_launch_once(tmp_path, corpus, sm
     assert ckpt.complete_steps(run_dir) == [2] and not ckpt.damaged_files(run_dir, 2)
     assert _wait_for_file(out).splitlines() == [
         "failed: the final checkpoint, step 000006, could not be written (training.log says why)"]
+    # the same command again is a resume: the pre-flight's disk check warns (on a fresh CUDA run it refuses)
+    plan = tmp_path / "plan.json"
+    again = subprocess.run([sys.executable, "-m", "experiment.preflight", "--world_size=1", f"--plan_file={plan}",
+                            *[f"--{k.lower()}={env[k]}" for k in ("DEPTH", "ASPECT_RATIO", "HEAD_DIM", "MAX_SEQ_LEN",
+                                                                   "DATA_DIR", "WORKSPACE", "KEEP_LAST")]],
+                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "resumes step 000002" in again.stdout, again.stderr[-2000:]
+    assert any(x.startswith("warning: the volume") and "below the planned peak" in x for x in again.stdout.splitlines())
 
 
 # ---------------------------------------------------------------- memory modes

@@ -207,6 +207,36 @@ def test_a_best_eval_made_while_a_failed_best_save_was_in_flight_becomes_the_bes
     assert ckpt.complete_steps(tmp_path) == [2, 4] and ckpt.read_best(tmp_path) == {"step": 4, "val_loss": 1.8}
 
 
+def test_a_best_steps_own_failed_blocking_save_leaves_the_best_that_stands(tmp_path):
+    """Saves block (ASYNC_SAVE=0, or after a failure); step 4's eval is a new best and its own save
+    fails: the best goes back to step 2 and stays there (step 4 has no checkpoint)."""
+    from types import SimpleNamespace
+
+    from experiment import train
+    from experiment.checkpoint import RunState
+    from experiment.distributed import Dist
+
+    st = RunState()
+    t = SimpleNamespace(st=st, saver=_saver(tmp_path), d=Dist(0, 0, 1, torch.device("cpu")), run_dir=tmp_path,
+                        report=SimpleNamespace(add=lambda record: None), log=lambda line: None,
+                        cfg=SimpleNamespace(keep_last=3, keep_best_optimizer=0))
+    t.saver.background = False
+    loop = train.Loop(x=None, y=None, data_state={}, started=0.0, used_at_start=0.0, last_eval_time=0.0,
+                      last_save_time=0.0, last_eval_step=0, last_eval_tokens=0, last_saved_step=0,
+                      last_complete_step=0)
+    for step, val, fails in ((2, 2.0, False), (4, 1.5, True)):
+        st.step, loop.last_eval_step, loop.val_loss = step, step, val
+        st.best_val, st.best_step = val, step  # a new best
+        if fails:
+            ckpt.optim_path(tmp_path, step, 0).mkdir()
+        meta = {"step": step, "val_loss": val, "state": {"best_val": val, "best_step": step}, "world_size": 1,
+                "model_parts": 1}
+        t.saver.begin(step, {"w": torch.ones(10)}, {}, meta, background=True, context={"final": False})
+        assert not t.saver.pending.background
+        train.finish_save(t, loop, wait=True)
+    assert (st.best_val, st.best_step) == (2.0, 2) and ckpt.read_best(tmp_path)["step"] == 2
+
+
 def test_after_a_failed_save_every_later_save_blocks_and_the_host_buffers_are_freed(tmp_path):
     saver = _saver(tmp_path)
     saver.begin(1, {"w": torch.ones(10)}, {}, _meta(1), background=True)

@@ -20,7 +20,8 @@ LAUNCHER = (
     ("NODE_RANK", "0", "this node's rank; node 0 prepares the data"),
     ("MASTER_ADDR", "unset", "node 0's address (needed when NNODES > 1)"),
     ("MASTER_PORT", "29500", "rendezvous port"),
-    ("MAX_RESTARTS", "3", "torchrun restarts of all workers after a worker dies; each resumes the latest checkpoint"),
+    ("MAX_RESTARTS", "3", "torchrun restarts of all workers after a worker dies; each resumes the latest checkpoint "
+                     "(none after a failure the trainer decided: a failed final save, a diverging run)"),
     ("SHUTDOWN_TIMEOUT", "sized by the pre-flight", "seconds torchrun waits after SIGTERM/SIGINT before it kills the "
      "workers; unset: on GPUs twice the predicted save (the checkpoint at 0.3 GB/s) plus a minute, at least 300"),
     ("PREFLIGHT_WAIT_MINUTES", "120", "how long a node other than 0 waits for node 0's pre-flight"),
