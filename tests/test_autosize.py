@@ -85,11 +85,24 @@ def test_the_measured_rate_checks_a_predicted_choice():
 
 
 def test_choice_is_the_candidate_nearest_the_target_ratio():
-    cands = ladder_at(80_000, 180, 10**9)
-    best = choose(cands)
-    eligible = [c for c in cands if c.tokens_per_param >= autosize.MIN_TOKENS_PER_PARAM]
-    ratios = [abs(math.log(c.tokens_per_param / autosize.TOKENS_PER_PARAM)) for c in eligible]
-    assert best is eligible[ratios.index(min(ratios))]
+    """Hand-made candidates with hand-worked answers (TOKENS_PER_PARAM 12.5, MIN_TOKENS_PER_PARAM 1,
+    MAX_EPOCHS 8), not a copy of choose(). Caught: choose() without its MAX_EPOCHS filter (it then
+    takes D, the ratio nearest 12.5, whose budget repeats the data 9 times)."""
+    assert (autosize.TOKENS_PER_PARAM, autosize.MIN_TOKENS_PER_PARAM, autosize.MAX_EPOCHS) == (12.5, 1.0, 8)
+
+    def c(name, params, tokens, budget_epochs):
+        return Candidate(depth=name, width=0, params=params, tok_per_s=1.0, tokens=tokens, epochs=tokens / 1000,
+                         budget_epochs=budget_epochs)
+
+    a = c("A", 10, 8000, 10.0)  # 800 tokens/param, but the budget makes 10 passes
+    b = c("B", 500, 8000, 8.0)  # 16: |log(16 / 12.5)| = 0.25
+    cc = c("C", 800, 6000, 6.0)  # 7.5: |log(7.5 / 12.5)| = 0.51
+    d = c("D", 700, 9000, 9.0)  # 12.9, nearest the target, but 9 passes
+    e = c("E", 7000, 5000, 5.0)  # 0.71: below 1 token/param
+    assert choose([a, b, cc, d, e]).depth == "B"
+    assert choose([a, cc, d, e]).depth == "C"
+    assert choose([a, d, e]).depth == "D"  # none within 8 passes: the largest with >= 1 token/param
+    assert choose([e, c("F", 9000, 100, 0.1)]).depth == "E"  # none trained: the smallest
 
 
 def test_supported_depth_follows_the_corpus_size():
@@ -113,16 +126,25 @@ def test_an_explicit_depth_that_repeats_the_data_gets_a_warning():
     assert len(data_lines(64, gpu, total_tokens=2 * 10**8, train_tokens=10**8)) == 1
 
 
-def test_probe_measures_the_ladder_and_stops_below_half_the_target():
+def test_probe_measures_the_ladder_and_stops_below_half_the_target(monkeypatch):
+    """The probe with rates given per depth, so that each depth's tokens per parameter is known: it
+    stops after the first depth below half the target (6.25) within 8 passes, or below 1 token/param
+    when the budget repeats the data more (hand-worked stops, not a copy of the condition)."""
     cfg = lambda d: GPTConfig(vocab_size=64, depth=d, aspect_ratio=32, head_dim=32, max_seq_len=32)
-    chosen, cands = autosize.probe_and_choose(cfg, 2, torch.device("cpu"), 1, budget_s=2.0, train_tokens=10**6)
-    assert [c.depth for c in cands] == autosize.ladder(32, 32)[: len(cands)]
-    assert all(c.tok_per_s > 0 for c in cands) and chosen in cands
-    def stops(c):
-        return c.tokens_per_param < autosize.MIN_TOKENS_PER_PARAM or (
-            c.tokens_per_param < autosize.TOKENS_PER_PARAM / 2 and c.budget_epochs <= autosize.MAX_EPOCHS)
-    assert stops(cands[-1]) or len(cands) == len(autosize.ladder(32, 32))
-    assert not any(stops(c) for c in cands[:-1])
+    budget = 100.0
+    ratios = dict(zip(autosize.ladder(32, 32), [100, 20, 5, 3, 0.5, 0.1, 0.05]))  # tokens/param the budget buys
+    monkeypatch.setattr(autosize, "measure_tok_per_s", lambda config, batch, device:
+                        ratios[config.depth] * autosize.rule_params(config) / budget)
+    chosen, cands = autosize.probe_and_choose(cfg, 2, torch.device("cpu"), 1, budget_s=budget, train_tokens=10**12)
+    assert [c.depth for c in cands] == [2, 4, 6] and chosen.depth == 4  # 20 is nearest 12.5 in log
+    # A small corpus: every budget repeats the data past 8 passes, so each depth trains 8 passes, 8 x
+    # `few` tokens, 0.9 tokens/param at d8; only "below 1 token/param" stops the probe, after d8,
+    # and with none within 8 passes the largest depth with >= 1 token/param is chosen.
+    few = int(0.9 * autosize.rule_params(cfg(8)) / 8)
+    chosen, cands = autosize.probe_and_choose(cfg, 2, torch.device("cpu"), 1, budget_s=budget, train_tokens=few)
+    assert [c.depth for c in cands] == [2, 4, 6, 8] and chosen.depth == 6
+    assert all(c.budget_epochs > 8 and c.tokens == 8 * few for c in cands)
+    assert [c.tokens_per_param >= 1 for c in cands] == [True, True, True, False]
 
 
 def test_depth_flag_takes_auto_or_a_positive_number():

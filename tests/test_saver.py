@@ -285,3 +285,35 @@ def test_staging_is_counted_as_the_pinned_allocator_takes_it(tmp_path, monkeypat
     cuda = Dist(0, 0, 1, torch.device("cuda", 0))  # only the saver's accounting: nothing is allocated here
     assert not train.make_saver(cfg, cuda, model, tmp_path, lines.append).background
     assert "every save blocks training" in lines[-1]
+
+
+def test_the_staged_share_is_the_moment_begin_returned_though_the_next_step_changes_every_tensor(tmp_path):
+    """The contract the CUDA path keeps with its stream synchronize, held on CPU: begin() returns only
+    once the share is copied, so the optimizer step right after it (parameters, Muon momentum and
+    AdamW moments, all changed in place) is not in the checkpoint. Caught: staging that keeps
+    references to the live tensors instead of copies (a write from live memory)."""
+    from experiment.model import GPTConfig, build_model
+    from experiment.optim import LRS, ShardedOptimizer
+
+    model = build_model(GPTConfig(vocab_size=64, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=16))
+    opt = ShardedOptimizer(model, 0, 1, **LRS)
+    x = torch.randint(0, 64, (2, 16))
+
+    def train_step():
+        model(x, x).backward()
+        opt.step()
+        model.zero_grad()
+
+    train_step()
+    weights, shard = ckpt.strip_compile_prefix(model.state_dict()), opt.shard_state()
+    expected = {"model": {n: v.clone() for n, v in weights.items()},
+                "optimizer": {n: {k: v.clone() for k, v in s.items()} for n, s in shard["state"].items()}}
+    saver = _saver(tmp_path, write_bps=2e6)  # the write takes a while: the next step runs beside it
+    saver.begin(1, weights, shard, _meta(1), background=True)
+    train_step()  # changes, in place, every tensor begin() was handed
+    assert not torch.equal(weights["wte.weight"], expected["model"]["wte.weight"])
+    saver.wait()
+    assert saver.complete()[1] is None
+    saved, saved_shard = ckpt.load_tensors(ckpt.model_path(tmp_path, 1)), ckpt.load_tensors(ckpt.optim_path(tmp_path, 1, 0))
+    assert all(torch.equal(saved[n], v) for n, v in expected["model"].items())
+    assert all(torch.equal(saved_shard["state"][n][k], v) for n, s in expected["optimizer"].items() for k, v in s.items())

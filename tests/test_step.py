@@ -64,3 +64,44 @@ def test_a_step_with_a_non_finite_gradient_is_skipped():
     assert not optimizer_step(model, opt)
     assert all(torch.equal(v, before[n]) for n, v in model.state_dict().items())
     assert all(not p.grad.any() for p in model.parameters())  # the NaN cleared with the rest
+
+
+def test_the_accumulated_step_equals_one_plain_backward_over_the_whole_batch(tmp_path, corpus):
+    """An independent reference, built here without the shared step helpers: the trainer's step of 2
+    accumulated micro-batches gives the loss, the gradients and the update of one plain
+    loss.backward() over both micro-batches at once. Caught: forward_backward without its
+    `/ grad_accum` (loss and gradients doubled), an optimizer step before the last micro-batch."""
+    cfg = resolve(parse_args([*map(str, TINY), "--data_dir", str(corpus), "--workspace", str(tmp_path),
+                              "--total_batch_size", "256", "--device", "cpu"]), cuda=False, world_size=1)
+    t = train.setup(cfg, Dist(0, 0, 1, torch.device("cpu")), tmp_path, tmp_path / "checkpoints" / cfg.model_tag,
+                    RunLog(None))
+    loop = train.start_loop(t)
+    assert t.grad_accum == 2
+    reference = build_model(t.model.config)
+    reference.load_state_dict(t.model.state_dict())
+    reference_opt = ShardedOptimizer(reference, matrix_lr=cfg.matrix_lr, embedding_lr=cfg.embedding_lr,
+                                     unembedding_lr=cfg.unembedding_lr)
+    inputs, handed = [], {}
+    t.model.register_forward_pre_hook(lambda module, args: inputs.append((args[0].clone(), args[1].clone())))
+    step = t.opt.step
+
+    def capture():
+        handed.update({n: p.grad.clone() for n, p in t.model.named_parameters()})
+        step()
+
+    t.opt.step = capture
+    loss_sum, mult = train.train_step(t, loop)
+    t.writer.close()
+    assert len(inputs) == 2
+
+    x, y = torch.cat([a for a, _ in inputs]), torch.cat([b for _, b in inputs])
+    loss = reference(x, y)  # the mean over all 256 tokens of the step
+    loss.backward()
+    assert torch.allclose(loss_sum, loss.detach(), rtol=1e-5, atol=1e-6), (loss_sum, loss)
+    for n, p in reference.named_parameters():
+        assert torch.allclose(handed[n], p.grad, rtol=1e-4, atol=1e-7), n
+    reference_opt.set_lr_multiplier(mult)
+    reference_opt.step()
+    trained = t.model.state_dict()
+    for n, v in reference.state_dict().items():
+        assert torch.allclose(trained[n], v, rtol=1e-4, atol=1e-6), n

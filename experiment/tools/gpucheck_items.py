@@ -575,7 +575,7 @@ def check_e2e(ctx: Ctx) -> Item:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
     text = train_log.read_text() if train_log.exists() else ""
-    preempted = "received SIGTERM: saving step" in text
+    preempted = "received SIGTERM: " in text  # "saving step N", or "completing step M's save, in flight"
     saved = ckpt.complete_steps(run_dir)
     second = _launch(env, ctx.out / "e2e-run2.log")
     try:

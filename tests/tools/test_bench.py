@@ -59,6 +59,9 @@ def test_speedrun_trains_for_its_budget_and_reports_full_val_loss(tmp_path):
 
 
 def test_profile_splits_a_step_into_buckets_that_add_up_to_its_wall_time():
+    """Every bucket is measured: the ops' self times, and the host overhead as the gaps between the
+    profiler's events. Their sum meets the wall time only if the self times neither miss nor
+    double-count (caught: counting cpu_time_total, children included, instead of self time)."""
     proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "profile", "--depth", "2", "--head_dim", "32",
                            "--seq", "32", "--batch", "4", "--tokens_per_step", "256", "--steps", "2"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -68,7 +71,7 @@ def test_profile_splits_a_step_into_buckets_that_add_up_to_its_wall_time():
     for bucket in ("matmul", "optimizer", "data", "attention (SDPA)", "host overhead (no op running)"):
         assert bucket in rows, proc.stdout
     assert rows["matmul"] > 0 and rows["optimizer"] > 0
-    assert sum(rows.values()) == pytest.approx(wall, rel=0.02, abs=0.3)
+    assert sum(rows.values()) == pytest.approx(wall, rel=0.05, abs=0.3)
 
 
 def test_seconds_to_reach_interpolates_between_evals():
@@ -143,8 +146,14 @@ def test_save_benchmark_prints_blocking_and_background_figures(tmp_path):
                            "--steps", "2", "--dir", tmp_path], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     line = next(x for x in proc.stdout.splitlines() if x.startswith("median of 1"))
-    assert re.search(r"blocking save [\d.]+s \| background save blocked training [\d.]+s = [\d.]+% of the blocking save, "
-                     r"written in [\d.]+s beside training \| step [\d.]+s normally, [\d.]+s while writing", line), line
+    m = re.search(r"blocking save ([\d.]+)s \| background save blocked training ([\d.]+)s = ([\d.]+)% of the blocking "
+                  r"save, written in [\d.]+s beside training \| step [\d.]+s normally, [\d.]+s while writing", line)
+    assert m, line
+    # what the background saver is for, one-sided so that a loaded machine cannot make it flaky: the
+    # copy into host memory blocks training for less than half of a blocking save of the same state
+    # (~1 s at 2 MB/s). Caught: a background save that writes before begin() returns.
+    blocking, background = float(m.group(1)), float(m.group(2))
+    assert background < 0.5 * blocking, line
     assert not list(tmp_path.glob("*.tmp"))
 
 
