@@ -359,3 +359,49 @@ def test_an_export_is_one_bf16_file_that_serves_the_same_model(saved_run, tmp_pa
     with pytest.raises(ckpt.CheckpointError, match="cannot read it"):
         ckpt.load_model(out)
     assert export.main(["--checkpoint", str(tmp_path / "nowhere")]) == 2
+
+
+def test_a_write_the_disk_refuses_is_an_os_error_and_leaves_the_previous_file(tmp_path, monkeypatch):
+    """The full disk's path without root (the real tmpfs tests need it; tests/README.md): the file
+    accepts 64 kB, then refuses with ENOSPC as a full volume does. torch.save's zip writer reports
+    that as a RuntimeError; atomic_torch_save makes it the OSError every caller handles, the temp
+    file goes, and the previous file stays whole."""
+    import errno
+    import io
+    import os
+
+    from experiment import files
+
+    path = tmp_path / "model_000001.pt"
+    ckpt.atomic_torch_save(path, {"w": torch.ones(2)})
+    fdopen = os.fdopen
+
+    class Full(io.RawIOBase):
+        def __init__(self, f):
+            self.f, self.room = f, 64 * 1024
+
+        def writable(self):
+            return True
+
+        def write(self, data):
+            if len(data) > self.room:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.room -= len(data)
+            return self.f.write(data)
+
+        def flush(self):
+            self.f.flush()
+
+        def fileno(self):
+            return self.f.fileno()
+
+        def close(self):
+            super().close()
+            self.f.close()
+
+    monkeypatch.setattr(files.os, "fdopen", lambda fd, mode: Full(fdopen(fd, mode)))
+    with pytest.raises(OSError, match="writing .*model_000001.pt failed"):
+        ckpt.atomic_torch_save(path, {"w": torch.randn(100_000)})
+    monkeypatch.undo()
+    assert torch.equal(ckpt.load_tensors(path)["w"], torch.ones(2))
+    assert [p.name for p in tmp_path.iterdir()] == ["model_000001.pt"]

@@ -175,8 +175,10 @@ print(json.dumps({'loss': total / (n * seq), 'tokens': n * seq, 'iter_num': ck['
 def _timing(iters: list[float], eval_iters: list[int]) -> tuple[float, float]:
     """(seconds per iteration, seconds per eval + checkpoint) from a run's reported iteration times."""
     evals = set(eval_iters)
-    iter_s = statistics.median(t for i, t in enumerate(iters[5:], 5) if i not in evals)
-    return iter_s, max(0.0, statistics.median(iters[i] for i in evals if i < len(iters)) - iter_s)
+    skip = min(5, len(iters) // 2)  # the first iterations warm up; a short run (a loaded machine) keeps half
+    iter_s = statistics.median([t for i, t in enumerate(iters[skip:], skip) if i not in evals] or iters[-1:])
+    at_evals = [iters[i] for i in evals if i < len(iters)]
+    return iter_s, max(0.0, statistics.median(at_evals) - iter_s) if at_evals else 0.0
 
 
 def run_nanogpt(nanogpt: Path, text: str, seconds: float, workspace: Path) -> Result:

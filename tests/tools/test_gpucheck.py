@@ -53,5 +53,7 @@ def test_quick_gpucheck_on_cpu_passes_and_reports_every_item(tmp_path):
     assert all(r["bytes"] > 0 and r["save_s"] > 0 for r in items["checkpoints"]["figures"]["runs"])
     e2e = items["e2e"]["figures"]
     assert e2e["preempted"] and e2e["resumed"] and e2e["final_step"] > e2e["preempt_step"]
-    # the budget kept to 1%, or to two of the run's own measured steps where a loaded CPU makes those longer
-    assert abs(e2e["budget_error"]) <= max(0.01, 2 * e2e["step_s"] / e2e["budget_s"]), e2e
+    # the budget kept: past it by 1% or two of the run's own steps (a loaded CPU makes those long),
+    # short of it by 1% more than the reserve the run measured for its final eval, save and step
+    assert -0.01 - e2e["reserve_s"] / e2e["budget_s"] <= e2e["budget_error"], e2e
+    assert e2e["budget_error"] <= max(0.01, 2 * e2e["step_s"] / e2e["budget_s"]), e2e
