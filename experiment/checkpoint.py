@@ -192,9 +192,13 @@ def repair_best(run_dir: Path, best_val: float, best_step: int) -> bool:
     """Make best.json name the best step the resumed checkpoint records, when that step is complete
     and best.json names another: a kill between a step's meta and its best.json leaves best.json
     behind, and retention protects only the step best.json names. True when it was rewritten."""
-    best, steps = read_best(run_dir), complete_steps(run_dir)
+    steps = complete_steps(run_dir)
     if best_step < 0 or best_step not in steps:
         return False
+    try:
+        best = read_best(run_dir)
+    except CheckpointError:  # unreadable (damaged): the resumed checkpoint knows the best, rewrite it
+        best = None
     # A later step than the recorded best is another branch's (a --resume to an earlier step): it stands.
     if best is not None and int(best["step"]) in steps and int(best["step"]) >= best_step:
         return False
@@ -432,7 +436,7 @@ def retain(run_dir: Path, retention: Retention, log: Callable[[str], None]) -> s
     try:
         deleted = prune(run_dir, retention.keep_last)
         dropped = None if retention.keep_best_optimizer else drop_old_best_optimizer(run_dir, retention.keep_last)
-    except OSError as e:  # the new checkpoint is complete; old ones linger until the next prune
+    except (OSError, CheckpointError) as e:  # the new checkpoint is complete; old ones linger until the next prune
         log(f"warning: pruning old checkpoints failed: {e}")
         return ""
     return ((f"; pruned {', '.join(f'{s:06d}' for s in deleted)}" if deleted else "")

@@ -99,8 +99,9 @@ def _try_lock(f) -> bool:
 # train up to the same failure again, each time: the hours since the latest checkpoint, over and
 # over. So its workers leave a marker for their torchrun agent (named by host and the agent's pid,
 # which restarted workers share), and a restarted worker that finds it exits at once. The marker is
-# an empty file: creating one takes no data block, so a full volume still takes it. experiment/run.sh
-# deletes the markers before each launch (a container's torchrun may get the same pid every time).
+# an empty file: it needs an inode and a directory entry but no data block, which a volume full of
+# data still has. experiment/run.sh deletes this host's markers before each launch, and a first
+# attempt deletes its own (a container's torchrun may get the same pid every time).
 ENDED_PREFIX = ".ended."
 
 
@@ -119,10 +120,20 @@ def end_launch(run_dir: Path) -> None:
             pass
 
 
-def launch_ended(run_dir: Path) -> bool:
-    """This process is one of torchrun's restarts after its trainer ended the launch (end_launch)."""
+def launch_ended(run_dir: Path) -> float | None:
+    """When this process is one of torchrun's restarts after its trainer ended the launch
+    (end_launch): the time the marker was left; else None. A first attempt removes a marker that a
+    reused pid left from an earlier launch (no rank of this launch can have written one yet)."""
     marker = _ended_marker(run_dir)
-    return marker is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and marker.exists()
+    if marker is None:
+        return None
+    try:
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+            marker.unlink(missing_ok=True)
+            return None
+        return marker.stat().st_mtime if marker.exists() else None
+    except OSError:  # an unreadable run directory: train, and let the trainer say what is wrong
+        return None
 
 
 def clear_ended(run_dir: Path) -> None:

@@ -117,7 +117,7 @@ fi
 
 # A trainer that ends its launch with a failure a restart would repeat leaves .ended.<host>.<torchrun pid>
 # for torchrun's restarts (experiment/launch.py); this launch's torchrun may reuse an old pid.
-rm -f -- "$run_dir"/.ended."$(hostname)".*
+rm -f -- "$run_dir"/.ended."$(uname -n)".*
 
 echo "launcher | gpus visible $n_gpu | nproc_per_node $NPROC_PER_NODE | nnodes $NNODES | node_rank $NODE_RANK |" \
      "max_restarts $MAX_RESTARTS | shutdown_timeout ${SHUTDOWN_TIMEOUT}s"

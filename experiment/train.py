@@ -608,7 +608,7 @@ def maybe_save(t: Trainer, loop: Loop, save_due: bool, preempted: bool, writing:
             return
         if preempted:
             t.log(f"save | saving step {step:06d} instead")
-        if final:
+        if final and not preempted:
             t.log(f"save | the final save waited {waited:.1f}s for step {before:06d}'s write to finish")
         elif writing:
             st.save_waits, st.save_wait_seconds = st.save_waits + 1, st.save_wait_seconds + waited
@@ -832,8 +832,11 @@ def export_best(run_dir: Path) -> str:
 # ---------------------------------------------------------------- entry
 
 
-def last_outcome_said(run_dir: Path) -> str:
-    ends = [r for r in read_records(run_dir / "metrics.jsonl") if r.get("kind") == "end"]
+def last_outcome_said(run_dir: Path, marked_at: float | None) -> str:
+    """The outcome the trainer recorded just before it left the marker at `marked_at` (a record from
+    an earlier launch, or none when a full volume refused it, is not this launch's)."""
+    ends = [r for r in read_records(run_dir / "metrics.jsonl")
+            if r.get("kind") == "end" and marked_at is not None and r["time"] >= marked_at - 60]
     return ends[-1]["outcome"] if ends else "its outcome is not on record"
 
 
@@ -842,10 +845,12 @@ def train(cfg: TrainConfig, d: Dist) -> int:
     workspace = Path(cfg.workspace) if cfg.workspace else default_workspace()
     run_dir = workspace / "checkpoints" / cfg.model_tag
     # Every rank asks, so that all exit together even where one node's marker is missing.
-    if not all_ranks_ok(not launch.launch_ended(run_dir), d):
+    ended = launch.launch_ended(run_dir)
+    if not all_ranks_ok(ended is None, d):
         if d.master:
             print(f"error: not restarting: the trainer ended this launch with a failure that a restart would repeat "
-                  f"({last_outcome_said(run_dir)}; training.log in {run_dir} says more)", file=sys.stderr, flush=True)
+                  f"({last_outcome_said(run_dir, ended)}; training.log in {run_dir} says more)", file=sys.stderr,
+                  flush=True)
         return 1
     log = RunLog(run_dir / "training.log" if d.master else None)
     log(f"config {json.dumps(dataclasses.asdict(cfg))}")

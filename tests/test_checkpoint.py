@@ -78,6 +78,8 @@ def test_a_resume_repairs_a_best_json_that_a_kill_left_naming_an_older_step(tmp_
     # a --resume to an earlier step: best.json naming a later complete step (that branch's) stands
     ckpt.atomic_write_json(run / "best.json", {"step": 8, "val_loss": 1.2})
     assert not ckpt.repair_best(run, 1.5, 4) and ckpt.read_best(run)["step"] == 8
+    (run / "best.json").write_text("{not json")  # damaged: rewritten from what the checkpoint records
+    assert ckpt.repair_best(run, 1.5, 4) and ckpt.read_best(run)["step"] == 4
 
 
 def test_a_launch_the_trainer_ended_is_refused_to_torchruns_restarts_only(tmp_path, monkeypatch):
@@ -90,13 +92,17 @@ def test_a_launch_the_trainer_ended_is_refused_to_torchruns_restarts_only(tmp_pa
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     launch.end_launch(tmp_path)
     assert len(list(tmp_path.glob(".ended.*"))) == 1
-    assert not launch.launch_ended(tmp_path)  # a first attempt is a new launch
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert launch.launch_ended(tmp_path)  # a restart of the ended launch
+    assert launch.launch_ended(tmp_path) is not None  # a restart of the ended launch
     monkeypatch.setattr(launch.os, "getppid", lambda: 1)
-    assert not launch.launch_ended(tmp_path)  # another torchrun's restart
+    assert launch.launch_ended(tmp_path) is None  # another torchrun's restart
     launch.clear_ended(tmp_path)
     assert not list(tmp_path.iterdir())
+    monkeypatch.undo()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    launch.end_launch(tmp_path)  # left by an earlier launch whose torchrun had this pid
+    assert launch.launch_ended(tmp_path) is None and not list(tmp_path.iterdir())  # a first attempt: a new launch
 
 
 def test_model_parts_follow_the_same_rules_and_a_half_saved_step_is_never_used(tmp_path):

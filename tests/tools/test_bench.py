@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, SHAKESPEARE
+from conftest import ENV, REPO, SHAKESPEARE
 from experiment.dataloader import demo_lines
 
 
@@ -44,7 +44,7 @@ def test_speedrun_trains_for_its_budget_and_reports_full_val_loss(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "speedrun", "--data", data, "--seconds", "6",
                            "--workspace", tmp_path / "ws", "--", "--depth", "2", "--aspect_ratio", "32",
                            "--head_dim", "32", "--max_seq_len", "64", "--total_batch_size", "512"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     m = re.search(r"budget 6s, used ([\d.]+)s .* val_loss ([\d.]+) nats/char on the full val set \(([\d,]+) tokens",
                   proc.stdout)
@@ -66,7 +66,7 @@ def test_profile_splits_a_step_into_buckets_that_add_up_to_its_wall_time():
     double-count (caught: counting cpu_time_total, children included, instead of self time)."""
     proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "profile", "--depth", "2", "--head_dim", "32",
                            "--seq", "32", "--batch", "4", "--tokens_per_step", "256", "--steps", "2"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     wall = float(re.search(r"([\d.]+) ms/step wall", proc.stdout).group(1))
     rows = dict((name.strip(), float(ms)) for name, ms in re.findall(r"^profile \| (.+?)\s+([\d.]+) ms\s+[\d.]+%$", proc.stdout, re.M))
@@ -121,7 +121,7 @@ NANOGPT = REPO.parent / "shared" / "anchors" / "nanogpt"
                     reason="../shared/anchors/nanogpt or ../shared/data/tinyshakespeare.txt not present")
 def test_versus_runs_both_sides_and_compares_them(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "versus", "--seconds", "8", "--ladder", "2",
-                           "--workspace", tmp_path], cwd=REPO, capture_output=True, text=True, timeout=600)
+                           "--workspace", tmp_path], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = re.search(r"repeat 1 \| nanoGPT ([\d.]+) \((\d+) iters x 768 tokens, loop ([\d.]+)s\) \| ours ([\d.]+) "
                   r"\(d\d+ w\d+ seq 256, \d+ steps x 4096 tokens.*used ([\d.]+)s\)", proc.stdout)
@@ -146,7 +146,7 @@ def test_versus_runs_both_sides_and_compares_them(tmp_path):
 def test_save_benchmark_prints_blocking_and_background_figures(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "save", "--depth", "2", "--aspect_ratio", "32",
                            "--head_dim", "32", "--seq", "32", "--batch", "2", "--write_mbps", "2", "--rounds", "1",
-                           "--steps", "2", "--dir", tmp_path], cwd=REPO, capture_output=True, text=True, timeout=300)
+                           "--steps", "2", "--dir", tmp_path], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     line = next(x for x in proc.stdout.splitlines() if x.startswith("median of 1"))
     m = re.search(r"blocking save ([\d.]+)s \| background save blocked training ([\d.]+)s = ([\d.]+)% of the blocking "
