@@ -18,6 +18,22 @@ def _meta(step, best_step=-1):
     return {"step": step, "val_loss": 1.0, "state": {"best_step": best_step}, "world_size": 1, "model_parts": 1}
 
 
+def _trainer(run_dir, st, log):
+    """What train.finish_save reads of a trainer, with a real Saver into `run_dir`, and a fresh Loop."""
+    from types import SimpleNamespace
+
+    from experiment import train
+    from experiment.distributed import Dist
+
+    t = SimpleNamespace(st=st, saver=_saver(run_dir), d=Dist(0, 0, 1, torch.device("cpu")), run_dir=run_dir,
+                        report=SimpleNamespace(add=lambda record: None), log=log,
+                        cfg=SimpleNamespace(keep_last=3, keep_best_optimizer=0))
+    loop = train.Loop(x=None, y=None, data_state={}, started=0.0, used_at_start=0.0, last_eval_time=0.0,
+                      last_save_time=0.0, last_eval_step=0, last_eval_tokens=0, last_saved_step=0,
+                      last_complete_step=0)
+    return t, loop
+
+
 def test_a_background_save_holds_the_moment_it_began_and_counts_only_once_completed(tmp_path):
     weights = {"w": torch.arange(200_000, dtype=torch.float32)}  # 0.8 MB
     state = {"state": {"w": {"momentum": torch.ones(100_000)}}, "step": 7}
@@ -94,19 +110,12 @@ def test_a_failed_best_save_falls_back_to_the_best_of_a_completed_save(tmp_path)
     """Step 3's and step 4's evals were both new bests, and both saves failed (step 4's eval came
     while step 3's write was in flight): the best goes back to step 2, whose save completed, not to
     step 3, the best before step 4's eval."""
-    from types import SimpleNamespace
 
     from experiment import train
     from experiment.checkpoint import RunState
-    from experiment.distributed import Dist
 
     st, lines = RunState(), []
-    t = SimpleNamespace(st=st, saver=_saver(tmp_path), d=Dist(0, 0, 1, torch.device("cpu")), run_dir=tmp_path,
-                        report=SimpleNamespace(add=lambda record: None), log=lines.append,
-                        cfg=SimpleNamespace(keep_last=3, keep_best_optimizer=0))
-    loop = train.Loop(x=None, y=None, data_state={}, started=0.0, used_at_start=0.0, last_eval_time=0.0,
-                      last_save_time=0.0, last_eval_step=0, last_eval_tokens=0, last_saved_step=0,
-                      last_complete_step=0)
+    t, loop = _trainer(tmp_path, st, lines.append)
 
     def save(step, val, fails):
         st.best_val, st.best_step = val, step  # this step's eval was a new best
@@ -171,19 +180,12 @@ def test_a_best_eval_made_while_a_failed_best_save_was_in_flight_becomes_the_bes
     came while step 3's write was in flight. Once step 3 fails, step 4 beats the best that stands
     (step 2, 2.0) and its save makes it the best. Broken before: the best went back to step 2 and
     stayed there although step 4's own save completed."""
-    from types import SimpleNamespace
 
     from experiment import train
     from experiment.checkpoint import RunState
-    from experiment.distributed import Dist
 
     st, lines = RunState(), []
-    t = SimpleNamespace(st=st, saver=_saver(tmp_path), d=Dist(0, 0, 1, torch.device("cpu")), run_dir=tmp_path,
-                        report=SimpleNamespace(add=lambda record: None), log=lines.append,
-                        cfg=SimpleNamespace(keep_last=3, keep_best_optimizer=0))
-    loop = train.Loop(x=None, y=None, data_state={}, started=0.0, used_at_start=0.0, last_eval_time=0.0,
-                      last_save_time=0.0, last_eval_step=0, last_eval_tokens=0, last_saved_step=0,
-                      last_complete_step=0)
+    t, loop = _trainer(tmp_path, st, lines.append)
 
     def save(step, fails):
         if fails:
@@ -210,20 +212,13 @@ def test_a_best_eval_made_while_a_failed_best_save_was_in_flight_becomes_the_bes
 def test_a_best_steps_own_failed_blocking_save_leaves_the_best_that_stands(tmp_path):
     """Saves block (ASYNC_SAVE=0, or after a failure); step 4's eval is a new best and its own save
     fails: the best goes back to step 2 and stays there (step 4 has no checkpoint)."""
-    from types import SimpleNamespace
 
     from experiment import train
     from experiment.checkpoint import RunState
-    from experiment.distributed import Dist
 
     st = RunState()
-    t = SimpleNamespace(st=st, saver=_saver(tmp_path), d=Dist(0, 0, 1, torch.device("cpu")), run_dir=tmp_path,
-                        report=SimpleNamespace(add=lambda record: None), log=lambda line: None,
-                        cfg=SimpleNamespace(keep_last=3, keep_best_optimizer=0))
+    t, loop = _trainer(tmp_path, st, lambda line: None)
     t.saver.background = False
-    loop = train.Loop(x=None, y=None, data_state={}, started=0.0, used_at_start=0.0, last_eval_time=0.0,
-                      last_save_time=0.0, last_eval_step=0, last_eval_tokens=0, last_saved_step=0,
-                      last_complete_step=0)
     for step, val, fails in ((2, 2.0, False), (4, 1.5, True)):
         st.step, loop.last_eval_step, loop.val_loss = step, step, val
         st.best_val, st.best_step = val, step  # a new best

@@ -13,16 +13,20 @@ from experiment.runlog import RunLog
 from experiment.step import forward_backward, optimizer_step
 
 
-def test_the_tools_step_gives_the_trainers_loss_gradients_and_update(tmp_path, corpus):
-    # 256 tokens per step in micro-batches of 4 x 32: two micro-batches accumulate per step.
+def _one_trainer_step(tmp_path, corpus):
+    """The trainer set up on TINY with 2 micro-batches a step, and one train_step run with a copy of
+    its model and optimizer taken before it: (cfg, trainer, copy, copy's optimizer, the micro-batches
+    it fed its model, the gradients it handed its optimizer, its loss, its LR multiplier)."""
     cfg = resolve(parse_args([*map(str, TINY), "--data_dir", str(corpus), "--workspace", str(tmp_path),
                               "--total_batch_size", "256", "--device", "cpu"]), cuda=False, world_size=1)
     t = train.setup(cfg, Dist(0, 0, 1, torch.device("cpu")), tmp_path, tmp_path / "checkpoints" / cfg.model_tag,
                     RunLog(None))
     loop = train.start_loop(t)
     assert t.grad_accum == 2
-
-    # What the trainer's step feeds its model and hands its optimizer.
+    copy = build_model(t.model.config)
+    copy.load_state_dict(t.model.state_dict())
+    copy_opt = ShardedOptimizer(copy, matrix_lr=cfg.matrix_lr, embedding_lr=cfg.embedding_lr,
+                                unembedding_lr=cfg.unembedding_lr)
     inputs, handed = [], {}
     t.model.register_forward_pre_hook(lambda module, args: inputs.append((args[0].clone(), args[1].clone())))
     step = t.opt.step
@@ -32,14 +36,15 @@ def test_the_tools_step_gives_the_trainers_loss_gradients_and_update(tmp_path, c
         step()
 
     t.opt.step = capture
-    tool_model = build_model(t.model.config)
-    tool_model.load_state_dict(t.model.state_dict())
-    tool_opt = ShardedOptimizer(tool_model, matrix_lr=cfg.matrix_lr, embedding_lr=cfg.embedding_lr,
-                                unembedding_lr=cfg.unembedding_lr)
-
     loss_sum, mult = train.train_step(t, loop)
     t.writer.close()
     assert len(inputs) == 2 and handed
+    return t, copy, copy_opt, inputs, handed, loss_sum, mult
+
+
+def test_the_tools_step_gives_the_trainers_loss_gradients_and_update(tmp_path, corpus):
+    # 256 tokens per step in micro-batches of 4 x 32: two micro-batches accumulate per step.
+    t, tool_model, tool_opt, inputs, handed, loss_sum, mult = _one_trainer_step(tmp_path, corpus)
 
     # A tool's step on the same micro-batches: forward_backward per micro-batch, then optimizer_step.
     tool_loss = sum(forward_backward(tool_model, x, y, grad_accum=2) for x, y in inputs)
@@ -71,29 +76,7 @@ def test_the_accumulated_step_equals_one_plain_backward_over_the_whole_batch(tmp
     accumulated micro-batches gives the loss, the gradients and the update of one plain
     loss.backward() over both micro-batches at once. Caught: forward_backward without its
     `/ grad_accum` (loss and gradients doubled), an optimizer step before the last micro-batch."""
-    cfg = resolve(parse_args([*map(str, TINY), "--data_dir", str(corpus), "--workspace", str(tmp_path),
-                              "--total_batch_size", "256", "--device", "cpu"]), cuda=False, world_size=1)
-    t = train.setup(cfg, Dist(0, 0, 1, torch.device("cpu")), tmp_path, tmp_path / "checkpoints" / cfg.model_tag,
-                    RunLog(None))
-    loop = train.start_loop(t)
-    assert t.grad_accum == 2
-    reference = build_model(t.model.config)
-    reference.load_state_dict(t.model.state_dict())
-    reference_opt = ShardedOptimizer(reference, matrix_lr=cfg.matrix_lr, embedding_lr=cfg.embedding_lr,
-                                     unembedding_lr=cfg.unembedding_lr)
-    inputs, handed = [], {}
-    t.model.register_forward_pre_hook(lambda module, args: inputs.append((args[0].clone(), args[1].clone())))
-    step = t.opt.step
-
-    def capture():
-        handed.update({n: p.grad.clone() for n, p in t.model.named_parameters()})
-        step()
-
-    t.opt.step = capture
-    loss_sum, mult = train.train_step(t, loop)
-    t.writer.close()
-    assert len(inputs) == 2
-
+    t, reference, reference_opt, inputs, handed, loss_sum, mult = _one_trainer_step(tmp_path, corpus)
     x, y = torch.cat([a for a, _ in inputs]), torch.cat([b for _, b in inputs])
     loss = reference(x, y)  # the mean over all 256 tokens of the step
     loss.backward()

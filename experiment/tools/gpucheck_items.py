@@ -558,6 +558,18 @@ def _done_seconds(log_text: str) -> tuple[float, float] | None:
     return None
 
 
+def _budget_bounds(state: dict, budget: float | None) -> tuple[float, float, float, float]:
+    """(step seconds, reserve seconds, how far short of the budget and how far past it, as fractions)
+    a run keeps to. Past it by at most 1%, or two of the run's own steps where those are longer (a
+    loaded CPU); short of it by at most 1% more than the reserve the run keeps for its ending (its
+    longest eval and save and a step, measured): the budget's end comes before them."""
+    step_s = state.get("step_seconds", 0.0)
+    reserve_s = step_s + state.get("eval_seconds", 0.0) + state.get("save_seconds", 0.0)
+    if not budget:
+        return step_s, reserve_s, 0.01, 0.01
+    return step_s, reserve_s, 0.01 + reserve_s / budget, max(0.01, 2 * step_s / budget)
+
+
 def check_e2e(ctx: Ctx) -> Item:
     """A budgeted run of experiment/run.sh (one process per visible GPU), SIGTERM to the launcher as a
     preemption would send it, then the same command again: it must resume and stop at the budget."""
@@ -588,12 +600,7 @@ def check_e2e(ctx: Ctx) -> Item:
     done, final = _done_seconds(text), ckpt.complete_steps(run_dir)
     error = (done[0] - done[1]) / done[1] if done else None
     state = ckpt.read_meta(run_dir, final[-1])["state"] if final else {}
-    step_s, reserve_s = state.get("step_seconds", 0.0), sum(state.get(k, 0.0) for k in ("step_seconds", "eval_seconds",
-                                                                                          "save_seconds"))
-    # The budget kept: past it by at most 1%, or two of the run's own steps where those are longer (a
-    # loaded CPU); short of it by at most 1% more than the reserve the run keeps for its ending (its
-    # longest eval and save and a step, measured): the budget's end comes before them.
-    over, under = (max(0.01, 2 * step_s / done[1]), 0.01 + reserve_s / done[1]) if done else (0.01, 0.01)
+    step_s, reserve_s, under, over = _budget_bounds(state, done[1] if done else None)
     figures = {"preempted": preempted, "preempt_step": saved[-1] if saved else None, "resumed": resumed,
                "final_step": final[-1] if final else None, "used_s": done and done[0], "budget_s": done and done[1],
                "budget_error": error, "step_s": step_s, "reserve_s": reserve_s, "exit_codes": [first.returncode,
