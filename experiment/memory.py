@@ -105,17 +105,25 @@ def plan_memory(config: GPTConfig, world_size: int, batch: int, seq: int, precis
     return MemoryPlan(precision, activation_checkpointing, rows)
 
 
+def share_tensors(config: GPTConfig, world: int, precision: str):
+    """Per parameter: (the rank that owns it, the bytes of its model-part tensor in the weights'
+    dtype, the bytes of its optimizer-shard tensors: fp32 master, then Muon momentum or AdamW's two
+    moments). What checkpoint_bytes_per_rank and staged_bytes_per_rank count."""
+    shapes = param_shapes(config)
+    owner = partition({n: math.prod(sh) for n, sh in shapes.items()}, world)
+    weight = 2 if precision == "bf16" else 4
+    for n, sh in shapes.items():
+        size = math.prod(sh)
+        yield owner[n], size * weight, [4 * size] * (2 if uses_muon(n, sh) else 3)
+
+
 def checkpoint_bytes_per_rank(config: GPTConfig, world: int, precision: str) -> list[tuple[int, int]]:
     """(model part, optimizer shard) bytes each rank writes per checkpoint when the model is saved in
     per-rank parts: its parameters in the weights' dtype; fp32 master + Muon momentum or AdamW moments."""
-    shapes = param_shapes(config)
-    sizes = {n: math.prod(sh) for n, sh in shapes.items()}
-    owner = partition(sizes, world)
-    weight = 2 if precision == "bf16" else 4
     part, shard = [0] * world, [0] * world
-    for n, size in sizes.items():
-        part[owner[n]] += size * weight
-        shard[owner[n]] += size * (4 + (4 if uses_muon(n, shapes[n]) else 8))
+    for rank, weights, optimizer in share_tensors(config, world, precision):
+        part[rank] += weights
+        shard[rank] += sum(optimizer)
     return list(zip(part, shard))
 
 
@@ -129,16 +137,10 @@ def staged_bytes_per_rank(config: GPTConfig, world: int, precision: str, pinned:
     """Host memory each rank's staged checkpoint share takes (experiment/saver.py, HostBuffers): one
     buffer per tensor of checkpoint_bytes_per_rank's files, each rounded up as the pinned allocator
     does when `pinned` (CUDA), else exact. The RNG states and AdamW's step counters are left out (bytes)."""
-    shapes = param_shapes(config)
-    owner = partition({n: math.prod(sh) for n, sh in shapes.items()}, world)
-    weight = 2 if precision == "bf16" else 4
     block = pinned_block_bytes if pinned else (lambda n: n)
     staged = [0] * world
-    for n, sh in shapes.items():
-        size = math.prod(sh)
-        # the model part's tensor; the shard's fp32 master and Muon momentum or AdamW's two moments
-        tensors = [size * weight, 4 * size] + [4 * size] * (1 if uses_muon(n, sh) else 2)
-        staged[owner[n]] += sum(block(b) for b in tensors)
+    for rank, weights, optimizer in share_tensors(config, world, precision):
+        staged[rank] += block(weights) + sum(map(block, optimizer))
     return staged
 
 
