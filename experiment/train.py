@@ -39,7 +39,8 @@ from experiment.memory import (checkpoint_bytes_per_rank, choose_memory_mode, fi
 from experiment.mixture import MixedBatches, source_weights
 from experiment.model import DTYPES, GPT, GPTConfig, build_model
 from experiment.optim import ShardedOptimizer, lr_multiplier
-from experiment.report import NullReport, RunReport, read_records
+from experiment.onexit import last_words
+from experiment.report import NullReport, RunReport
 from experiment.saver import HOST_STAGING_FRACTION, Saver
 from experiment.runlog import (NullWriter, RunLog, log_crash, log_step, planner_line, report_eval, report_sample,
                                source_epoch_lines)
@@ -832,14 +833,6 @@ def export_best(run_dir: Path) -> str:
 # ---------------------------------------------------------------- entry
 
 
-def last_outcome_said(run_dir: Path, marked_at: float | None) -> str:
-    """The outcome the trainer recorded just before it left the marker at `marked_at` (a record from
-    an earlier launch, or none when a full volume refused it, is not this launch's)."""
-    ends = [r for r in read_records(run_dir / "metrics.jsonl")
-            if r.get("kind") == "end" and marked_at is not None and r["time"] >= marked_at - 60]
-    return ends[-1]["outcome"] if ends else "its outcome is not on record"
-
-
 def train(cfg: TrainConfig, d: Dist) -> int:
     cfg = resolve(cfg, d.device.type == "cuda", d.world_size)
     workspace = Path(cfg.workspace) if cfg.workspace else default_workspace()
@@ -849,8 +842,8 @@ def train(cfg: TrainConfig, d: Dist) -> int:
     if not all_ranks_ok(ended is None, d):
         if d.master:
             print(f"error: not restarting: the trainer ended this launch with a failure that a restart would repeat "
-                  f"({last_outcome_said(run_dir, ended)}; training.log in {run_dir} says more)", file=sys.stderr,
-                  flush=True)
+                  f"({(ended and last_words(run_dir, ended - 60)) or 'its outcome is not on record'}; training.log "
+                  f"in {run_dir} says more)", file=sys.stderr, flush=True)
         return 1
     log = RunLog(run_dir / "training.log" if d.master else None)
     log(f"config {json.dumps(dataclasses.asdict(cfg))}")

@@ -607,6 +607,8 @@ def test_a_full_disk_at_the_final_save_ends_the_launch_once(tmp_path, corpus, sm
     run_dir = tmp_path / "checkpoints/d2"
     assert proc.returncode != 0 and proc.stdout.count("config {") == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "below the planned peak" in proc.stdout  # the pre-flight's disk guard, a warning on CPU
+    assert ("error: not restarting: the trainer ended this launch with a failure that a restart would repeat "
+            "(failed: the final checkpoint, step 000006, could not be written") in proc.stderr
     assert proc.stdout.count("step 000003 | loss") == 1 and proc.stdout.count("step 000006 | loss") == 1  # trained once
     line = next(x for x in proc.stdout.splitlines() if x.startswith("error: the final checkpoint"))
     assert f"the volume {run_dir} has" in line and "MB free" in line and "checkpoint is step 000002" in line
