@@ -20,21 +20,15 @@ case "${1:-train}" in
     *) echo "unknown command: $1" >&2; usage >&2; exit 2 ;;
 esac
 
-if [ ! -x .venv/bin/python ]; then
-    python3 -m venv .venv
-fi
-# Reinstall only when requirements.txt changed, so a second `bash run.sh` starts at once.
-want=$(sha256sum requirements.txt | cut -d' ' -f1)
-if [ "$(cat .venv/.requirements.sha256 2>/dev/null)" != "$want" ]; then
-    .venv/bin/python -m pip install --disable-pip-version-check -q -r requirements.txt
-    echo "$want" > .venv/.requirements.sha256
-fi
-export PATH="$PWD/.venv/bin:$PATH"
+# The Python (.venv, created and installed on first use; or PYTHON / an active venv, checked):
+# experiment/pyenv.sh, which experiment/run.sh uses too.
+source experiment/pyenv.sh
+setup_python
 
 cmd=${1:-train}
 [ $# -gt 0 ] && shift
 if [ "$cmd" = test ]; then
-    exec python -m pytest tests "$@"
+    exec "$PYTHON" -m pytest tests "$@"
 fi
 # The other commands run where the user stands, so that paths they are given (DATA_DIR, --checkpoint,
 # --prompt_file) mean what they say; the code is found through PYTHONPATH.
@@ -43,9 +37,9 @@ export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 cd "$here"
 case "$cmd" in
     train) exec bash "$repo/experiment/run.sh" "$@" ;;
-    serve) exec python -m experiment.server "$@" ;;
-    sample) exec python -m experiment.sample "$@" ;;
-    export) exec python -m experiment.export "$@" ;;
-    plan) exec python -m experiment.plan "$@" ;;
-    gpucheck) exec python -m experiment.tools.bench gpucheck "$@" ;;
+    serve) exec "$PYTHON" -m experiment.server "$@" ;;
+    sample) exec "$PYTHON" -m experiment.sample "$@" ;;
+    export) exec "$PYTHON" -m experiment.export "$@" ;;
+    plan) exec "$PYTHON" -m experiment.plan "$@" ;;
+    gpucheck) exec "$PYTHON" -m experiment.tools.bench gpucheck "$@" ;;
 esac

@@ -24,11 +24,10 @@ for var in DATA_DIR WORKSPACE; do
     fi
 done
 cd "$(dirname "$0")/.."
-if [ -z "${VIRTUAL_ENV:-}" ] && [ -x .venv/bin/python ]; then
-    export PATH="$PWD/.venv/bin:$PATH"
-fi
-# A rented image may have only python3 and no torchrun on the PATH; PYTHON overrides.
-PYTHON=${PYTHON:-$(command -v python || command -v python3)}
+# The Python: .venv, created and installed on first use (a fresh clone needs no other step); or
+# PYTHON / an active venv, checked against requirements.txt (experiment/pyenv.sh, shared with run.sh).
+source experiment/pyenv.sh
+setup_python
 
 n_gpu=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 if [ "$n_gpu" -gt 0 ]; then default_nproc=$n_gpu; else default_nproc=1; fi
