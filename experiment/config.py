@@ -31,7 +31,7 @@ CPU_DEFAULTS = dict(depth="auto", aspect_ratio=32, head_dim=64, warmdown_frac=0.
 CPU_LR_SCALES = ((4, dict(matrix_lr=1.0, embedding_lr=0.5, unembedding_lr=0.5)),
                  (math.inf, dict(matrix_lr=0.5, embedding_lr=0.25, unembedding_lr=0.25)))
 CPU_DEVICE_BATCH = 16
-MAX_EPOCHS = 8  # DEPTH=auto's cap on passes over the data (experiment/autosize.py says why)
+MAX_EPOCHS = 8  # the default cap on passes over the data, at any depth (experiment/autosize.py says why)
 # The stop at the val minimum (train.py, maybe_eval; docs/training.md, "The stop at the val minimum"
 # says how these were measured): evals every quarter pass, patience 4 evals (a pass), margin 0.2%.
 EVAL_EVERY_EPOCHS = 0.25
@@ -79,9 +79,9 @@ class TrainConfig:
     budget_usd: float | None = opt("if set: hours = budget_usd / (gpu_hourly_usd x world size)")
     gpu_hourly_usd: float = opt("price of one GPU-hour, for budget_usd", 4.0)
     max_epochs: float | None = opt("stop after this many passes over the training data, the LR schedule planned "
-                                    "for them (default 8 with DEPTH=auto, none with an explicit DEPTH; 0: none)")
+                                    "for them (default 8; 0: none)")
     allow: str = opt("pre-flight guards to pass on CUDA, comma-separated: demo (train on the built-in demo data), "
-                     "repeat (an explicit DEPTH whose budget repeats the data more than 8 times), disk (less free "
+                     "repeat (an explicit DEPTH whose budget repeats the data more than 8 times, with MAX_EPOCHS=0 or above 8), disk (less free "
                      "space than the checkpoints need)", "")
     max_steps: int = opt("stop after this many optimizer steps (0: budget only); for tests and benchmarks", 0)
     data_dir: str | None = opt("directory of *.txt (or one .txt); default $WORKSPACE/data, demo if empty")
@@ -190,7 +190,7 @@ def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
     if not (cfg.depth == "auto" or isinstance(cfg.depth, int) and cfg.depth > 0):
         raise ConfigError(f"--depth must be a positive number of layers or auto, got {cfg.depth!r}")
     if cfg.max_epochs is None:
-        cfg.max_epochs = float(MAX_EPOCHS if cfg.depth == "auto" else 0)
+        cfg.max_epochs = float(MAX_EPOCHS)  # an explicit depth too: the plan's DEPTH=32 must launch as planned
     if cfg.bigram_embed is None:  # measured on characters only (docs/performance.md, the recipe's ablation)
         cfg.bigram_embed = int(cfg.tokenizer == "char")
     if cfg.max_epochs < 0:

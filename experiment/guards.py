@@ -6,8 +6,8 @@ the run will train, one checkpoint's size and the disk that retention needs. The
 a ConfigError (exit 2, after the plan line) unless ALLOW names it:
 
     demo    the run would train on the built-in demo data (the corpus is not where it looks)
-    repeat  the run would repeat the training data more than MAX_EPOCHS times (an explicit DEPTH
-            with the budget's hours: more than the data can use; MAX_EPOCHS=8 stops it there)
+    repeat  the run would repeat the training data more than MAX_EPOCHS times (MAX_EPOCHS set to 0
+            or above 8 with an explicit DEPTH: more than the data can use; the default 8 stops there)
     disk    the free space under WORKSPACE (plus what the run directory already holds, which
             retention replaces) is below the planned peak: KEEP_LAST + the best + the one being
             written
@@ -136,8 +136,8 @@ def check(cfg: TrainConfig, p: GpuPlan | None, demo: bool, workspace: Path, run_
                       "corpus there or set DATA_DIR (ALLOW=demo trains on the demo)")
     if p is not None and p.epochs > MAX_EPOCHS and "repeat" not in allowed:
         errors.append(f"d{p.depth} would see the training data {p.epochs:.1f} times in the {cfg.training_hours:g}h "
-                      f"budget (predicted), past {MAX_EPOCHS} (repeated data is worth less and less); use DEPTH=auto, "
-                      f"MAX_EPOCHS={MAX_EPOCHS} (stops there), fewer TRAINING_HOURS, or ALLOW=repeat")
+                      f"budget (predicted), past {MAX_EPOCHS} (repeated data is worth less and less); leave MAX_EPOCHS "
+                      f"unset (MAX_EPOCHS={MAX_EPOCHS} stops there), use DEPTH=auto, fewer TRAINING_HOURS, or ALLOW=repeat")
     if p is not None and "disk" not in allowed and not resume and (short := disk_shortfall(cfg, p.checkpoint_bytes,
                                                                                            run_dir)):
         errors.append(short + "; free space, lower KEEP_LAST, or ALLOW=disk")

@@ -103,6 +103,8 @@ def markdown(report: RunReport, st, status: str) -> str:
         ("best", f"val loss {st.best_val:.4f} at step {st.best_step}: {f['best_file'].format(step=st.best_step)}"
                  if st.best_step >= 0 else "no checkpoint yet"),
     ] + [(k, f[k]) for k in ("eval", "plan", "auto") if f.get(k)]
+    if status == "running" and f.get("projected end"):  # the step line's eta, as of the latest step line
+        rows.append(("projected end", f["projected end"]))
     lines = [f"# Run report: {f['model_tag']}", "",
              f"{status} | step {st.step} | updated {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}", "",
              "![train and val loss against time and tokens; the best checkpoint marked](loss.svg)", "",

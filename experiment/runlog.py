@@ -91,11 +91,11 @@ def report_sample(step: int, model: GPT, prepared: Prepared, prompt: list[int], 
 
 
 def log_step(log: RunLog, writer, step: int, loss: float, lr: float, lr_mult: float, dt: float, tok_s: float,
-             mfu: float | None, mem_gib: float, used_h: float, budget_h: float) -> None:
-    """The step line and the same values to TensorBoard."""
+             mfu: float | None, mem_gib: float, used_h: float, budget_h: float, eta: tuple[float, str]) -> None:
+    """The step line and the same values to TensorBoard; eta: (hours to the projected end, its cause)."""
     log(f"step {step:06d} | loss {loss:.4f} | lr {lr:.2e} | dt {1000 * dt:.0f}ms | tok/s {tok_s:,.0f} | "
         f"mfu {f'{100 * mfu:.1f}%' if mfu is not None else '-'} | mem {mem_gib:.1f}GiB | "
-        f"used {used_h:.2f}h/{budget_h:.2f}h | eta {max(budget_h - used_h, 0):.2f}h")
+        f"used {used_h:.2f}h/{budget_h:.2f}h | eta {eta[0]:.2f}h ({eta[1]})")
     for name, value in (("train/loss", loss), ("train/lr_multiplier", lr_mult), ("perf/tok_per_s", tok_s),
                         ("perf/mem_gib", mem_gib)):
         writer.add_scalar(name, value, step)

@@ -757,13 +757,33 @@ def record_step(t: Trainer, loop: Loop, loss_sum: torch.Tensor, mult: float, t0:
     tok_s = cfg.total_batch_size / dt
     if logging:
         mfu = t.flops_per_token * tok_s / (t.peak * d.world_size) if t.peak else None
+        rate = loop.measured_tokens / loop.measured_time if loop.measured_time else tok_s
+        seconds, cause = projected_end(t, loop.used(), rate)
         log_step(t.log, t.writer, st.step + 1, train_loss, t.opt.matrix_lr(), mult, dt, tok_s, mfu,
-                 memory_gib(d.device), loop.used() / 3600, cfg.training_hours)
+                 memory_gib(d.device), loop.used() / 3600, cfg.training_hours, (seconds / 3600, cause))
+        t.report.note("projected end", f"in {seconds / 3600:.2f} h ({cause}), at step {st.step + 1}'s measured "
+                                       f"{rate:,.0f} tok/s")
         t.report.add({"kind": "train", "step": st.step + 1, "used_seconds": round(loop.used(), 3),
                       "tokens_seen": st.tokens_seen, "loss": train_loss, "tok_s": tok_s, "mfu": mfu})
     if not loop.planned and loop.measured_time > 0 and st.step - (t.resume_step or 0) >= 10:
         loop.planned = True
         plan_from_measured_rate(t, loop, loop.measured_tokens / loop.measured_time)
+
+
+def projected_end(t: Trainer, used: float, rate: float) -> tuple[float, str]:
+    """Seconds to the run's end at `rate` tok/s, and what ends it: the first of the budget, the
+    MAX_EPOCHS passes, the warmdown that the val minimum started, and max_steps."""
+    st = t.st
+    ends = [(t.budget_seconds - used, "budget")]
+    if t.max_tokens < math.inf:
+        ends.append(((t.max_tokens - st.tokens_seen) / rate, f"{t.cfg.max_epochs:g} passes"))
+    if st.anneal_start_tokens >= 0 and t.cfg.plateau_evals:
+        ends.append(((st.anneal_start_tokens + st.anneal_tokens - st.tokens_seen) / rate,
+                     "the warmdown the val minimum started"))
+    if t.cfg.max_steps:
+        ends.append(((t.cfg.max_steps - st.step - 1) * t.cfg.total_batch_size / rate, "max_steps"))
+    seconds, cause = min(ends)
+    return max(seconds, 0.0), cause
 
 
 def plan_from_measured_rate(t: Trainer, loop: Loop, rate: float) -> None:

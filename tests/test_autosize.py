@@ -153,7 +153,7 @@ def test_depth_flag_takes_auto_or_a_positive_number():
     assert resolve(parse_args([]), cuda=False, world_size=1).depth == "auto"
     assert resolve(parse_args([]), cuda=True, world_size=1).depth == "auto"
     assert resolve(parse_args([]), cuda=True, world_size=1).max_epochs == autosize.MAX_EPOCHS
-    assert resolve(parse_args(["--depth", "6"]), cuda=True, world_size=1).max_epochs == 0
+    assert resolve(parse_args(["--depth", "6"]), cuda=True, world_size=1).max_epochs == autosize.MAX_EPOCHS
     assert resolve(parse_args(["--depth", "6", "--max_epochs", "3"]), cuda=True, world_size=1).max_epochs == 3
     assert resolve(parse_args(["--depth", "auto"]), cuda=False, world_size=1).model_tag == "auto"
     with pytest.raises(ConfigError, match="--depth must be"):
@@ -193,5 +193,11 @@ def test_a_run_stops_after_max_epochs_passes_its_schedule_ended_and_says_what_it
     assert unspent == pytest.approx(budget - used, abs=1)
     last_lr = [line for line in proc.stdout.splitlines() if line.startswith(f"step {steps[-1]:06d} | loss")][0]
     assert float(last_lr.split("| lr ")[1].split()[0]) < 0.02 * 0.05  # warmdown ends with the data (matrix_lr 0.02)
+    # The step line's eta is the projected end, the passes here (not the budget's 1 h minus the time used).
+    etas = [line.split("| eta ")[1] for line in proc.stdout.splitlines() if line.startswith("step ") and "| eta " in line]
+    assert all(e.endswith("h (0.5 passes)") for e in etas[1:]), etas
+    assert float(etas[len(etas) // 2].split("h")[0]) < 0.05 and float(etas[-2].split("h")[0]) < 0.01
+    report = (tmp_path / "checkpoints" / "d2" / "report.md").read_text()
+    assert "| projected end |" not in report and report.startswith("# Run report") and "finished:" in report
     end = json.loads((tmp_path / "checkpoints/d2/metrics.jsonl").read_text().splitlines()[-1])
     assert end["outcome"].startswith("finished: 0.5 passes over the training data")

@@ -47,13 +47,16 @@ def test_training_on_the_demo_data_is_refused_unless_allowed(tmp_path):
 
 
 def test_an_explicit_depth_that_repeats_the_data_is_refused_unless_capped_or_allowed(tmp_path, corpus):
-    error, lines = run_preflight(tmp_path, "--data_dir", corpus, "--depth", 12)
+    # An explicit depth has the default pass cap too: the plan's DEPTH=12 launches as it is.
+    plan, lines = run_preflight(tmp_path, "--data_dir", corpus, "--depth", 12)
+    assert isinstance(plan, dict) and any("stops after 8 passes" in x for x in lines), (plan, lines)
+    error, lines = run_preflight(tmp_path, "--data_dir", corpus, "--depth", 12, "--max_epochs", 0)
     assert isinstance(error, ConfigError), error
     assert "d12 would see the training data" in str(error) and "past 8" in str(error)
     assert "ALLOW=repeat" in str(error) and "MAX_EPOCHS=8" in str(error)
     assert any("trains the whole 31h budget" in x for x in lines)
     for way_out in (["--max_epochs", 8], ["--allow", "repeat"], ["--training_hours", 0.0000001]):
-        plan, _ = run_preflight(tmp_path, "--data_dir", corpus, "--depth", 12, *way_out)
+        plan, _ = run_preflight(tmp_path, "--data_dir", corpus, "--depth", 12, "--max_epochs", 0, *way_out)
         assert isinstance(plan, dict), (way_out, plan)
 
 

@@ -71,9 +71,11 @@ def test_the_report_reads_back_what_a_resume_keeps(tmp_path):
         f.write('{"kind": "train", "st')  # a line a crash cut short
     st = RunState(step=200, tokens_seen=200_000, used_seconds=100.0, best_val=1.5333, best_step=200)
     report.sample(200, "12+", "30=42")
+    report.note("projected end", "in 0.01 h (8 passes)")
     report.write(st, "running")
     md = (tmp_path / "report.md").read_text()
     assert md.startswith("# Run report: d2\n\nrunning | step 200")
+    assert "| projected end | in 0.01 h (8 passes) |" in md
     assert "| budget | 1.7 min used of 2.0 min, 0.3 min left |" in md
     assert "200.00 tokens/param, 4.00 passes" in md and "| best | val loss 1.5333 at step 200: model_000200.pt |" in md
     assert "## Evals (the latest 5 of 5)" in md and "| sums | words |" in md and "~~~~text\n12+30=42\n~~~~" in md
