@@ -13,7 +13,8 @@ CPU proof (docs/plan.md) the next depth up, trained for the whole budget, came o
 than this depth stopped at its 8 passes, in 2.2 times the seconds.
 
 The tok/s: on CPU measured here, a few eager steps per depth (probe_and_choose); on CUDA predicted
-(predicted_tok_per_s: the MFU measured on an H100 x the GPU's peak x the GPUs), since measuring a
+(predicted_tok_per_s: the MFU measured on an H100 x the GPU's peak x the GPUs, less the gradient
+traffic between them at an assumed link bandwidth), since measuring a
 compiled step takes minutes per depth. The trainer then times the chosen depth's first steps and
 says when the rule, at that measured rate, would have picked another depth.
 
@@ -57,6 +58,7 @@ PROBE_STEPS = 2  # timed steps per candidate at the run's micro-batch, after one
 # tokens/step): MFU against the 989 TFLOP/s peak, by depth. Other depths take the nearest.
 MEASURED_MFU = {12: 0.441, 20: 0.494, 24: 0.528}
 MFU_SOURCE = "reports/gpucheck-h100.md"
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2}  # and so of each gradient, by the memory plan's precision
 
 
 @dataclass
@@ -115,10 +117,20 @@ def flops_per_token(config: GPTConfig) -> float:
         return GPT(config).estimate_flops()
 
 
-def predicted_tok_per_s(config: GPTConfig, peak: float, gpus: int) -> float:
-    """A prediction, not a measurement: the nearest measured MFU x the GPUs' dense bf16 peak, over the
-    model's training FLOPs per token; scaling over GPUs taken as linear."""
-    return mfu(config.depth) * peak * gpus / flops_per_token(config)
+def predicted_tok_per_s(config: GPTConfig, peak: float, gpus: int, link_gbps: float, weight_bytes: int = 4,
+                        tokens_per_step: int = config.CUDA_DEFAULTS["total_batch_size"]) -> float:
+    """A prediction, not a measurement: a step's compute at the nearest measured MFU x the GPUs' dense
+    bf16 peak (the model's training FLOPs per token), plus its communication (comm_seconds)."""
+    compute = tokens_per_step * flops_per_token(config) / (mfu(config.depth) * peak * gpus)
+    return tokens_per_step / (compute + comm_seconds(config, gpus, link_gbps, weight_bytes))
+
+
+def comm_seconds(config: GPTConfig, gpus: int, link_gbps: float, weight_bytes: int = 4) -> float:
+    """One optimizer step's traffic between GPUs at `link_gbps` bus bandwidth: the gradient all-reduce
+    (a ring moves 2 (n-1)/n of the gradient bytes over each link) and the owners' broadcasts of the
+    updated weights (ZeRO-1: (n-1)/n of them), with none of it hidden behind the backward pass, which
+    DDP's bucketed all-reduce partly does: an upper bound on the time. 0 on one GPU."""
+    return 3 * (gpus - 1) / gpus * count_params(config) * weight_bytes / (link_gbps * 1e9)
 
 
 def candidate(config: GPTConfig, tok_per_s: float, budget_s: float, train_tokens: int) -> Candidate:
@@ -155,16 +167,17 @@ def choose(candidates: list[Candidate]) -> Candidate:
     return max(trained, key=lambda c: c.params) if trained else min(candidates, key=lambda c: c.params)
 
 
-def predict_and_choose(make_config, peak: float, gpus: int, gpu_bytes: int, budget_s: float,
-                       train_tokens: int) -> tuple[Candidate, list[Candidate]]:
+def predict_and_choose(make_config, peak: float, gpus: int, gpu_bytes: int, budget_s: float, train_tokens: int,
+                       link_gbps: float) -> tuple[Candidate, list[Candidate]]:
     """CUDA: every ladder depth that the memory plan fits on these GPUs (at one sequence per
     micro-batch), at its predicted tok/s; then choose."""
     candidates = []
     for depth in ladder(make_config(2).aspect_ratio, make_config(2).head_dim):
         config = make_config(depth)
-        if choose_mode(config, gpus, 1, config.max_seq_len, gpu_bytes) is None:
+        if (fit := choose_mode(config, gpus, 1, config.max_seq_len, gpu_bytes)) is None:
             break
-        candidates.append(candidate(config, predicted_tok_per_s(config, peak, gpus), budget_s, train_tokens))
+        rate = predicted_tok_per_s(config, peak, gpus, link_gbps, WEIGHT_BYTES[fit.precision])
+        candidates.append(candidate(config, rate, budget_s, train_tokens))
     return choose(candidates), candidates
 
 

@@ -456,6 +456,34 @@ def prepare(
     return prepared
 
 
+def default_workers() -> int:
+    """One process per core this process may use, at most MAX_WORKERS."""
+    return min(MAX_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+
+
+def validate(data_dir: Path, tokenizer: str = "char", alphabet: str | None = None, val_fraction: float = 0.05,
+             max_seq_len: int = 256, *, workers: int | None = None, log=None) -> dict:
+    """prepare's checks without its writes, for `plan` before renting: pass 1 over every file (UTF-8,
+    empty files, NUL bytes, ALPHABET) and each source's val share against max_seq_len. DataError names
+    the first problem. Returns {"tokens": the corpus's tokens, "sources": {name: tokens}, "exact": bool};
+    with tiktoken the tokens are estimated as bytes / 4 (exact: False), since counting means encoding."""
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    files = list_sources(data_dir)
+    names = source_names(data_dir, files)
+    stats = [p.stat() for p in files]
+    workers = workers or default_workers()
+    plans = [(i, c) for i, p in enumerate(files) for c in chunks.plan(p, stats[i].st_size, CHUNK_BYTES)]
+    with chunks.Pool(min(workers, len(plans))) as pool:
+        scans = _scan(files, stats, plans, alphabet, pool, log)
+    counts = [sum(s.chunk_chars) if tokenizer == "char" else s.size // 4 for s in scans]
+    parts = source_parts(names, counts, val_fraction)
+    split = {"train_tokens": sum(p["train"][1] - p["train"][0] for p in parts),
+             "val_tokens": sum(p["val"][1] - p["val"][0] for p in parts)}
+    check_seq_len({"split": split, "source_splits": parts}, max_seq_len, str(data_dir))
+    by_source = {p["name"]: sum(c for n, c in zip(names, counts) if n == p["name"]) for p in parts}
+    return {"tokens": sum(counts), "sources": by_source, "exact": tokenizer == "char"}
+
+
 def _remembered(root: Path, memo: Path) -> Prepared | None:
     if memo.is_file():
         final = root / json.loads(memo.read_text())["hash"]
@@ -468,8 +496,7 @@ def _prepare_files(files, names, relative, stats, settings: dict, max_seq_len: i
                    workers: int | None, log) -> Prepared:
     """Pass 1 (validation, characters, content hash), then the content hash's directory if it exists,
     else pass 2 writing it."""
-    workers = workers or min(MAX_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                             else os.cpu_count())
+    workers = workers or default_workers()
     plans = [(i, c) for i, p in enumerate(files) for c in chunks.plan(p, stats[i].st_size, CHUNK_BYTES)]
     with chunks.Pool(min(workers, len(plans))) as pool:
         scans = _scan(files, stats, plans, settings["alphabet"], pool, log)  # every error surfaces before any write

@@ -25,7 +25,7 @@ import torch
 from experiment import autosize
 from experiment.config import MAX_EPOCHS, ConfigError, TrainConfig
 from experiment.files import volume
-from experiment.hardware import peak_flops
+from experiment.hardware import link_gbps, peak_flops
 from experiment.memory import checkpoint_bytes, checkpoint_precision, staged_bytes_per_rank
 from experiment.saver import HOST_STAGING_FRACTION
 
@@ -67,17 +67,18 @@ def auto_depth(cfg: TrainConfig, make_config, gpu: Gpu, world_size: int, train_t
     if gpu.peak is None:
         return None
     chosen, _ = autosize.predict_and_choose(make_config, gpu.peak, world_size, gpu.memory_bytes,
-                                            cfg.training_hours * 3600, train_tokens)
+                                            cfg.training_hours * 3600, train_tokens, link_gbps(gpu.name))
     return chosen.depth
 
 
 def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: int) -> GpuPlan | None:
     if gpu.peak is None:
         return None
-    rate = autosize.predicted_tok_per_s(config, gpu.peak, world_size)
+    precision = checkpoint_precision(config, world_size, gpu.memory_bytes, cfg.precision)
+    rate = autosize.predicted_tok_per_s(config, gpu.peak, world_size, link_gbps(gpu.name),
+                                        autosize.WEIGHT_BYTES[precision], cfg.total_batch_size)
     budget_epochs = rate * cfg.training_hours * 3600 / train_tokens
     epochs = min(budget_epochs, cfg.max_epochs or budget_epochs)
-    precision = checkpoint_precision(config, world_size, gpu.memory_bytes, cfg.precision)
     ckpt = checkpoint_bytes(config, world_size, gpu.memory_bytes, cfg.precision)
     staged = max(staged_bytes_per_rank(config, world_size, precision, pinned=True))
     return GpuPlan(config.depth, rate, budget_epochs, epochs, epochs * train_tokens / rate / 3600, ckpt, staged,

@@ -17,6 +17,15 @@ from experiment.distributed import sync
 # MFU rather than a wrong one.
 PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 SXM", 989e12), ("H100 80GB HBM3", 989e12),
               ("H200", 989e12), ("A100", 312e12))
+# The bus bandwidth a gradient all-reduce gets between the GPUs of one node, GB/s. Assumed, not
+# measured here: PCIe cards without NVLink bridges talk over PCIe Gen5 through the host (NCCL's
+# all-reduce bus bandwidth on such 8-GPU boxes is commonly reported near 20 GB/s); SXM boards over
+# NVLink (H100 SXM: 450 GB/s per direction; taken as 350 achieved).
+PCIE_GBPS, NVLINK_GBPS = 20.0, 350.0
+
+
+def link_gbps(device_name: str) -> float:
+    return PCIE_GBPS if "PCIe" in device_name else NVLINK_GBPS
 
 
 def peak_flops(device_name: str) -> float | None:

@@ -11,34 +11,42 @@ the checkpoint size, the disk retention needs and the minutes a save takes. Then
 the depth DEPTH=auto picks on those GPUs (experiment/autosize.py, from the same predictions), the
 hours worth paying for (never past MAX_EPOCHS passes) and the dollars the budget leaves unspent.
 
-The tok/s are predictions, not measurements: the MFU measured on one H100 at d12-d24
-(autosize.MEASURED_MFU, from reports/gpucheck-h100.md) times the GPU's dense bf16 peak times the GPU count,
-divided by the model's training FLOPs per token. Scaling over GPUs is taken as linear.
+With DATA_DIR it first runs the pre-flight's data checks (dataloader.validate: UTF-8, empty
+files, NUL bytes, each source's val share), so data the rented box would refuse is refused here.
+It ends with the launch line to paste and the run directory that launch writes, and a table of the
+recommended depth on 1, 2, 4 and 8 GPUs: hours and dollars; with HOURS_AVAILABLE, the fewest GPUs
+that finish in time.
+
+The tok/s are predictions, not measurements: a step's compute at the MFU measured on one H100 at
+d12-d24 (autosize.MEASURED_MFU, from reports/gpucheck-h100.md) times the GPU's dense bf16 peak times
+the GPU count, plus its traffic between the GPUs (the gradient all-reduce and ZeRO-1's weight
+broadcasts) at LINK_GBPS, unhidden (autosize.comm_seconds): more GPUs are not linearly faster.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from experiment import autosize
 from experiment.guards import DISK_WRITE_GBPS
 from experiment.config import CUDA_DEFAULTS, PLATEAU_EVALS, opt, parse_flags
-from experiment.dataloader import DataError, list_sources
+from experiment.dataloader import DataError, validate
 from experiment.files import default_workspace
-from experiment.hardware import peak_flops
+from experiment.hardware import PCIE_GBPS, NVLINK_GBPS, link_gbps, peak_flops
 from experiment.memory import checkpoint_bytes, choose_mode
 from experiment.model import GPTConfig
 
 GPU_MEMORY_GIB = (("H200", 141), ("H100", 80), ("A100", 80))  # by name fragment, most specific first
-CHUNK = 1 << 26
+VOCAB_CHAR, VOCAB_TIKTOKEN = 256, 100352  # padded; the embedding barely moves the FLOPs
+GPU_COUNTS = (1, 2, 4, 8)  # the rows of the same run on fewer GPUs
 
 
 @dataclass
@@ -47,12 +55,17 @@ class PlanConfig:
     data_dir: str | None = opt("*.txt files to count (default $WORKSPACE/data)")
     tokenizer: str = opt("char, or a tiktoken encoding name (counted as bytes / 4: set TOKENS for the exact "
                          "figure)", "char")
+    alphabet: str | None = opt("allowed characters, as for training: data with any other one is refused")
     val_fraction: float = opt("held out for validation", 0.05)
     gpus: str | None = opt("e.g. 8xH100-PCIe, 8xH100-SXM, 8xH200 (default: the GPUs visible here, else "
                            "8xH100-PCIe)")
     training_hours: float | None = opt(f"budget in hours (default {CUDA_DEFAULTS['training_hours']:g})")
     budget_usd: float | None = opt("budget in dollars: hours = budget_usd / (gpu_hourly_usd x GPUs)")
     gpu_hourly_usd: float = opt("price of one GPU-hour", 4.0)
+    hours_available: float | None = opt("the wall-clock hours you can wait: the plan recommends the fewest GPUs "
+                                        "that finish in them")
+    link_gbps: float | None = opt(f"bus bandwidth of the gradient all-reduce between GPUs, GB/s (default "
+                                  f"{PCIE_GBPS:g} for PCIe cards, {NVLINK_GBPS:g} for NVLink: assumed, not measured)")
     disk_write_gbps: float = opt("the checkpoint disk's write rate, GB/s (a network volume's low end)",
                                  DISK_WRITE_GBPS)
     keep_last: int = opt("complete checkpoints kept, plus the best", 3)
@@ -66,6 +79,7 @@ class Gpus:
     name: str
     peak: float  # dense bf16 FLOP/s of one
     memory_bytes: int
+    link_gbps: float  # the all-reduce's bus bandwidth between them
 
 
 def parse_gpus(spec: str | None) -> Gpus:
@@ -82,34 +96,42 @@ def parse_gpus(spec: str | None) -> Gpus:
     if not sep or not count.isdigit() or int(count) < 1 or peak is None or memory is None:
         raise ValueError(f"GPUS {spec!r}: expected COUNTxNAME with a GPU whose peak is known, e.g. 8xH100-PCIe, "
                          "8xH100-SXM, 8xH200, 8xA100")
-    return Gpus(int(count), name, peak, memory * 2**30)
+    return Gpus(int(count), name, peak, memory * 2**30, link_gbps(name))
 
 
 def count_tokens(cfg: PlanConfig) -> tuple[int, str]:
-    """(tokens, how they were counted): TOKENS, else the characters (or bytes / 4) of DATA_DIR's *.txt,
-    streamed (a character is a UTF-8 byte that is no continuation byte)."""
+    """(tokens, how they were counted): TOKENS, else DATA_DIR's, after the pre-flight's checks
+    (DataError names the first problem): characters, or with tiktoken bytes / 4."""
     if cfg.tokens is not None:
         return cfg.tokens, "TOKENS"
     data_dir = Path(cfg.data_dir) if cfg.data_dir else default_workspace() / "data"
-    files = list_sources(data_dir)
-    total = 0
-    for path in files:
-        with open(path, "rb") as f:
-            while chunk := f.read(CHUNK):
-                b = np.frombuffer(chunk, dtype=np.uint8)
-                total += int(np.count_nonzero((b & 0xC0) != 0x80)) if cfg.tokenizer == "char" else len(b)
-    if cfg.tokenizer != "char":
-        return total // 4, f"estimated as bytes / 4 in {len(files)} file(s) of {data_dir} (set TOKENS to be exact)"
-    return total, f"characters in {len(files)} file(s) of {data_dir}"
+    v = validate(data_dir, cfg.tokenizer, cfg.alphabet, cfg.val_fraction, cfg.max_seq_len)
+    sources = f"{len(v['sources'])} source(s) of {data_dir}, checked as the pre-flight checks them"
+    if not v["exact"]:
+        return v["tokens"], f"estimated as bytes / 4 in {sources} (set TOKENS to be exact)"
+    return v["tokens"], f"characters in {sources}"
+
+
+def model_config(depth: int, cfg: PlanConfig, vocab: int) -> GPTConfig:
+    return GPTConfig(vocab_size=vocab, depth=depth, aspect_ratio=CUDA_DEFAULTS["aspect_ratio"],
+                     head_dim=CUDA_DEFAULTS["head_dim"], max_seq_len=cfg.max_seq_len,
+                     bigram_vocab=vocab if cfg.tokenizer == "char" else 0)
+
+
+def tok_per_s(config: GPTConfig, gpus: Gpus, count: int) -> float | None:
+    """Predicted on `count` of these GPUs, in the precision the memory plan picks; None if it does not fit."""
+    fit = choose_mode(config, count, 1, config.max_seq_len, gpus.memory_bytes)
+    if fit is None:
+        return None
+    return autosize.predicted_tok_per_s(config, gpus.peak, count, gpus.link_gbps, autosize.WEIGHT_BYTES[fit.precision])
 
 
 def rung(depth: int, cfg: PlanConfig, gpus: Gpus, train_tokens: int, budget_s: float, vocab: int) -> dict:
-    config = GPTConfig(vocab_size=vocab, depth=depth, aspect_ratio=CUDA_DEFAULTS["aspect_ratio"],
-                       head_dim=CUDA_DEFAULTS["head_dim"], max_seq_len=cfg.max_seq_len,
-                       bigram_vocab=vocab if cfg.tokenizer == "char" else 0)
-    c = autosize.candidate(config, autosize.predicted_tok_per_s(config, gpus.peak, gpus.count), budget_s,
-                           train_tokens)
-    fits = choose_mode(config, gpus.count, 1, cfg.max_seq_len, gpus.memory_bytes) is not None
+    config = model_config(depth, cfg, vocab)
+    rate = tok_per_s(config, gpus, gpus.count)
+    fits = rate is not None
+    rate = rate or autosize.predicted_tok_per_s(config, gpus.peak, gpus.count, gpus.link_gbps)
+    c = autosize.candidate(config, rate, budget_s, train_tokens)
     ckpt = checkpoint_bytes(config, gpus.count, gpus.memory_bytes)
     return {"depth": depth, "params": c.params, "tok_per_s": c.tok_per_s, "fits": fits,
             "hours_per_pass": train_tokens / c.tok_per_s / 3600, "useful_hours": c.seconds / 3600,
@@ -119,13 +141,43 @@ def rung(depth: int, cfg: PlanConfig, gpus: Gpus, train_tokens: int, budget_s: f
             "save_minutes": ckpt / (cfg.disk_write_gbps * 1e9) / 60}
 
 
+def gpu_rows(cfg: PlanConfig, gpus: Gpus, config: GPTConfig, tokens: float) -> list[dict]:
+    """The chosen depth's tokens on 1, 2, 4 and 8 of these GPUs (and the count asked for): hours,
+    dollars, and whether they finish within HOURS_AVAILABLE."""
+    rows = []
+    for count in sorted({*GPU_COUNTS, gpus.count}):
+        rate = tok_per_s(config, gpus, count)
+        hours = tokens / rate / 3600 if rate else None
+        rows.append({"gpus": count, "fits": rate is not None, "tok_per_s": rate, "hours": hours,
+                     "usd": hours * count * cfg.gpu_hourly_usd if rate else None,
+                     "comm_share": (autosize.comm_seconds(config, count, gpus.link_gbps)
+                                    * rate / CUDA_DEFAULTS["total_batch_size"]) if rate else None,
+                     "in_time": rate is not None and (cfg.hours_available is None or hours <= cfg.hours_available)})
+    return rows
+
+
+def launch_line(p: dict, cfg: PlanConfig, count: int) -> tuple[str, str]:
+    """What to paste on the rented box (with `count` GPUs), and the run directory it writes: the
+    plan's depth, explicit, with the default pass cap, and the budget those GPUs' hours allow."""
+    hours = p["budget_usd"] / (cfg.gpu_hourly_usd * count)
+    if cfg.hours_available is not None:
+        hours = min(hours, cfg.hours_available)
+    settings = [f"DEPTH={p['depth']}", f"TRAINING_HOURS={math.floor(hours * 100) / 100:g}"]
+    settings += [f"{name.upper()}={value}" for name, value in (("tokenizer", cfg.tokenizer), ("alphabet", cfg.alphabet),
+                 ("val_fraction", cfg.val_fraction), ("gpu_hourly_usd", cfg.gpu_hourly_usd))
+                 if value != PlanConfig.__dataclass_fields__[name].default]
+    return " ".join(settings) + " bash experiment/run.sh", f"$WORKSPACE/checkpoints/d{p['depth']}"
+
+
 def plan(cfg: PlanConfig) -> dict:
     gpus = parse_gpus(cfg.gpus)
+    if cfg.link_gbps is not None:
+        gpus.link_gbps = cfg.link_gbps
     tokens, counted = count_tokens(cfg)
     train_tokens = int(tokens * (1 - cfg.val_fraction))
     hours = cfg.budget_usd / (cfg.gpu_hourly_usd * gpus.count) if cfg.budget_usd is not None else \
         cfg.training_hours or CUDA_DEFAULTS["training_hours"]
-    vocab = 256 if cfg.tokenizer == "char" else 100352  # padded; the embedding barely moves the FLOPs
+    vocab = VOCAB_CHAR if cfg.tokenizer == "char" else VOCAB_TIKTOKEN
     ladder = autosize.ladder(CUDA_DEFAULTS["aspect_ratio"], CUDA_DEFAULTS["head_dim"])
     rungs = [rung(d, cfg, gpus, train_tokens, hours * 3600, vocab) for d in ladder]
     fitting = [r for r in rungs if r["fits"]]
@@ -134,13 +186,19 @@ def plan(cfg: PlanConfig) -> dict:
     best = autosize.choose(candidates)
     chosen = next(r for r in fitting if r["depth"] == best.depth)
     per_hour = cfg.gpu_hourly_usd * gpus.count
-    return {"depth": chosen["depth"], "hours": chosen["useful_hours"], "usd": chosen["useful_hours"] * per_hour,
-            "unspent_usd": (hours - chosen["useful_hours"]) * per_hour, "budget_hours": hours,
-            "budget_usd": hours * per_hour, "usd_per_hour": per_hour, "tokens": tokens, "train_tokens": train_tokens,
-            "counted": counted, "gpus": f"{gpus.count} x {gpus.name}", "peak_flops": gpus.peak,
-            "max_passes": chosen["epochs"], "stops_at_val_minimum": PLATEAU_EVALS > 0,
-            "mfu_source": autosize.MFU_SOURCE, "rule": autosize.rule(best) + f"; never more than {autosize.MAX_EPOCHS} "
-            "passes (repeated data is worth less and less: Muennighoff et al. 2023)", "rungs": rungs}
+    rows = gpu_rows(cfg, gpus, model_config(best.depth, cfg, vocab), chosen["tokens"])
+    in_time = [r["gpus"] for r in rows if r["in_time"]]
+    p = {"depth": chosen["depth"], "hours": chosen["useful_hours"], "usd": chosen["useful_hours"] * per_hour,
+         "unspent_usd": (hours - chosen["useful_hours"]) * per_hour, "budget_hours": hours,
+         "budget_usd": hours * per_hour, "usd_per_hour": per_hour, "tokens": tokens, "train_tokens": train_tokens,
+         "counted": counted, "gpus": f"{gpus.count} x {gpus.name}", "peak_flops": gpus.peak,
+         "max_passes": chosen["epochs"], "stops_at_val_minimum": PLATEAU_EVALS > 0,
+         "mfu_source": autosize.MFU_SOURCE, "rule": autosize.rule(best) + f"; never more than {autosize.MAX_EPOCHS} "
+         "passes (repeated data is worth less and less: Muennighoff et al. 2023)", "rungs": rungs,
+         "link_gbps": gpus.link_gbps, "hours_available": cfg.hours_available, "gpu_table": rows,
+         "recommended_gpus": min(in_time) if cfg.hours_available is not None and in_time else gpus.count}
+    p["launch"], p["run_dir"] = launch_line(p, cfg, p["recommended_gpus"])
+    return p
 
 
 def table(p: dict) -> str:
@@ -150,8 +208,8 @@ def table(p: dict) -> str:
              f"plan | GPUs: {p['gpus']} at {p['peak_flops'] / 1e12:.0f} TFLOP/s bf16 each | "
              f"${p['usd_per_hour']:.2f}/hour | budget {p['budget_hours']:.1f} h = ${p['budget_usd']:,.0f}",
              f"plan | tok/s are PREDICTED: MFU measured on one H100 ({p['mfu_source']}: {measured}) x peak x GPUs, "
-             "not measured on these GPUs; * outside d12-d24 the nearest measured MFU is taken (small depths: an "
-             "upper bound)",
+             f"less the gradient traffic at an assumed {p['link_gbps']:g} GB/s between GPUs (LINK_GBPS); not measured "
+             "on these GPUs; * outside d12-d24 the nearest measured MFU is taken (small depths: an upper bound)",
              f"{'depth':>5} {'params':>8} {'tok/s':>11} {'1 pass h':>9} {'4 passes h':>11} "
              f"{f'{autosize.MAX_EPOCHS} passes h':>11} {'useful h':>9} {'tok/param':>9} {'ckpt GB':>8} "
              f"{'disk GB':>8} {'save min':>8}"]
@@ -171,7 +229,27 @@ def table(p: dict) -> str:
               + ("; stops earlier when val stops improving (the warmdown starts at the val minimum: "
                  "docs/training.md)" if p["stops_at_val_minimum"] else ""),
               f"recommendation | rule: {p['rule']}"]
-    return "\n".join(lines)
+    return "\n".join(lines + gpu_lines(p))
+
+
+def gpu_lines(p: dict) -> list[str]:
+    """The recommended depth's run on fewer GPUs, the launch line and the run directory."""
+    lines = [f"gpus | d{p['depth']}'s {p['max_passes']:.1f} passes on fewer GPUs (PREDICTED; comm: the share of a "
+             "step spent moving gradients and weights between GPUs, not overlapped):",
+             f"{'GPUs':>6} {'tok/s':>11} {'hours':>8} {'dollars':>8} {'comm':>6}"]
+    for r in p["gpu_table"]:
+        lines.append(f"{r['gpus']:>6} " + (f"{r['tok_per_s']:>11,.0f} {r['hours']:>8.2f} {'$' + format(r['usd'], ',.0f'):>8} "
+                                           f"{r['comm_share']:>6.0%}" + ("" if r["in_time"] else "  past HOURS_AVAILABLE")
+                                           if r["fits"] else "does not fit in memory"))
+    if p["hours_available"] is not None:
+        lines.append(f"gpus | rent {p['recommended_gpus']}: the fewest that finish within HOURS_AVAILABLE="
+                     f"{p['hours_available']:g}" if any(r["in_time"] for r in p["gpu_table"])
+                     else f"gpus | none finishes within HOURS_AVAILABLE={p['hours_available']:g}: the launch line "
+                          f"is for {p['recommended_gpus']}, and its budget ends the run on time")
+    lines += [f"launch | on the rented box, with the data in $WORKSPACE/data: {p['launch']}",
+              f"launch | it writes {p['run_dir']} (WORKSPACE: /workspace/<repo> where /workspace is writable, "
+              "else the repository)"]
+    return lines
 
 
 def _count(n: int) -> str:

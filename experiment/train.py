@@ -33,7 +33,7 @@ from experiment.distributed import (PHASE_TIMEOUTS, Dist, ParentWatch, StopSigna
                                     gather_objects, resolve_device, setup_distributed, wrap_ddp)
 from experiment.evaluation import eval_coverage, evaluate
 from experiment.files import default_workspace, volume
-from experiment.hardware import host_available_bytes, memory_gib
+from experiment.hardware import host_available_bytes, link_gbps, memory_gib
 from experiment.memory import (checkpoint_bytes_per_rank, choose_memory_mode, find_device_batch, probe_reserve_bytes,
                                staged_bytes_per_rank)
 from experiment.mixture import MixedBatches, source_weights
@@ -353,7 +353,7 @@ def choose_depth(cfg: TrainConfig, d: Dist, gpu: guards.Gpu | None, prepared: Pr
     predicted = gpu is not None and gpu.peak is not None
     if predicted:
         chosen, candidates = autosize.predict_and_choose(make_config, gpu.peak, d.world_size, gpu.memory_bytes,
-                                                         cfg.training_hours * 3600, train_tokens)
+                                                         cfg.training_hours * 3600, train_tokens, link_gbps(gpu.name))
     else:
         chosen, candidates = autosize.probe_and_choose(make_config, cfg.device_batch_size or 1, d.device,
                                                        d.world_size, cfg.training_hours * 3600, train_tokens)

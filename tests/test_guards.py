@@ -80,7 +80,7 @@ def test_less_free_disk_than_the_checkpoints_need_is_refused_naming_both_numbers
 
 
 def test_every_failing_guard_is_named_in_one_error(tmp_path):
-    error, _ = run_preflight(tmp_path, "--depth", 12)
+    error, _ = run_preflight(tmp_path, "--depth", 12, "--max_epochs", 0)
     assert "demo" in str(error) and "would see the training data" in str(error)
 
 

@@ -6,9 +6,11 @@ import subprocess
 import pytest
 
 from conftest import ENV, REPO
+from test_guards import run_preflight
 
 from experiment import autosize
-from experiment.plan import PlanConfig, count_tokens, parse_gpus, plan
+from experiment.memory import count_params
+from experiment.plan import PlanConfig, count_tokens, model_config, parse_gpus, plan
 
 
 def run_plan(*args, env=None, cwd=REPO):
@@ -31,7 +33,16 @@ def test_the_issue_example_as_json_and_as_a_table():
     assert all(r["budget_epochs"] > autosize.MAX_EPOCHS for r in p["rungs"])
     larger = [r for r in p["rungs"] if r["depth"] > p["depth"]]
     assert p["depth"] == 32 and all(r["tokens_per_param"] < autosize.MIN_TOKENS_PER_PARAM for r in larger)
-    assert 2.5 < p["hours"] < 2.7
+    # By hand: a step of 524,288 tokens is d32's FLOPs at d24's measured MFU (52.8%, the nearest) on 8
+    # x 756 TFLOP/s, plus 3 x 7/8 of its fp32 gradient bytes at 20 GB/s; 8 passes of 332.5M tokens.
+    config = model_config(32, PlanConfig(), 256)
+    compute = 524288 * autosize.flops_per_token(config) / (0.528 * 756e12 * 8)
+    comm = 3 * 7 / 8 * count_params(config) * 4 / 20e9
+    assert p["hours"] == pytest.approx(8 * 332_500_000 / (524288 / (compute + comm)) / 3600)
+    assert 3.7 < p["hours"] < 3.9 and p["launch"] == "DEPTH=32 TRAINING_HOURS=31 bash experiment/run.sh"
+    one, eight = p["gpu_table"][0], p["gpu_table"][-1]
+    assert (one["gpus"], eight["gpus"]) == (1, 8) and eight["hours"] == pytest.approx(p["hours"])
+    assert 20.8 < one["hours"] < 21.0 and one["comm_share"] == 0 and one["usd"] < eight["usd"]  # no all-reduce
     table = run_plan(env=env).stdout
     assert "PREDICTED" in table and "reports/gpucheck-h100.md" in table
     assert f"recommendation | DEPTH={p['depth']} for {p['hours']:.2f} h" in table
@@ -54,13 +65,55 @@ def test_the_hours_are_the_budget_or_the_passes_whichever_ends_first_and_dollars
 def test_the_data_is_counted_in_characters_streamed(tmp_path):
     data = tmp_path / "data"
     (data / "sub").mkdir(parents=True)
-    (data / "a.txt").write_text("héllo wörld\n" * 1000)
-    (data / "sub" / "b.txt").write_text("日本語\n" * 10)
-    assert count_tokens(PlanConfig(data_dir=str(data)))[0] == 12 * 1000 + 4 * 10
+    (data / "a.txt").write_text("héllo wörld\n" * 4000)  # each source's 5% of val holds one 2049-token window
+    (data / "sub" / "b.txt").write_text("日本語\n" * 11000)
+    assert count_tokens(PlanConfig(data_dir=str(data)))[0] == 12 * 4000 + 4 * 11000
     # through run.sh, a relative DATA_DIR is relative to where the user stands
     proc = run_plan("--json", env={"DATA_DIR": "data", "GPUS": "8xH100-PCIe"}, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["tokens"] == 12040
+    assert json.loads(proc.stdout)["tokens"] == 92000
+
+
+def test_the_plan_refuses_data_the_preflight_would_refuse(tmp_path):
+    """Each source must give val one context window (2048 + 1 tokens at 5%: about 41k characters); empty,
+    binary and invalid UTF-8 files are named, as the rented box's pre-flight would name them."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "big.txt").write_text("x" * 60_000)
+    (data / "small.txt").write_text("y" * 30_000)
+    proc = run_plan(env={"DATA_DIR": str(data), "GPUS": "8xH100-PCIe"})
+    assert proc.returncode == 2 and "source small gives 1,500 tokens to val" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    (data / "small.txt").write_bytes(b"ok\n\xff\xfe")
+    proc = run_plan(env={"DATA_DIR": str(data), "GPUS": "8xH100-PCIe"})
+    assert proc.returncode == 2 and f"{data / 'small.txt'}: invalid UTF-8 at byte offset 3" in proc.stderr
+    (data / "small.txt").write_text("")
+    assert f"{data / 'small.txt'}: file is empty" in run_plan(env={"DATA_DIR": str(data)}).stderr
+
+
+def test_hours_available_picks_the_fewest_gpus_and_the_launch_line_is_one_the_preflight_accepts(tmp_path, corpus):
+    env = {"TOKENS": "350000000", "GPUS": "8xH100-PCIe", "TRAINING_HOURS": "31"}
+    for hours, gpus in ((24, 1), (15, 2), (8, 4), (4, 8)):
+        p = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, hours_available=hours))
+        rows = {r["gpus"]: r for r in p["gpu_table"]}
+        assert p["recommended_gpus"] == gpus and rows[gpus]["hours"] <= hours, (hours, rows)
+        assert all(rows[n]["hours"] > hours for n in rows if n < gpus)
+        # the same $992 on fewer GPUs buys more hours, capped at the hours available
+        assert f"TRAINING_HOURS={min(hours, 992 / (4 * gpus)):g} " in p["launch"]
+    table = run_plan(env={**env, "HOURS_AVAILABLE": "24"}).stdout
+    assert "gpus | rent 1: the fewest that finish within HOURS_AVAILABLE=24" in table
+    assert "launch | on the rented box, with the data in $WORKSPACE/data: DEPTH=32 TRAINING_HOURS=24 bash" in table
+    assert "launch | it writes $WORKSPACE/checkpoints/d32" in table
+    # On a small corpus (64-token context), the plan's launch line passes the pre-flight's guards on
+    # the GPUs it recommends, and DEPTH=auto there picks the plan's depth.
+    p = plan(PlanConfig(data_dir=str(corpus), gpus="8xH100-PCIe", max_seq_len=64, hours_available=1))
+    settings = dict(kv.split("=") for kv in p["launch"].split(" bash")[0].split())
+    accepted, lines = run_preflight(tmp_path, "--data_dir", corpus, "--depth", settings["DEPTH"],
+                                    "--training_hours", settings["TRAINING_HOURS"], world_size=p["recommended_gpus"])
+    assert isinstance(accepted, dict) and p["recommended_gpus"] == 1, (accepted, p["gpu_table"])
+    auto, lines = run_preflight(tmp_path, "--data_dir", corpus, "--training_hours", settings["TRAINING_HOURS"],
+                                world_size=p["recommended_gpus"])
+    assert f"model d{p['depth']} (DEPTH=auto" in "\n".join(lines)
 
 
 def test_bad_gpus_exit_2_naming_the_setting():
