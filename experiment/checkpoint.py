@@ -102,8 +102,8 @@ def _step_files(run_dir: Path, step: int) -> list[Path]:
     return [p for p in run_dir.iterdir() if (m := STEP_FILE_RE.match(p.name)) and int(m.group(1)) == step]
 
 
-def prune(run_dir: Path, keep_last: int) -> list[int]:
-    """Delete complete checkpoints older than the newest `keep_last`, never the best one.
+def prune(run_dir: Path, keep_last: int, keep_step: int = -1) -> list[int]:
+    """Delete complete checkpoints older than the newest `keep_last`, never the best one, nor `keep_step`.
 
     The meta file goes first, so an interrupted prune leaves an incomplete (ignored) step, never a
     complete step with files missing. Returns the deleted steps.
@@ -112,6 +112,7 @@ def prune(run_dir: Path, keep_last: int) -> list[int]:
     steps = complete_steps(run_dir)
     best = read_best(run_dir)
     protected = set(steps[-keep_last:]) if keep_last > 0 else set()
+    protected.add(keep_step)
     if best is not None:
         protected.add(int(best["step"]))
     deleted = []
@@ -291,6 +292,15 @@ def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     return model.eval(), meta
 
 
+def model_meta(path: Path) -> dict:
+    """The meta of what load_model(path) loads, without building the model: a step's meta file, or an
+    export's meta (its tensors memory-mapped, not read)."""
+    path = Path(path)
+    if m := MODEL_RE.match(path.name):
+        return read_meta(path.parent, int(m.group(1)))
+    return _read_export(path)["meta"]
+
+
 def export_model(src: Path, out: Path) -> dict:
     """One file, `out`, holding the model of the step `src` names (a model_<step>.pt, or any part
     of a step saved in parts) in bf16 with its meta: what a user downloads and serves. The step's
@@ -308,7 +318,8 @@ def export_model(src: Path, out: Path) -> dict:
     return {"step": step, **atomic_torch_save(Path(out), {"format": EXPORT_FORMAT, "meta": meta, "model": state})}
 
 
-def _load_export(path: Path, device, dtype: torch.dtype | None) -> tuple[GPT, dict]:
+def _read_export(path: Path) -> dict:
+    """An export's contents, its tensors memory-mapped."""
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
     try:
@@ -318,6 +329,11 @@ def _load_export(path: Path, device, dtype: torch.dtype | None) -> tuple[GPT, di
     if not isinstance(obj, dict) or obj.get("format") != EXPORT_FORMAT:
         raise CheckpointError(f"{path}: expected model_<step>.pt, model_<step>_rank<r>.pt or an export "
                               "(python -m experiment.export)")
+    return obj
+
+
+def _load_export(path: Path, device, dtype: torch.dtype | None) -> tuple[GPT, dict]:
+    obj = _read_export(path)
     meta = obj["meta"]
     try:
         model = build_model(GPTConfig(**meta["model_config"]), device, dtype or torch.bfloat16, obj["model"])
@@ -346,6 +362,9 @@ class RunState:
     anneal_start_tokens: int = -1  # tokens_seen where the warmdown started at the plateau; -1: none
     anneal_tokens: int = 0  # its length
     plateau_stopped: bool = False  # a warmdown stopped gaining: the run is over (a resume trains no more)
+    # The step saved as the LR warmdown began (the schedule's or the val minimum's); -1: not begun. Kept
+    # while a later step names it: an extended run goes back to it (experiment/extend.py).
+    warmdown_step: int = -1
     data_state: dict | None = None  # the data position of the step's next batch (every rank reads the same)
     # Measured durations (longest eval, longest save, recent step): the reserve kept for the final
     # eval + save. Persisted, so a resumed run still knows what its ending costs.
@@ -372,6 +391,7 @@ def run_state(meta: dict) -> RunState:
 class Retention:
     keep_last: int  # complete checkpoints kept, plus the best
     keep_best_optimizer: bool  # an old best keeps its optimizer shards (resumable), else only what serves
+    keep_step: int = -1  # also kept, whole: the step where the warmdown began (the newest step's warmdown_step)
 
 
 def save_checkpoint(run_dir: Path, step: int, model_data: dict, optimizer_data: dict, meta: dict, rank: int = 0,
@@ -434,7 +454,7 @@ def retain(run_dir: Path, retention: Retention, log: Callable[[str], None]) -> s
     """Keep-last-k plus the best (without its optimizer shards unless keep_best_optimizer); returns
     what was deleted, for the "saved step" line. Rank 0, after a step is complete."""
     try:
-        deleted = prune(run_dir, retention.keep_last)
+        deleted = prune(run_dir, retention.keep_last, retention.keep_step)
         dropped = None if retention.keep_best_optimizer else drop_old_best_optimizer(run_dir, retention.keep_last)
     except (OSError, CheckpointError) as e:  # the new checkpoint is complete; old ones linger until the next prune
         log(f"warning: pruning old checkpoints failed: {e}")

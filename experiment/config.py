@@ -89,6 +89,9 @@ class TrainConfig:
                                  "(default /workspace/<project> if writable, else the repo)")
     data_mix: str | None = opt("source weights, e.g. web=0.65,code=0.34,math=0.01 (each *.txt or sub-directory "
                                 "of DATA_DIR is a source; default: by size)")
+    init_from: str | None = opt("start a fresh run from a trained model's weights: a best.pt, a model_<step>.pt or a "
+                                 "run directory (its best); its shape and vocabulary are kept, the new data may use "
+                                 "only its characters, and MODEL_TAG defaults to its tag + '-ft'")
     prepared_dir: str | None = opt("a directory that prepare made (the pre-flight passes it): opened as is, "
                                     "DATA_DIR not read")
     tokenizer: str = opt("char, or a tiktoken encoding name", "char")

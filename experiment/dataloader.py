@@ -43,6 +43,7 @@ CHUNK_BYTES = 8 << 20
 # At most this many workers (default: one per core): each holds ~50-100 MB, so memory stays near 2 GB on
 # a big box too; char prepare is then limited by this process's sha256 (~1.8 GB/s on the dev machine).
 MAX_WORKERS = 32
+MAX_NAMED_CHARS = 20  # characters an INIT_FROM vocabulary error lists
 PROGRESS_SECONDS = 5.0
 # A file whose mtime or ctime is this recent is not trusted to be identified by its stat (see _stat_trusted).
 STAT_TRUST_SECONDS = 2.0
@@ -428,10 +429,13 @@ def prepare(
     val_fraction: float = 0.05,
     max_seq_len: int = 256,
     *,
+    chars: str | None = None,
     workers: int | None = None,
     log=None,
 ) -> Prepared:
     """Validates and tokenizes data_dir into <workspace>/prepared/<hash>/, or finds it there.
+    chars: the char tokenizer's fixed vocabulary (INIT_FROM's model's: experiment/finetune.py), each
+    character keeping its id; a character outside it is a DataError naming it (default: the data's).
     workers: processes for the chunks (default: one per core this process may use, at most
     MAX_WORKERS; 1 runs them in this process); log: where the progress lines go (default: stderr)."""
     if not 0 < val_fraction < 1:
@@ -441,6 +445,8 @@ def prepare(
     names, relative = source_names(data_dir, files), _relative_names(data_dir, files)
     root = Path(workspace) / "prepared"
     settings = {"tokenizer": tokenizer, "alphabet": alphabet, "val_fraction": val_fraction}
+    if chars is not None and tokenizer == "char":
+        settings["chars"] = chars
     if len(set(names)) > 1:  # each source's own val tail: another layout than the one-source stream's tail
         settings["val"] = "per source"
     stats, stat_at = [p.stat() for p in files], time.time_ns()
@@ -528,7 +534,7 @@ def _tokens(tmp: Path, tok, dtype: str, names: list[str], stats, plans, scans, v
 def _write(files, names, stats, plans, scans, settings: dict, max_seq_len: int, final: Path, pool: chunks.Pool,
            where: str, log) -> Prepared:
     """Pass 2 into a temp directory next to `final`, renamed into place once complete."""
-    tok = _tokenizer(settings["tokenizer"], scans)
+    tok = _tokenizer(settings, scans)
     dtype = _dtype_for(tok.vocab_size)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
@@ -553,12 +559,23 @@ def _write(files, names, stats, plans, scans, settings: dict, max_seq_len: int, 
     return Prepared(final, meta)
 
 
-def _tokenizer(tokenizer: str, scans: list[_FileScan]):
-    """char: the characters pass 1 found, in code point order; else the tiktoken encoding."""
-    if tokenizer != "char":
-        return TiktokenTokenizer(tokenizer)
-    codes = sorted(set().union(*(s.ascii for s in scans)) | set().union(*(s.codes.tolist() for s in scans)))
-    return CharTokenizer("".join(map(chr, codes)))
+def _tokenizer(settings: dict, scans: list[_FileScan]):
+    """char: the characters pass 1 found, in code point order, or the fixed vocabulary settings["chars"]
+    (DataError naming each character outside it and the files that hold one); else the tiktoken encoding."""
+    if settings["tokenizer"] != "char":
+        return TiktokenTokenizer(settings["tokenizer"])
+    found = [set(s.ascii) | set(s.codes.tolist()) for s in scans]
+    if "chars" not in settings:
+        return CharTokenizer("".join(map(chr, sorted(set().union(*found)))))
+    vocab = set(map(ord, settings["chars"]))
+    if outside := sorted(set().union(*found) - vocab):
+        files = [str(s.path) for s, codes in zip(scans, found) if codes - vocab]
+        shown = ", ".join(f"{chr(c)!r} (U+{c:04X})" for c in outside[:MAX_NAMED_CHARS])
+        raise DataError(f"{len(outside)} character(s) of the data are not in INIT_FROM's vocabulary: {shown}"
+                        + (" ..." if len(outside) > MAX_NAMED_CHARS else "") + f"; in {', '.join(files[:5])}"
+                        + (f" and {len(files) - 5} more files" if len(files) > 5 else "")
+                        + "; remove or replace them, or train a new model")
+    return CharTokenizer(settings["chars"])
 
 
 def _meta(key: str, settings: dict, tok, dtype: str, parts: list[dict], val: Path, sources: list[dict]) -> dict:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from experiment import checkpoint as ckpt
+from experiment import finetune
 from experiment.config import ConfigError, TrainConfig
 from experiment.dataloader import DataError, Prepared, prepare, write_demo_corpus
 from experiment.model import GPTConfig
@@ -34,7 +35,8 @@ def prepare_data(cfg: TrainConfig, workspace: Path, log) -> Prepared:
     if uses_demo(cfg, workspace):
         data_dir = write_demo_corpus(workspace / "demo_data").parent
         log(f"no *.txt in {workspace / 'data'}: training on the built-in arithmetic demo ({data_dir})")
-    return prepare(data_dir, workspace, cfg.tokenizer, cfg.alphabet, cfg.val_fraction, cfg.max_seq_len)
+    return prepare(data_dir, workspace, cfg.tokenizer, cfg.alphabet, cfg.val_fraction, cfg.max_seq_len,
+                   chars=finetune.chars(cfg))
 
 
 def uses_demo(cfg: TrainConfig, workspace: Path) -> bool:

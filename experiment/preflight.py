@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiment import autosize, guards
+from experiment import autosize, extend, finetune, guards
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError
 from experiment.config import ConfigError, TrainConfig, parse_args, resolve
@@ -93,12 +93,13 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
             gpu = guards.local_gpu() if resolve_device(cfg.device).type == "cuda" else None
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    cfg = resolve(cfg, gpu is not None, world_size)
+    cfg = resolve(finetune.apply(cfg), gpu is not None, world_size)
     workspace = Path(cfg.workspace) if cfg.workspace else default_workspace()
     run_dir = workspace / "checkpoints" / cfg.model_tag
     plan_file = workspace / "preflight" / f"{cfg.model_tag}.json"
     if node_rank > 0:
         return wait_for_node0(plan_file, started, wait_minutes, log)
+    finetune.check_dir(cfg, run_dir)
     check_not_running(run_dir)  # before minutes of data preparation, not after
     demo = uses_demo(cfg, workspace)
     prepared = prepare_data(cfg, workspace, log)
@@ -108,11 +109,18 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
     if depth is None and gpu is not None:
         depth = guards.auto_depth(cfg, make_config(cfg, prepared), gpu, world_size, train_tokens)
     config = model_config(dataclasses.replace(cfg, depth=depth), prepared) if depth else None
+    rewind = None
+    if cfg.init_from and resume_step is None:
+        finetune.check_target(cfg, config)
     if resume_step is not None:
         check_resume_target(run_dir, resume_step, config, prepared)
+        rewind = extend.rewind_step(run_dir, resume_step, cfg, train_tokens)  # settings that cannot extend: exit 2
     eval_prompt_ids(cfg, prepared)  # an EVAL_PROMPT the vocabulary cannot spell fails here, not at the first eval
     for line in plan_lines(cfg, prepared, config, world_size, resume_step, run_dir):
         log(line)
+    if rewind is not None:
+        log(f"preflight | the settings extend the annealed run: it goes back to step {rewind:06d}, where its "
+            "warmdown began, and trains on to a new one")
     gpu_plan = guards.gpu_plan(cfg, config, gpu, world_size, train_tokens) if gpu and config else None
     if gpu_plan:
         log(guards.plan_line(cfg, gpu_plan, world_size, gpu))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from experiment import autosize, export, guards, launch
+from experiment import autosize, extend, export, finetune, guards, launch
 from experiment.guards import DISK_WRITE_GBPS
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError, Retention, RunState, pick_resume_step
@@ -136,34 +136,40 @@ class Loop:
 
 
 def prepare_data(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path,
-                 log: RunLog) -> tuple[Prepared, int | None, object]:
-    """Rank 0 takes the run directory's trainer lock, opens the data and picks the resume step; a
-    failure there reaches every rank. Under experiment/run.sh the data is the pre-flight's prepared
+                 log: RunLog) -> tuple[Prepared, int | None, int | None, object]:
+    """Rank 0 takes the run directory's trainer lock, opens the data and picks the resume step (and
+    for settings that extend an annealed run, the step its warmdown began: extend.py); a failure
+    there reaches every rank. Under experiment/run.sh the data is the pre-flight's prepared
     directory (--prepared_dir), so no rank waits in this broadcast while another prepares; a bare
-    torchrun prepares here. Returns (data, resume step, the lock: rank 0's open file, else None)."""
+    torchrun prepares here. Returns (data, resume step, the step whose weights to load instead or None,
+    the lock: rank 0's open file, else None)."""
     setup, lock = None, None
     if d.master:
         try:
             lock = launch.hold_trainer_lock(run_dir)
             prepared = launch.prepare_data(cfg, workspace, log)
-            setup = {"prepared": str(prepared.dir),
-                     "resume_step": pick_resume_step(run_dir, cfg.resume, log, quarantine=True)}
+            resume_step = pick_resume_step(run_dir, cfg.resume, log, quarantine=True)
+            train_tokens = prepared.meta["split"]["train_tokens"]
+            setup = {"prepared": str(prepared.dir), "resume_step": resume_step,
+                     "rewind_step": None if resume_step is None else extend.rewind_step(run_dir, resume_step, cfg,
+                                                                                        train_tokens)}
         except (DataError, ConfigError, CheckpointError) as e:
             setup = {"error": str(e)}
     setup = broadcast_object(setup, d)
     if "error" in setup:
         raise ConfigError(setup["error"])
-    return Prepared.load(setup["prepared"]), setup["resume_step"], lock
+    return Prepared.load(setup["prepared"]), setup["resume_step"], setup["rewind_step"], lock
 
 
-def build_model_and_optimizer(cfg: TrainConfig, d: Dist, model_config: GPTConfig,
-                              log: RunLog) -> tuple[GPT, ShardedOptimizer]:
+def build_model_and_optimizer(cfg: TrainConfig, d: Dist, model_config: GPTConfig, log: RunLog,
+                              init: dict | None = None) -> tuple[GPT, ShardedOptimizer]:
     """In the precision and activation-checkpointing mode that fits (CUDA: the memory plan), and on
-    CUDA without --device_batch_size the largest micro-batch that fits (sets cfg.device_batch_size)."""
+    CUDA without --device_batch_size the largest micro-batch that fits (sets cfg.device_batch_size).
+    `init`: the weights to start from (INIT_FROM), else the seed's initialization."""
     plan = choose_memory_mode(model_config, cfg.device_batch_size or 1, cfg.precision, cfg.activation_checkpointing, d)
     precision = plan.precision if plan else ("fp32" if cfg.precision == "auto" else cfg.precision)
     activation_checkpointing = plan.activation_checkpointing if plan else cfg.activation_checkpointing == "on"
-    model = build_model(model_config, d.device, DTYPES[precision], seed=cfg.seed,
+    model = build_model(model_config, d.device, DTYPES[precision], init, seed=cfg.seed,
                         activation_checkpointing=activation_checkpointing)  # identical on every rank
     opt = ShardedOptimizer(model, d.rank, d.world_size, matrix_lr=cfg.matrix_lr, embedding_lr=cfg.embedding_lr,
                            unembedding_lr=cfg.unembedding_lr, master_weights=precision == "bf16")
@@ -187,7 +193,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     cuda = d.device.type == "cuda"
     gpu = guards.local_gpu(d.device) if cuda else None
     log(f"world {d.world_size} x {gpu.name if gpu else 'cpu'} | torch {torch.__version__}")
-    prepared, resume_step, lock = prepare_data(cfg, d, workspace, run_dir, log)
+    prepared, resume_step, rewind_step, lock = prepare_data(cfg, d, workspace, run_dir, log)
     auto, probe_seconds = (choose_depth(cfg, d, gpu, prepared, run_dir, resume_step, log) if cfg.depth == "auto"
                            else (None, 0))
     fill_lrs(cfg, cuda)
@@ -197,11 +203,21 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     torch.manual_seed(cfg.seed)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast
-    model, opt = build_model_and_optimizer(cfg, d, model_config, log)
+    init = None
+    if cfg.init_from and resume_step is None:  # a fresh run from a trained model's weights
+        finetune.check_target(cfg, model_config)
+        init, line = finetune.weights(cfg)
+        log(line)
+    model, opt = build_model_and_optimizer(cfg, d, model_config, log, init)
     st = RunState(used_seconds=probe_seconds)  # DEPTH=auto's probe is part of the budget
-    if resume_step is not None:
+    if rewind_step is not None:  # an annealed run extended: its warmdown's start, with the latest counters
+        st = extend.rewound(restore_checkpoint(run_dir, rewind_step, model, opt, d),
+                            ckpt.run_state(ckpt.read_meta(run_dir, resume_step)))
+        log(extend.rewind_line(rewind_step, resume_step, st, prepared.meta["split"]["train_tokens"]))
+    elif resume_step is not None:
         st = restore_checkpoint(run_dir, resume_step, model, opt, d)
-        log(f"resumed from {ckpt.model_path(run_dir, resume_step)}: step {st.step}, "
+    if resume_step is not None:
+        log(f"resumed from {ckpt.model_path(run_dir, rewind_step or resume_step)}: step {st.step}, "
             f"{st.used_seconds / 3600:.3f}h used, best {st.best_val:.4f} @ {st.best_step:06d}")
     if d.master:  # files of a save that a crash cut short; the loaded step is complete, so never these
         ckpt.remove_incomplete(run_dir)
@@ -413,7 +429,8 @@ def train_loop(t: Trainer) -> int:
             t.st.step, t.st.used_seconds = step, loop.used()
             # The final eval, save and step (the LR schedule ends where they begin)
             loop.reserve_seconds = t.st.eval_seconds + save_seconds(t) + t.st.step_seconds
-            last_step, eval_due, save_due, signum, writing = decide(t, loop, stop_signal.signum, t.saver.writing())
+            last_step, eval_due, save_due, signum, writing, warmdown = decide(t, loop, stop_signal.signum,
+                                                                              t.saver.writing())
             if t.saver.pending is not None and not writing:  # every rank's writer is done
                 finish_save(t, loop)
             if last_step:
@@ -425,6 +442,8 @@ def train_loop(t: Trainer) -> int:
                                              if writing else f"saving step {step:06d} and exiting"))
             elif (eval_due or save_due or last_step) and step != loop.last_eval_step:
                 maybe_eval(t, loop)
+            if t.st.warmdown_step < 0 and (warmdown or t.st.anneal_start_tokens == t.st.tokens_seen) and not signum:
+                t.st.warmdown_step, save_due = step, True  # the weights an extended run goes back to
             maybe_save(t, loop, save_due, preempted=bool(signum), writing=bool(writing))
             if loop.end is not None:
                 break
@@ -470,10 +489,11 @@ def save_seconds(t: Trainer) -> float:
     return t.st.save_seconds or t.first_save_seconds
 
 
-def decide(t: Trainer, loop: Loop, signum: int, writing: bool = False) -> tuple[int, int, int, int, int]:
-    """(last step, eval due, save due, signal, a rank still writing a save). Rank 0 decides the
-    clock-driven flags; a stop signal may reach any rank, and so may a writer still at work. One
-    all-reduce (max) gives every rank the same decisions, so none is left waiting in a collective."""
+def decide(t: Trainer, loop: Loop, signum: int, writing: bool = False) -> tuple[int, int, int, int, int, int]:
+    """(last step, eval due, save due, signal, a rank still writing a save, the schedule's warmdown
+    begins at this step). Rank 0 decides the clock-driven flags; a stop signal may reach any rank, and
+    so may a writer still at work. One all-reduce (max) gives every rank the same decisions, so none
+    is left waiting in a collective."""
     cfg, d, st, step = t.cfg, t.d, t.st, t.st.step
     eval_due = (time.time() - loop.last_eval_time >= cfg.eval_every_minutes * 60
                 or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0) or step == 0
@@ -489,8 +509,9 @@ def decide(t: Trainer, loop: Loop, signum: int, writing: bool = False) -> tuple[
     in_flight = t.saver.seconds_left(save)
     last = (step >= t.max_steps or st.tokens_seen >= t.max_tokens or stopped_at_minimum(t)
             or st.used_seconds + loop.reserve_seconds + in_flight + due_now >= t.budget_seconds)
-    flags = torch.tensor([d.master and last, d.master and eval_due, d.master and save_due, signum, writing],
-                         dtype=torch.int32, device=d.device)
+    warmdown = st.warmdown_step < 0 and schedule_progress(t, loop) > 1 - cfg.warmdown_frac and not last
+    flags = torch.tensor([d.master and last, d.master and eval_due, d.master and save_due, signum, writing,
+                          d.master and warmdown], dtype=torch.int32, device=d.device)
     return tuple(int(v) for v in d.all_reduce(flags, "max").tolist())
 
 
@@ -644,7 +665,7 @@ def finish_save(t: Trainer, loop: Loop, wait: bool = False) -> None:
         loop.last_complete_step = p.step
         loop.saved_best = (p.meta["state"]["best_val"], p.meta["state"]["best_step"])
         if t.d.master:
-            retention = Retention(t.cfg.keep_last, bool(t.cfg.keep_best_optimizer))
+            retention = Retention(t.cfg.keep_last, bool(t.cfg.keep_best_optimizer), p.meta["state"]["warmdown_step"])
             t.log(f"saved step {p.step:06d} -> {t.run_dir}" + (" (best)" if p.meta["state"]["best_step"] == p.step else "")
                   + f" | written in {p.write_seconds:.1f}s, training blocked {blocked:.2f}s"
                   + ckpt.retain(t.run_dir, retention, t.log))
@@ -692,12 +713,7 @@ def train_step(t: Trainer, loop: Loop) -> tuple[torch.Tensor, float]:
     """One optimizer step: grad_accum micro-batches, the gradient all-reduce on the last only.
     Returns (the summed loss, on the device; the LR multiplier); a diverging run stops the loop."""
     cfg, d, st = t.cfg, t.d, t.st
-    progress = st.used_seconds / max(t.budget_seconds - loop.reserve_seconds, 1e-9)
-    if cfg.max_steps:  # a max_steps run is reproducible: its schedule follows steps
-        progress = max(progress, st.step / cfg.max_steps)
-    # The schedule ends where the run does: at the budget, or at MAX_EPOCHS passes when those come first.
-    progress = max(progress, st.tokens_seen / t.max_tokens)
-    loop.progress = progress
+    loop.progress = progress = schedule_progress(t, loop)
     mult = lr_multiplier(progress, cfg.warmup_frac, cfg.warmdown_frac, cfg.final_lr_frac)
     if st.anneal_start_tokens >= 0 and cfg.plateau_evals:  # the warmdown the val minimum started, or the schedule's
         done = (st.tokens_seen - st.anneal_start_tokens) / max(st.anneal_tokens, 1)
@@ -713,6 +729,17 @@ def train_step(t: Trainer, loop: Loop) -> tuple[torch.Tensor, float]:
     apply_update(t, loop)
     st.tokens_seen += cfg.total_batch_size
     return loss_sum, mult
+
+
+def schedule_progress(t: Trainer, loop: Loop) -> float:
+    """The fraction of the LR schedule done at this step: of the budget (less the reserve for the
+    final eval and save), of max_steps (a max_steps run is reproducible: its schedule follows steps)
+    or of the MAX_EPOCHS passes, whichever is furthest, so the schedule ends where the run does."""
+    st = t.st
+    progress = st.used_seconds / max(t.budget_seconds - loop.reserve_seconds, 1e-9)
+    if t.cfg.max_steps:
+        progress = max(progress, st.step / t.cfg.max_steps)
+    return max(progress, st.tokens_seen / t.max_tokens)
 
 
 def apply_update(t: Trainer, loop: Loop) -> None:
@@ -854,9 +881,10 @@ def export_best(run_dir: Path) -> str:
 
 
 def train(cfg: TrainConfig, d: Dist) -> int:
-    cfg = resolve(cfg, d.device.type == "cuda", d.world_size)
+    cfg = resolve(finetune.apply(cfg), d.device.type == "cuda", d.world_size)
     workspace = Path(cfg.workspace) if cfg.workspace else default_workspace()
     run_dir = workspace / "checkpoints" / cfg.model_tag
+    finetune.check_dir(cfg, run_dir)
     # Every rank asks, so that all exit together even where one node's marker is missing.
     ended = launch.launch_ended(run_dir)
     if not all_ranks_ok(ended is None, d):

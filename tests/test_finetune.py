@@ -1,0 +1,66 @@
+"""INIT_FROM (experiment/finetune.py): a fresh run from a trained model's weights on new text, its
+shape and vocabulary kept; text with characters outside that vocabulary is refused at the pre-flight."""
+
+import json
+
+import pytest
+
+from conftest import TINY, run_meta, run_train
+from test_train import _launch
+
+from experiment import checkpoint as ckpt
+from experiment.dataloader import Prepared, demo_lines
+
+
+def _first_loss(proc) -> float:
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("step 000001 | loss"))
+    return float(line.split("| loss ")[1].split()[0])
+
+
+@pytest.fixture
+def source(tmp_path, corpus):
+    """A tiny model trained 30 steps on the sums corpus: the run directory d2."""
+    run_train([*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256, "--max_steps", 30])
+    return tmp_path / "checkpoints/d2"
+
+
+def test_a_run_from_a_trained_models_weights_keeps_its_vocabulary_and_starts_where_it_left(tmp_path, source):
+    new = tmp_path / "new"
+    new.mkdir()
+    (new / "more.txt").write_text("".join(demo_lines(3000, seed=99)))  # other sums: a subset of its characters
+    common = [*TINY, "--data_dir", new, "--workspace", tmp_path, "--total_batch_size", 256, "--max_steps", 3]
+    tuned = run_train([*common, "--init_from", source])
+    fresh = run_train([*common, "--model_tag", "fresh"])
+    assert f"init | weights from {source}/model_000030.pt (step 30" in tuned.stdout
+    assert _first_loss(tuned) < _first_loss(fresh) - 1.0  # it starts trained (fresh: about ln 64 = 4.2)
+    meta = run_meta(tmp_path, 3, tag="d2-ft")  # MODEL_TAG: the source's tag + "-ft"
+    assert meta["model_config"] == run_meta(tmp_path, 30)["model_config"]
+    theirs = Prepared.load(run_meta(tmp_path, 30)["prepared"]["dir"]).meta["chars"]
+    ours = Prepared.load(meta["prepared"]["dir"]).meta["chars"]
+    assert ours == theirs and len(set("".join(demo_lines(3000, seed=99)))) <= len(theirs)
+    # A second start of the new run resumes its own checkpoints, not INIT_FROM's weights again.
+    again = run_train([*common, "--init_from", source])
+    assert "init |" not in again.stdout and "resumed from" in again.stdout
+    # The same from the exported best.pt (bf16).
+    exported = run_train([*common, "--init_from", source / "best.pt", "--model_tag", "from-export"])
+    assert abs(_first_loss(exported) - _first_loss(tuned)) < 0.05
+
+
+def test_settings_that_contradict_the_source_and_foreign_characters_exit_2(tmp_path, source):
+    proc = run_train([*TINY[2:], "--depth", 4, "--init_from", source, "--workspace", tmp_path], check=False)
+    assert proc.returncode == 2 and "--depth 4: INIT_FROM's model" in proc.stderr and "has depth 2" in proc.stderr
+    proc = run_train([*TINY, "--init_from", source, "--model_tag", "d2", "--workspace", tmp_path], check=False)
+    assert proc.returncode == 2 and "that is this run's own directory" in proc.stderr
+    proc = run_train([*TINY, "--init_from", tmp_path / "nothing", "--workspace", tmp_path], check=False)
+    assert proc.returncode == 2 and f"--init_from {tmp_path / 'nothing'}:" in proc.stderr
+    # Through the launcher: the pre-flight names every character the model cannot spell, and the files.
+    new = tmp_path / "new"
+    new.mkdir()
+    (new / "a.txt").write_text("".join(demo_lines(2000, seed=3)) + "Zé\n")
+    (new / "b.txt").write_text("".join(demo_lines(2000, seed=4)))
+    proc = _launch(tmp_path, DATA_DIR=str(new), INIT_FROM=str(source), DEPTH="auto")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert "2 character(s) of the data are not in INIT_FROM's vocabulary: 'Z' (U+005A), 'é' (U+00E9)" in errors[0]
+    assert f"in {new / 'a.txt'};" in errors[0] and "b.txt" not in errors[0] and "config {" not in proc.stdout
+    assert json.loads((source / "best.json").read_text())["step"] in ckpt.complete_steps(source)
