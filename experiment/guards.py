@@ -9,8 +9,8 @@ a ConfigError (exit 2, after the plan line) unless ALLOW names it:
     repeat  the run would repeat the training data more than MAX_EPOCHS times (MAX_EPOCHS set to 0
             or above 8 with an explicit DEPTH: more than the data can use; the default 8 stops there)
     disk    the free space under WORKSPACE (plus what the run directory already holds, which
-            retention replaces) is below the planned peak: KEEP_LAST + the best + the one being
-            written
+            retention replaces) is below the planned peak: KEEP_LAST + EXTRA_CHECKPOINTS (the
+            best, the warmdown's start, the one being written)
 
 They only decide, from what they are handed: the tests give them a CUDA-shaped config on a CPU.
 """
@@ -28,6 +28,10 @@ from experiment.files import volume
 from experiment.hardware import link_gbps, peak_flops
 from experiment.memory import checkpoint_bytes, checkpoint_precision, staged_bytes_per_rank
 from experiment.saver import HOST_STAGING_FRACTION
+
+# Checkpoints on disk beside the newest KEEP_LAST at the peak: the best, the step where the warmdown
+# began (kept for training longer: experiment/extend.py) and the one being written.
+EXTRA_CHECKPOINTS = 3
 
 
 @dataclass
@@ -82,7 +86,7 @@ def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: 
     ckpt = checkpoint_bytes(config, world_size, gpu.memory_bytes, cfg.precision)
     staged = max(staged_bytes_per_rank(config, world_size, precision, pinned=True))
     return GpuPlan(config.depth, rate, budget_epochs, epochs, epochs * train_tokens / rate / 3600, ckpt, staged,
-                   (cfg.keep_last + 2) * ckpt, ckpt / (DISK_WRITE_GBPS * 1e9))
+                   (cfg.keep_last + EXTRA_CHECKPOINTS) * ckpt, ckpt / (DISK_WRITE_GBPS * 1e9))
 
 
 def shutdown_timeout(given: int, p: GpuPlan | None, log) -> int:
@@ -147,14 +151,14 @@ def check(cfg: TrainConfig, p: GpuPlan | None, demo: bool, workspace: Path, run_
 
 
 def disk_shortfall(cfg: TrainConfig, checkpoint_bytes: int, run_dir: Path) -> str | None:
-    """Why the volume cannot hold the planned peak (KEEP_LAST + the best + the one being written),
+    """Why the volume cannot hold the planned peak (KEEP_LAST + EXTRA_CHECKPOINTS),
     counting what the run directory holds now (retention replaces it); None when it can."""
     mount, free = volume(run_dir)  # the run directory's own volume (it may be a mount of its own)
-    peak, free = (cfg.keep_last + 2) * checkpoint_bytes, free + held_bytes(run_dir)
+    peak, free = (cfg.keep_last + EXTRA_CHECKPOINTS) * checkpoint_bytes, free + held_bytes(run_dir)
     if free >= peak:
         return None
     return (f"the volume {mount} of {run_dir} has {free / 1e9:.3g} GB free (with what {Path(run_dir).name} holds now), below the planned "
-            f"peak {peak / 1e9:.3g} GB ({cfg.keep_last} + 2 checkpoints of {checkpoint_bytes / 1e9:.3g} GB)")
+            f"peak {peak / 1e9:.3g} GB ({cfg.keep_last} + {EXTRA_CHECKPOINTS} checkpoints of {checkpoint_bytes / 1e9:.3g} GB)")
 
 
 def disk_warning(cfg: TrainConfig, checkpoint_bytes: int, run_dir: Path) -> str | None:

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from experiment import autosize
-from experiment.guards import DISK_WRITE_GBPS
+from experiment.guards import DISK_WRITE_GBPS, EXTRA_CHECKPOINTS
 from experiment.config import CUDA_DEFAULTS, PLATEAU_EVALS, opt, parse_flags
 from experiment.dataloader import DataError, validate
 from experiment.files import default_workspace
@@ -137,7 +137,7 @@ def rung(depth: int, cfg: PlanConfig, gpus: Gpus, train_tokens: int, budget_s: f
             "hours_per_pass": train_tokens / c.tok_per_s / 3600, "useful_hours": c.seconds / 3600,
             "tokens": c.tokens, "tokens_per_param": c.tokens_per_param, "epochs": c.epochs,
             "budget_epochs": c.budget_epochs,
-            "checkpoint_gb": ckpt / 1e9, "disk_peak_gb": (cfg.keep_last + 2) * ckpt / 1e9,
+            "checkpoint_gb": ckpt / 1e9, "disk_peak_gb": (cfg.keep_last + EXTRA_CHECKPOINTS) * ckpt / 1e9,
             "save_minutes": ckpt / (cfg.disk_write_gbps * 1e9) / 60}
 
 
@@ -221,7 +221,7 @@ def table(p: dict) -> str:
                      f"{autosize.MAX_EPOCHS * r['hours_per_pass']:>11.2f} {r['useful_hours']:>9.2f} "
                      f"{r['tokens_per_param']:>9.1f} {r['checkpoint_gb']:>8.1f} {r['disk_peak_gb']:>8.0f} "
                      f"{r['save_minutes']:>8.1f}" + ("" if r["fits"] else "  does not fit in memory"))
-    lines += ["plan | disk GB: KEEP_LAST + the best + the one being written; save min: one checkpoint at the "
+    lines += ["plan | disk GB: KEEP_LAST + the best + the warmdown's start + the one being written; save min: one checkpoint at the "
               "disk's write rate",
               f"recommendation | DEPTH={p['depth']} for {p['hours']:.2f} h (${p['usd']:,.0f}) of the "
               f"{p['budget_hours']:.1f} h budget; ${p['unspent_usd']:,.0f} unspent",
@@ -241,7 +241,11 @@ def gpu_lines(p: dict) -> list[str]:
         lines.append(f"{r['gpus']:>6} " + (f"{r['tok_per_s']:>11,.0f} {r['hours']:>8.2f} {'$' + format(r['usd'], ',.0f'):>8} "
                                            f"{r['comm_share']:>6.0%}" + ("" if r["in_time"] else "  past HOURS_AVAILABLE")
                                            if r["fits"] else "does not fit in memory"))
-    if p["hours_available"] is not None:
+    if p["hours_available"] is None:
+        cheapest = min((r for r in p["gpu_table"] if r["fits"]), key=lambda r: r["usd"])
+        lines.append(f"gpus | the cheapest: {cheapest['gpus']} GPU(s), ${cheapest['usd']:,.0f} in {cheapest['hours']:.2f} h; "
+                     "HOURS_AVAILABLE=<hours you can wait> recommends the fewest that finish in them")
+    else:
         lines.append(f"gpus | rent {p['recommended_gpus']}: the fewest that finish within HOURS_AVAILABLE="
                      f"{p['hours_available']:g}" if any(r["in_time"] for r in p["gpu_table"])
                      else f"gpus | none finishes within HOURS_AVAILABLE={p['hours_available']:g}: the launch line "

@@ -72,7 +72,7 @@ def test_less_free_disk_than_the_checkpoints_need_is_refused_naming_both_numbers
         assert isinstance(error, ConfigError), error
         message = str(error)
         assert "GB free" in message and "below the planned peak" in message and "ALLOW=disk" in message
-        assert "3 + 2 checkpoints of" in message
+        assert "3 + 3 checkpoints of" in message
         plan, _ = run_preflight(ws, "--data_dir", corpus, "--depth", 24, "--max_epochs", 8, "--allow", "disk")
         assert isinstance(plan, dict), plan
     finally:

@@ -25,9 +25,11 @@ LAUNCHER = (
     ("SHUTDOWN_TIMEOUT", "sized by the pre-flight", "seconds torchrun waits after SIGTERM/SIGINT before it kills the "
      "workers; unset: on GPUs twice the predicted save (the checkpoint at 0.3 GB/s) plus a minute, at least 300"),
     ("PREFLIGHT_WAIT_MINUTES", "120", "how long a node other than 0 waits for node 0's pre-flight"),
-    ("PYTHON", "python, else python3", "the interpreter the launcher runs"),
-    ("ON_EXIT", "unset", "a shell command run once when the launch ends for any reason, with RUN_STATUS, RUN_OUTCOME, "
-                "RUN_DIR, BEST_CHECKPOINT and BEST_VAL_LOSS set (output: on_exit.log in the run directory)"),
+    ("PYTHON", "`.venv`'s python (created and installed on first use)", "the interpreter the launcher runs; a given "
+     "one (or an active venv's) must hold requirements.txt's pinned versions, else the launch exits 2 naming them"),
+    ("ON_EXIT", "unset", "a shell command run once when the launch ends (once torchrun has started: a pre-flight "
+                "refusal exits 2 first), with RUN_STATUS, RUN_OUTCOME, RUN_DIR, BEST_CHECKPOINT, BEST_EXPORT (best.pt, "
+                "when written) and BEST_VAL_LOSS set (output: on_exit.log in the run directory)"),
 )
 
 HEADER = """# Settings
