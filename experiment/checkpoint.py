@@ -126,7 +126,7 @@ def prune(run_dir: Path, keep_last: int, keep_step: int = -1) -> list[int]:
     return deleted
 
 
-def drop_old_best_optimizer(run_dir: Path, keep_last: int) -> int | None:
+def drop_old_best_optimizer(run_dir: Path, keep_last: int, keep_step: int = -1) -> int | None:
     """Delete the optimizer shards of the best step once it is older than the newest `keep_last`.
 
     It is kept to be served, not resumed (a resume continues from the newest steps), and its shards
@@ -137,8 +137,8 @@ def drop_old_best_optimizer(run_dir: Path, keep_last: int) -> int | None:
     run_dir = Path(run_dir)
     best, steps = read_best(run_dir), complete_steps(run_dir)
     newest = steps[-keep_last:] if keep_last > 0 else []
-    if best is None or int(best["step"]) not in steps or int(best["step"]) in newest:
-        return None
+    if best is None or int(best["step"]) not in steps or int(best["step"]) in (*newest, keep_step):
+        return None  # keep_step (the one before the warmdown) stays resumable
     shards = list(run_dir.glob(f"optim_{int(best['step']):06d}_rank*.pt"))
     for p in shards:
         p.unlink(missing_ok=True)
@@ -362,8 +362,10 @@ class RunState:
     anneal_start_tokens: int = -1  # tokens_seen where the warmdown started at the plateau; -1: none
     anneal_tokens: int = 0  # its length
     plateau_stopped: bool = False  # a warmdown stopped gaining: the run is over (a resume trains no more)
-    # The step saved as the LR warmdown began (the schedule's or the val minimum's); -1: not begun. Kept
-    # while a later step names it: an extended run goes back to it (experiment/extend.py).
+    # Whether the LR warmdown (the schedule's or the val minimum's) has begun, and the newest complete
+    # checkpoint from before it (-1: none). Kept while a later step names it: an extended run goes
+    # back to it (experiment/extend.py).
+    warmdown_begun: bool = False
     warmdown_step: int = -1
     data_state: dict | None = None  # the data position of the step's next batch (every rank reads the same)
     # Measured durations (longest eval, longest save, recent step): the reserve kept for the final
@@ -391,7 +393,7 @@ def run_state(meta: dict) -> RunState:
 class Retention:
     keep_last: int  # complete checkpoints kept, plus the best
     keep_best_optimizer: bool  # an old best keeps its optimizer shards (resumable), else only what serves
-    keep_step: int = -1  # also kept, whole: the step where the warmdown began (the newest step's warmdown_step)
+    keep_step: int = -1  # also kept, whole: the newest checkpoint from before the warmdown (the newest step's warmdown_step)
 
 
 def save_checkpoint(run_dir: Path, step: int, model_data: dict, optimizer_data: dict, meta: dict, rank: int = 0,
@@ -455,7 +457,8 @@ def retain(run_dir: Path, retention: Retention, log: Callable[[str], None]) -> s
     what was deleted, for the "saved step" line. Rank 0, after a step is complete."""
     try:
         deleted = prune(run_dir, retention.keep_last, retention.keep_step)
-        dropped = None if retention.keep_best_optimizer else drop_old_best_optimizer(run_dir, retention.keep_last)
+        dropped = (None if retention.keep_best_optimizer
+                   else drop_old_best_optimizer(run_dir, retention.keep_last, retention.keep_step))
     except (OSError, CheckpointError) as e:  # the new checkpoint is complete; old ones linger until the next prune
         log(f"warning: pruning old checkpoints failed: {e}")
         return ""

@@ -2,9 +2,11 @@
 checkpoint lies in its LR warmdown (a finished run's always does).
 
 Training on from that checkpoint would jump the LR from the warmdown's end back up. Instead the
-trainer saves the step where the warmdown begins (RunState.warmdown_step; retention keeps it while a
-later step names it), and a resume whose settings let the run go further loads that step's weights,
-optimizer state, RNG and data position, trains on at the peak LR, and anneals again at the new end.
+trainer records, when the warmdown begins, the newest complete checkpoint from before it
+(RunState.warmdown_step; retention keeps it while a later step names it), and a resume whose
+settings let the run go further loads that step's weights, optimizer state, RNG and data position,
+trains on at the peak LR (the steps between that checkpoint and the warmdown's start again, on the
+same data), and anneals again at the new end.
 It keeps the later step's counters: its step number (new checkpoints come after it, so RESUME=auto
 and retention see them as the newest), the budget it used (spent is spent), its best (served until
 a new eval beats it) and its measured durations.
@@ -26,20 +28,21 @@ from experiment.config import ConfigError, TrainConfig
 
 
 def rewind_step(run_dir: Path, step: int, cfg: TrainConfig, train_tokens: int) -> int | None:
-    """The step whose weights a resume of `step` loads instead (where its warmdown began), or None
+    """The step whose weights a resume of `step` loads instead (its newest checkpoint from before the warmdown), or None
     for a plain resume. ConfigError when the settings extend a run that cannot go back."""
     meta = ckpt.read_meta(run_dir, step)
     st, old = ckpt.run_state(meta), meta["train_config"]
     start = st.warmdown_step
-    if start < 0 or step <= start or not extends(cfg, old, meta["budget_seconds"], st, train_tokens):
+    if not st.warmdown_begun or not extends(cfg, old, meta["budget_seconds"], st, train_tokens):
         return None
-    where = (f"step {step:06d} of {run_dir} lies in the LR warmdown that began at step {start:06d}, and these "
-             "settings extend the run")
-    if start not in ckpt.complete_steps(run_dir) or not ckpt.is_resumable(run_dir, start) \
+    where = f"step {step:06d} of {run_dir} lies in its LR warmdown, and these settings extend the run"
+    if start < 0 or start not in ckpt.complete_steps(run_dir) or not ckpt.is_resumable(run_dir, start) \
             or ckpt.damaged_files(run_dir, start):
-        raise ConfigError(f"{where}, but step {start:06d}'s checkpoint is gone or damaged, and training on from step "
-                          f"{step:06d} would jump the LR back up: start a new run from its weights (INIT_FROM="
-                          f"{run_dir} MODEL_TAG=<a new name>), or keep the run's settings")
+        gone = (f"step {start:06d}, its newest checkpoint from before the warmdown, is gone or damaged" if start >= 0
+                else "it has no checkpoint from before the warmdown")
+        raise ConfigError(f"{where}, but {gone}, and training on from step {step:06d} would jump the LR back up: "
+                          f"start a new run from its weights (INIT_FROM={run_dir} MODEL_TAG=<a new name>), or keep "
+                          "the run's settings")
     tokens = ckpt.run_state(ckpt.read_meta(run_dir, start)).tokens_seen
     if short := too_short(cfg, st, step, tokens, train_tokens):
         raise ConfigError(f"{where}, but {short}; or keep the run's settings")
@@ -51,25 +54,27 @@ def extends(cfg: TrainConfig, old: dict, old_budget: float, st: RunState, train_
     max_steps, or the stop at the val minimum turned off after it ended the run."""
     def cap(epochs: float) -> float:
         return epochs * train_tokens if epochs else math.inf
-    by_plateau = bool(old["plateau_evals"]) and (st.plateau_stopped or st.anneal_start_tokens >= 0)
+    if old["plateau_evals"] and (st.plateau_stopped or st.anneal_start_tokens >= 0):
+        return not cfg.plateau_evals  # the val minimum ended it: more budget does not move a minimum
     return (cfg.training_hours * 3600 > old_budget + 1e-6 or cap(cfg.max_epochs) > cap(old["max_epochs"])
-            or (cfg.max_steps or math.inf) > (old["max_steps"] or math.inf)
-            or (by_plateau and not cfg.plateau_evals))
+            or (cfg.max_steps or math.inf) > (old["max_steps"] or math.inf))
 
 
 def too_short(cfg: TrainConfig, st: RunState, step: int, start_tokens: int, train_tokens: int) -> str | None:
     """Why the extended schedule would already be in its warmdown at the rewound start, if it would:
     then going back trains nothing at the peak LR. The same fractions as train.schedule_progress."""
     peak_end = 1 - cfg.warmdown_frac
+    if peak_end <= 0:
+        return f"WARMDOWN_FRAC={cfg.warmdown_frac:g} leaves no part of the schedule at the peak LR"
     reserve = st.eval_seconds + st.save_seconds + st.step_seconds
     reasons = []
     if st.used_seconds / max(cfg.training_hours * 3600 - reserve, 1e-9) >= peak_end:
         need = (st.used_seconds / peak_end + reserve) / 3600
-        reasons.append(f"TRAINING_HOURS={cfg.training_hours:g} leaves no time at the peak LR after the "
-                       f"{st.used_seconds / 3600:.3f} h used: give more than {need:.3f}")
+        reasons.append(f"TRAINING_HOURS={cfg.training_hours:g} (or BUDGET_USD's hours) leaves no time at the peak "
+                       f"LR after the {st.used_seconds / 3600:.3f} h used: give more than {need:.3f}")
     passes = start_tokens / train_tokens
     if cfg.max_epochs and passes / cfg.max_epochs >= peak_end:
-        reasons.append(f"MAX_EPOCHS={cfg.max_epochs:g} ends it: step where the warmdown began had seen {passes:.2f} "
+        reasons.append(f"MAX_EPOCHS={cfg.max_epochs:g} ends it: the checkpoint from before the warmdown had seen {passes:.2f} "
                        f"passes; give more than {passes / peak_end:.2f} (0: no cap)")
     if cfg.max_steps and step / cfg.max_steps >= peak_end:
         reasons.append(f"MAX_STEPS={cfg.max_steps} ends it: give at least {math.floor(step / peak_end) + 1}")
@@ -81,13 +86,14 @@ def rewound(start: RunState, latest: RunState) -> RunState:
     data position, the val minimum's reference) with the latest step's counters, no warmdown begun."""
     keep = ("step", "used_seconds", "best_val", "best_step", "eval_seconds", "save_seconds", "step_seconds",
             "nonfinite_steps", "save_waits", "save_wait_seconds")
-    return dataclasses.replace(start, **{k: getattr(latest, k) for k in keep}, warmdown_step=-1,
+    return dataclasses.replace(start, **{k: getattr(latest, k) for k in keep}, warmdown_begun=False, warmdown_step=-1,
                                anneal_start_tokens=-1, anneal_tokens=0, plateau_stopped=False,
                                warmdown_seen=False, evals_without_gain=0)
 
 
 def rewind_line(start: int, step: int, st: RunState, train_tokens: int) -> str:
     return (f"extend | the settings extend the run: going back from step {step:06d} (annealed) to step {start:06d}, "
-            f"where its warmdown began ({st.tokens_seen / train_tokens:.2f} passes); training on at the peak LR "
+            f"its newest checkpoint from before the warmdown ({st.tokens_seen / train_tokens:.2f} passes); training on "
+            "at the peak LR "
             f"to a new warmdown, new checkpoints numbered after {step:06d}; the best stays step "
             f"{st.best_step:06d} ({st.best_val:.4f}) until an eval beats it")

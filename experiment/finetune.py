@@ -6,8 +6,9 @@ run keeps that model's shape (depth, width, heads, the bigram table) and its tok
 model's vocabulary is its own characters, so the new data is prepared with exactly those ids and
 a character outside them is refused at the pre-flight, naming each one. The optimizer state, the
 LR schedule, the budget and the step count start afresh, as in nanoGPT; the run directory is a new
-one (MODEL_TAG, by default the source run's tag with "-ft"). A crash of the new run resumes from its
-own checkpoints: INIT_FROM matters only to its first start.
+one (MODEL_TAG, by default the source run's tag with "-ft"). A restart of the new run is the same
+command: it resumes the new run's own checkpoints, and INIT_FROM, still read for the shape and the
+vocabulary, must name the same source (its weights are not loaded again).
 """
 
 from __future__ import annotations
@@ -52,7 +53,10 @@ def apply(cfg: TrainConfig) -> TrainConfig:
             changes[name] = value(mc)
         elif given != value(mc):
             raise ConfigError(f"--{name} {given}: INIT_FROM's model ({path}) has {name} {value(mc)}; leave it unset")
-    changes["tokenizer"] = "char" if tok["tokenizer"] == "char" else tok["encoding"]
+    theirs = "char" if tok["tokenizer"] == "char" else tok["encoding"]
+    if cfg.tokenizer not in ("char", theirs):  # "char" is also the flag's default: taken as unset
+        raise ConfigError(f"--tokenizer {cfg.tokenizer}: INIT_FROM's model ({path}) uses {theirs}; leave it unset")
+    changes["tokenizer"] = theirs
     if cfg.max_seq_len is None:
         changes["max_seq_len"] = mc["max_seq_len"]
     if cfg.model_tag is None:
@@ -67,10 +71,19 @@ def chars(cfg: TrainConfig) -> str | None:
 
 
 def check_dir(cfg: TrainConfig, run_dir: Path) -> None:
-    """The new run writes elsewhere than the source (else it would resume the source run)."""
-    if cfg.init_from and Path(source(cfg)[0]).resolve().parent == Path(run_dir).resolve():
+    """The new run writes elsewhere than the source (else it would resume the source run), and a run
+    directory that already holds a fine-tune was started from this same source."""
+    if not cfg.init_from:
+        return
+    path = Path(source(cfg)[0]).resolve()
+    if path.parent == Path(run_dir).resolve():
         raise ConfigError(f"--init_from {cfg.init_from}: that is this run's own directory ({run_dir}); set MODEL_TAG "
                           "to a new name for the fine-tuned run")
+    steps = ckpt.complete_steps(run_dir) if Path(run_dir).is_dir() else []
+    started = steps and ckpt.read_meta(run_dir, steps[-1])["train_config"].get("init_from")
+    if started and Path(started).resolve() != Path(cfg.init_from).resolve():
+        raise ConfigError(f"--init_from {cfg.init_from}: {run_dir} holds a run started from {started}; set MODEL_TAG "
+                          "to a new name for another fine-tune")
 
 
 def check_target(cfg: TrainConfig, config: GPTConfig) -> None:

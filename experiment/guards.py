@@ -10,7 +10,7 @@ a ConfigError (exit 2, after the plan line) unless ALLOW names it:
             or above 8 with an explicit DEPTH: more than the data can use; the default 8 stops there)
     disk    the free space under WORKSPACE (plus what the run directory already holds, which
             retention replaces) is below the planned peak: KEEP_LAST + EXTRA_CHECKPOINTS (the
-            best, the warmdown's start, the one being written)
+            best, the newest one from before the warmdown, the one being written)
 
 They only decide, from what they are handed: the tests give them a CUDA-shaped config on a CPU.
 """
@@ -29,8 +29,8 @@ from experiment.hardware import link_gbps, peak_flops
 from experiment.memory import checkpoint_bytes, checkpoint_precision, staged_bytes_per_rank
 from experiment.saver import HOST_STAGING_FRACTION
 
-# Checkpoints on disk beside the newest KEEP_LAST at the peak: the best, the step where the warmdown
-# began (kept for training longer: experiment/extend.py) and the one being written.
+# Checkpoints on disk beside the newest KEEP_LAST at the peak: the best, the newest one from before the
+# LR warmdown (kept for training longer: experiment/extend.py) and the one being written.
 EXTRA_CHECKPOINTS = 3
 
 

@@ -25,7 +25,7 @@ PCIE_GBPS, NVLINK_GBPS = 20.0, 350.0
 
 
 def link_gbps(device_name: str) -> float:
-    return PCIE_GBPS if "PCIe" in device_name else NVLINK_GBPS
+    return PCIE_GBPS if "pcie" in device_name.lower() else NVLINK_GBPS  # e.g. "NVIDIA A100-PCIE-40GB"
 
 
 def peak_flops(device_name: str) -> float | None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shlex
 import os
 import sys
 from dataclasses import dataclass
@@ -141,38 +142,51 @@ def rung(depth: int, cfg: PlanConfig, gpus: Gpus, train_tokens: int, budget_s: f
             "save_minutes": ckpt / (cfg.disk_write_gbps * 1e9) / 60}
 
 
-def gpu_rows(cfg: PlanConfig, gpus: Gpus, config: GPTConfig, tokens: float) -> list[dict]:
+def gpu_rows(cfg: PlanConfig, gpus: Gpus, config: GPTConfig, tokens: float, budget_usd: float) -> list[dict]:
     """The chosen depth's tokens on 1, 2, 4 and 8 of these GPUs (and the count asked for): hours,
-    dollars, and whether they finish within HOURS_AVAILABLE."""
+    dollars, and whether they fit the budget's dollars and finish within HOURS_AVAILABLE."""
     rows = []
     for count in sorted({*GPU_COUNTS, gpus.count}):
         rate = tok_per_s(config, gpus, count)
         hours = tokens / rate / 3600 if rate else None
         rows.append({"gpus": count, "fits": rate is not None, "tok_per_s": rate, "hours": hours,
                      "usd": hours * count * cfg.gpu_hourly_usd if rate else None,
-                     "comm_share": (autosize.comm_seconds(config, count, gpus.link_gbps)
-                                    * rate / CUDA_DEFAULTS["total_batch_size"]) if rate else None,
+                     "comm_share": comm_seconds(config, gpus, count) * rate / CUDA_DEFAULTS["total_batch_size"]
+                     if rate else None,
+                     "in_budget": rate is not None and hours * count * cfg.gpu_hourly_usd <= budget_usd * (1 + 1e-9),
                      "in_time": rate is not None and (cfg.hours_available is None or hours <= cfg.hours_available)})
     return rows
 
 
+def comm_seconds(config: GPTConfig, gpus: Gpus, count: int) -> float:
+    fit = choose_mode(config, count, 1, config.max_seq_len, gpus.memory_bytes)
+    return autosize.comm_seconds(config, count, gpus.link_gbps, autosize.WEIGHT_BYTES[fit.precision])
+
+
 def launch_line(p: dict, cfg: PlanConfig, count: int) -> tuple[str, str]:
     """What to paste on the rented box (with `count` GPUs), and the run directory it writes: the
-    plan's depth, explicit, with the default pass cap, and the budget those GPUs' hours allow."""
+    plan's depth, explicit, with the default pass cap, the budget those GPUs' hours allow, and every
+    planned setting that is not the trainer's default, quoted for the shell."""
     hours = p["budget_usd"] / (cfg.gpu_hourly_usd * count)
     if cfg.hours_available is not None:
         hours = min(hours, cfg.hours_available)
-    settings = [f"DEPTH={p['depth']}", f"TRAINING_HOURS={math.floor(hours * 100) / 100:g}"]
-    settings += [f"{name.upper()}={value}" for name, value in (("tokenizer", cfg.tokenizer), ("alphabet", cfg.alphabet),
-                 ("val_fraction", cfg.val_fraction), ("gpu_hourly_usd", cfg.gpu_hourly_usd))
-                 if value != PlanConfig.__dataclass_fields__[name].default]
-    return " ".join(settings) + " bash experiment/run.sh", f"$WORKSPACE/checkpoints/d{p['depth']}"
+    settings = {"DEPTH": p["depth"], "TRAINING_HOURS": f"{max(math.floor(hours * 1e4) / 1e4, 1e-4):g}"}  # never above
+    defaults = {f.name: f.default for f in dataclasses.fields(PlanConfig)}
+    for name in ("tokenizer", "alphabet", "val_fraction", "gpu_hourly_usd", "keep_last"):
+        if getattr(cfg, name) != defaults[name]:
+            settings[name.upper()] = getattr(cfg, name)
+    if cfg.max_seq_len != CUDA_DEFAULTS["max_seq_len"]:
+        settings["MAX_SEQ_LEN"] = cfg.max_seq_len
+    line = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in settings.items())
+    return line + " bash experiment/run.sh", f"$WORKSPACE/checkpoints/d{p['depth']}"
 
 
 def plan(cfg: PlanConfig) -> dict:
     gpus = parse_gpus(cfg.gpus)
     if cfg.link_gbps is not None:
         gpus.link_gbps = cfg.link_gbps
+    if cfg.hours_available is not None and cfg.hours_available <= 0:
+        raise ValueError(f"HOURS_AVAILABLE must be > 0, got {cfg.hours_available:g}")
     tokens, counted = count_tokens(cfg)
     train_tokens = int(tokens * (1 - cfg.val_fraction))
     hours = cfg.budget_usd / (cfg.gpu_hourly_usd * gpus.count) if cfg.budget_usd is not None else \
@@ -186,8 +200,8 @@ def plan(cfg: PlanConfig) -> dict:
     best = autosize.choose(candidates)
     chosen = next(r for r in fitting if r["depth"] == best.depth)
     per_hour = cfg.gpu_hourly_usd * gpus.count
-    rows = gpu_rows(cfg, gpus, model_config(best.depth, cfg, vocab), chosen["tokens"])
-    in_time = [r["gpus"] for r in rows if r["in_time"]]
+    rows = gpu_rows(cfg, gpus, model_config(best.depth, cfg, vocab), chosen["tokens"], hours * per_hour)
+    in_time = [r["gpus"] for r in rows if r["in_time"] and r["in_budget"]]
     p = {"depth": chosen["depth"], "hours": chosen["useful_hours"], "usd": chosen["useful_hours"] * per_hour,
          "unspent_usd": (hours - chosen["useful_hours"]) * per_hour, "budget_hours": hours,
          "budget_usd": hours * per_hour, "usd_per_hour": per_hour, "tokens": tokens, "train_tokens": train_tokens,
@@ -221,7 +235,7 @@ def table(p: dict) -> str:
                      f"{autosize.MAX_EPOCHS * r['hours_per_pass']:>11.2f} {r['useful_hours']:>9.2f} "
                      f"{r['tokens_per_param']:>9.1f} {r['checkpoint_gb']:>8.1f} {r['disk_peak_gb']:>8.0f} "
                      f"{r['save_minutes']:>8.1f}" + ("" if r["fits"] else "  does not fit in memory"))
-    lines += ["plan | disk GB: KEEP_LAST + the best + the warmdown's start + the one being written; save min: one checkpoint at the "
+    lines += ["plan | disk GB: KEEP_LAST + the best + the one before the warmdown + the one being written; save min: one checkpoint at the "
               "disk's write rate",
               f"recommendation | DEPTH={p['depth']} for {p['hours']:.2f} h (${p['usd']:,.0f}) of the "
               f"{p['budget_hours']:.1f} h budget; ${p['unspent_usd']:,.0f} unspent",
@@ -239,15 +253,17 @@ def gpu_lines(p: dict) -> list[str]:
              f"{'GPUs':>6} {'tok/s':>11} {'hours':>8} {'dollars':>8} {'comm':>6}"]
     for r in p["gpu_table"]:
         lines.append(f"{r['gpus']:>6} " + (f"{r['tok_per_s']:>11,.0f} {r['hours']:>8.2f} {'$' + format(r['usd'], ',.0f'):>8} "
-                                           f"{r['comm_share']:>6.0%}" + ("" if r["in_time"] else "  past HOURS_AVAILABLE")
+                                           f"{r['comm_share']:>6.0%}" + ("" if r["in_budget"] else "  over the budget")
+                                           + ("" if r["in_time"] else "  past HOURS_AVAILABLE")
                                            if r["fits"] else "does not fit in memory"))
-    if p["hours_available"] is None:
+    if p["hours_available"] is None and any(r["fits"] for r in p["gpu_table"]):
         cheapest = min((r for r in p["gpu_table"] if r["fits"]), key=lambda r: r["usd"])
         lines.append(f"gpus | the cheapest: {cheapest['gpus']} GPU(s), ${cheapest['usd']:,.0f} in {cheapest['hours']:.2f} h; "
                      "HOURS_AVAILABLE=<hours you can wait> recommends the fewest that finish in them")
-    else:
+    elif p["hours_available"] is not None:
         lines.append(f"gpus | rent {p['recommended_gpus']}: the fewest that finish within HOURS_AVAILABLE="
-                     f"{p['hours_available']:g}" if any(r["in_time"] for r in p["gpu_table"])
+                     f"{p['hours_available']:g} and the budget"
+                     if any(r["in_time"] and r["in_budget"] for r in p["gpu_table"])
                      else f"gpus | none finishes within HOURS_AVAILABLE={p['hours_available']:g}: the launch line "
                           f"is for {p['recommended_gpus']}, and its budget ends the run on time")
     lines += [f"launch | on the rented box, with the data in $WORKSPACE/data: {p['launch']}",

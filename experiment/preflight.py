@@ -119,8 +119,8 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
     for line in plan_lines(cfg, prepared, config, world_size, resume_step, run_dir):
         log(line)
     if rewind is not None:
-        log(f"preflight | the settings extend the annealed run: it goes back to step {rewind:06d}, where its "
-            "warmdown began, and trains on to a new one")
+        log(f"preflight | the settings extend the annealed run: it goes back to step {rewind:06d}, its newest "
+            "checkpoint from before the warmdown, and trains on to a new one")
     gpu_plan = guards.gpu_plan(cfg, config, gpu, world_size, train_tokens) if gpu and config else None
     if gpu_plan:
         log(guards.plan_line(cfg, gpu_plan, world_size, gpu))

@@ -19,6 +19,11 @@ setup_python() {
         fi
         PYTHON=$PWD/.venv/bin/python
     fi
+    # A relative or bare PYTHON (python3) as a path: the commands may run from another directory.
+    local found
+    found=$(command -v "$PYTHON") || { echo "error: PYTHON=$PYTHON: no such interpreter" >&2; exit 2; }
+    [[ "$found" == /* ]] || found=$PWD/$found
+    PYTHON=$found
     # A given interpreter (an image's own, another venv) may hold another torch: say so in one line
     # instead of a traceback from deep inside the trainer.
     "$PYTHON" experiment/envcheck.py requirements.txt || exit 2

@@ -18,7 +18,7 @@ for arg in "$@"; do
     given+=("${BASH_REMATCH[1]}")
 done
 # Relative paths mean relative to where the user stands, not to the repo this script moves into.
-for var in DATA_DIR WORKSPACE; do
+for var in DATA_DIR WORKSPACE INIT_FROM PREPARED_DIR; do
     if [ -n "${!var:-}" ] && [[ "${!var}" != /* ]]; then
         printf -v "$var" '%s' "$PWD/${!var}"
     fi

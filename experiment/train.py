@@ -69,6 +69,7 @@ class Trainer:
     writer: object  # a SummaryWriter on rank 0, else a NullWriter
     st: RunState  # the checkpointed state: step, tokens, budget used, best, measured durations
     resume_step: int | None
+    rewind_step: int | None  # an extended run: the checkpoint whose weights it goes on from (extend.py)
     grad_accum: int
     budget_seconds: float
     run_meta: dict  # what every checkpoint's meta records of the run
@@ -138,7 +139,7 @@ class Loop:
 def prepare_data(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path,
                  log: RunLog) -> tuple[Prepared, int | None, int | None, object]:
     """Rank 0 takes the run directory's trainer lock, opens the data and picks the resume step (and
-    for settings that extend an annealed run, the step its warmdown began: extend.py); a failure
+    for settings that extend an annealed run, its newest checkpoint from before the warmdown: extend.py); a failure
     there reaches every rank. Under experiment/run.sh the data is the pre-flight's prepared
     directory (--prepared_dir), so no rank waits in this broadcast while another prepares; a bare
     torchrun prepares here. Returns (data, resume step, the step whose weights to load instead or None,
@@ -210,7 +211,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         log(line)
     model, opt = build_model_and_optimizer(cfg, d, model_config, log, init)
     st = RunState(used_seconds=probe_seconds)  # DEPTH=auto's probe is part of the budget
-    if rewind_step is not None:  # an annealed run extended: its warmdown's start, with the latest counters
+    if rewind_step is not None:  # an annealed run extended: the checkpoint before its warmdown, the latest counters
         st = extend.rewound(restore_checkpoint(run_dir, rewind_step, model, opt, d),
                             ckpt.run_state(ckpt.read_meta(run_dir, resume_step)))
         log(extend.rewind_line(rewind_step, resume_step, st, prepared.meta["split"]["train_tokens"]))
@@ -240,7 +241,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         cfg=cfg, d=d, log=log, run_dir=run_dir, prepared=prepared, model=model, opt=opt, ddp=ddp,
         train_model=torch.compile(ddp) if use_compile else ddp,
         batches=make_batches(cfg, d, prepared, weights, st.data_state, log), weights=weights, writer=writer, st=st,
-        resume_step=resume_step,
+        resume_step=resume_step, rewind_step=rewind_step,
         grad_accum=grad_accum,
         budget_seconds=budget_seconds, run_meta=checkpoint_meta(cfg, prepared, budget_seconds, auto),
         flops_per_token=model.estimate_flops(cfg.max_seq_len),
@@ -405,7 +406,8 @@ def start_loop(t: Trainer) -> Loop:
     now = time.time()
     return Loop(x=x, y=y, data_state=data_state, started=now, used_at_start=t.st.used_seconds, last_eval_time=now,
                 last_save_time=now, last_eval_step=first, last_eval_tokens=t.st.tokens_seen, last_saved_step=first,
-                last_complete_step=first,
+                # An extended run's weights are the rewound step's, not those saved as step `first`.
+                last_complete_step=first if t.rewind_step is None else t.rewind_step,
                 saved_best=(t.st.best_val, t.st.best_step))  # a resume's best: its checkpoint is complete
 
 
@@ -442,8 +444,9 @@ def train_loop(t: Trainer) -> int:
                                              if writing else f"saving step {step:06d} and exiting"))
             elif (eval_due or save_due or last_step) and step != loop.last_eval_step:
                 maybe_eval(t, loop)
-            if t.st.warmdown_step < 0 and (warmdown or t.st.anneal_start_tokens == t.st.tokens_seen) and not signum:
-                t.st.warmdown_step, save_due = step, True  # the weights an extended run goes back to
+            if not t.st.warmdown_begun and (warmdown or t.st.anneal_start_tokens == t.st.tokens_seen) and not signum:
+                # The LR warmdown begins: an extended run goes back to the newest checkpoint from before it.
+                t.st.warmdown_begun, t.st.warmdown_step = True, loop.last_complete_step
             maybe_save(t, loop, save_due, preempted=bool(signum), writing=bool(writing))
             if loop.end is not None:
                 break
@@ -509,7 +512,7 @@ def decide(t: Trainer, loop: Loop, signum: int, writing: bool = False) -> tuple[
     in_flight = t.saver.seconds_left(save)
     last = (step >= t.max_steps or st.tokens_seen >= t.max_tokens or stopped_at_minimum(t)
             or st.used_seconds + loop.reserve_seconds + in_flight + due_now >= t.budget_seconds)
-    warmdown = st.warmdown_step < 0 and schedule_progress(t, loop) > 1 - cfg.warmdown_frac and not last
+    warmdown = not st.warmdown_begun and schedule_progress(t, loop) > 1 - cfg.warmdown_frac and not last
     flags = torch.tensor([d.master and last, d.master and eval_due, d.master and save_due, signum, writing,
                           d.master and warmdown], dtype=torch.int32, device=d.device)
     return tuple(int(v) for v in d.all_reduce(flags, "max").tolist())

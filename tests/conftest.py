@@ -44,7 +44,8 @@ def corpus(tmp_path) -> Path:
     return write_corpus(tmp_path)
 
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+# PYTHON: the launchers (run.sh, experiment/run.sh) run this interpreter, not a .venv of their own.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHON": sys.executable}
 
 
 @pytest.fixture(scope="session")

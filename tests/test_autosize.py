@@ -9,6 +9,7 @@ import torch
 
 from conftest import TINY, run_meta, run_train
 from experiment import autosize
+from experiment.hardware import link_gbps
 from experiment.autosize import Candidate, candidate, choose, data_lines, supported_depth
 from experiment.memory import count_params
 from experiment.config import ConfigError, TrainConfig, parse_args, resolve
@@ -72,6 +73,7 @@ def test_cuda_predicts_each_depth_and_stops_where_memory_ends():
     linear = autosize.mfu(32) * peak * 8 / autosize.flops_per_token(gpu(32))
     assert autosize.predicted_tok_per_s(gpu(32), peak, 1, 20.0) == pytest.approx(linear / 8)
     assert 0.6 < autosize.predicted_tok_per_s(gpu(32), peak, 8, 20.0) / linear < 0.75
+    assert link_gbps("NVIDIA H100 PCIe") == link_gbps("NVIDIA A100-PCIE-40GB") == 20.0 < link_gbps("NVIDIA H100 80GB HBM3")
     _, one_small = autosize.predict_and_choose(gpu, peak, 1, 24 * 2**30, 31 * 3600, 332_500_000, 350.0)
     assert 0 < len(one_small) < len(cands)  # one 24 GB GPU: the ladder ends where the memory plan says no
 

@@ -133,6 +133,9 @@ def test_an_old_best_keeps_model_and_meta_but_not_its_optimizer_shards(tmp_path)
         _fake_step(run, s, world=2)
     ckpt.atomic_write_json(run / "best.json", {"step": 1, "val_loss": 1.0})
     assert ckpt.drop_old_best_optimizer(run, keep_last=3) is None  # still among the newest
+    # The newest checkpoint from before the warmdown stays resumable: an extended run resumes it.
+    assert ckpt.drop_old_best_optimizer(run, keep_last=2, keep_step=1) is None
+    assert ckpt.prune(run, keep_last=1, keep_step=2) == [] and ckpt.complete_steps(run) == [1, 2, 3]
     assert ckpt.drop_old_best_optimizer(run, keep_last=2) == 1
     assert ckpt.drop_old_best_optimizer(run, keep_last=2) is None  # nothing left to drop
     assert sorted(p.name for p in run.iterdir() if "_000001" in p.name) == [

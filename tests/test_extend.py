@@ -22,14 +22,18 @@ def _field(line, name):
 
 
 def test_an_extended_run_goes_back_to_its_warmdown_start_and_anneals_again(tmp_path, corpus):
-    # CPU warmdown_frac 0.4: over 10 steps the warmdown begins at step 7 (7/10 > 0.6), saved then.
+    # CPU warmdown_frac 0.4: over 10 steps the warmdown begins at step 7 (7/10 > 0.6); saves every 3
+    # steps (blocking, so "the newest complete checkpoint" is exact): step 6 is the one before it.
     common = [*TINY, "--data_dir", corpus, "--total_batch_size", 256, "--eval_every_steps", 5,
-              "--keep_last", 1, "--plateau_evals", 0]
+              "--save_every_steps", 3, "--async_save", 0, "--keep_last", 1, "--plateau_evals", 0]
     first = run_train([*common, "--workspace", tmp_path / "a", "--max_steps", 10])
     run_dir = tmp_path / "a/checkpoints/d2"
-    assert run_meta(tmp_path / "a", 10)["state"]["warmdown_step"] == 7
-    assert ckpt.complete_steps(run_dir) == [7, 10] and ckpt.is_resumable(run_dir, 7)  # kept past KEEP_LAST=1
+    state = run_meta(tmp_path / "a", 10)["state"]
+    assert state["warmdown_begun"] and state["warmdown_step"] == 6
+    assert run_meta(tmp_path / "a", 6)["state"]["warmdown_begun"] is False
     best = ckpt.read_best(run_dir)
+    assert set(ckpt.complete_steps(run_dir)) == {6, best["step"], 10}  # 6 kept past KEEP_LAST=1
+    assert ckpt.is_resumable(run_dir, 6)
     refuse, missing = tmp_path / "b", tmp_path / "c"
     shutil.copytree(tmp_path / "a", refuse)
     shutil.copytree(tmp_path / "a", missing)
@@ -38,17 +42,18 @@ def test_an_extended_run_goes_back_to_its_warmdown_start_and_anneals_again(tmp_p
     assert "extend |" not in again.stdout and ckpt.complete_steps(run_dir)[-1] == 10
 
     more = run_train([*common, "--workspace", tmp_path / "a", "--max_steps", 20])
-    assert "extend | the settings extend the run: going back from step 000010 (annealed) to step 000007" in more.stdout
+    assert "extend | the settings extend the run: going back from step 000010 (annealed) to step 000006" in more.stdout
     before, after = _lines(first, "| loss"), _lines(more, "| loss")
-    # Step 7's weights on step 7's batch: the same loss as the first run's step 8 had; and the peak LR,
-    # as at step 1, where the first run's last step took a quarter of it (progress 0.9, warmdown 0.4).
-    assert _field(after[11], "loss") == _field(before[8], "loss")
-    assert _field(after[11], "lr") == _field(before[1], "lr") == 4 * _field(before[10], "lr")
+    # Step 6's weights on step 6's batch: the same loss as the first run's step 7 had, and its peak LR,
+    # where the first run's last step took a quarter of it (progress 0.9, warmdown 0.4).
+    assert _field(after[11], "loss") == _field(before[7], "loss")
+    assert _field(after[11], "lr") == _field(before[7], "lr") == 4 * _field(before[10], "lr")
     assert _field(after[20], "lr") == _field(before[1], "lr") / 8  # annealed again at the new end (0.95)
     meta = run_meta(tmp_path / "a", 20)
-    assert meta["state"]["warmdown_step"] == 13 and 13 in ckpt.complete_steps(run_dir)  # 13/20 > 0.6
-    assert 7 not in ckpt.complete_steps(run_dir)  # the old warmdown start: pruned once no newer step names it
-    assert meta["state"]["tokens_seen"] == (7 + 10) * 256  # step 7's tokens, then 10 steps more
+    # The new warmdown begins at 13 (13/20 > 0.6): the newest checkpoint before it is step 12, kept.
+    assert meta["state"]["warmdown_step"] == 12 and 12 in ckpt.complete_steps(run_dir)
+    assert 6 not in ckpt.complete_steps(run_dir)  # the old one: pruned once no newer step names it
+    assert meta["state"]["tokens_seen"] == (6 + 10) * 256  # step 6's tokens, then 10 steps more
     new_best = ckpt.read_best(run_dir)
     assert new_best["val_loss"] <= best["val_loss"] and new_best["step"] in ckpt.complete_steps(run_dir)
 
@@ -56,12 +61,12 @@ def test_an_extended_run_goes_back_to_its_warmdown_start_and_anneals_again(tmp_p
     proc = run_train([*common, "--workspace", refuse, "--max_steps", 12], check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1 and "MAX_STEPS=12 ends it: give at least 17" in errors[0]
-    assert ckpt.complete_steps(refuse / "checkpoints/d2") == [7, 10]
+    assert set(ckpt.complete_steps(refuse / "checkpoints/d2")) == {6, best["step"], 10}
 
-    # The warmdown's start gone: training on from the annealed step would jump the LR; refused.
-    ckpt.meta_path(missing / "checkpoints/d2", 7).unlink()
+    # The checkpoint before the warmdown gone: training on from the annealed step would jump the LR.
+    ckpt.meta_path(missing / "checkpoints/d2", 6).unlink()
     proc = run_train([*common, "--workspace", missing, "--max_steps", 20], check=False)
-    assert proc.returncode == 2 and "step 000007's checkpoint is gone or damaged" in proc.stderr
+    assert proc.returncode == 2 and "step 000006, its newest checkpoint from before the warmdown, is gone" in proc.stderr
     assert f"INIT_FROM={missing / 'checkpoints/d2'}" in proc.stderr
 
 
@@ -76,12 +81,17 @@ def test_what_extends_a_run_and_what_leaves_no_time_at_the_peak_lr():
     assert not extends(cfg, {**old, "max_epochs": 0.0}, 3600.0, st, 1000)  # a cap where there was none
     plateau = RunState(used_seconds=3600.0, anneal_start_tokens=500)
     assert not extends(cfg, old, 3600.0, plateau, 1000)  # it ended at the val minimum, and still would
+    assert not extends(cfg, old, 1800.0, plateau, 1000)  # more hours do not move a minimum
     off = resolve(parse_args(["--training_hours", "1", "--plateau_evals", "0"]), cuda=False, world_size=1)
     assert extends(off, old, 3600.0, plateau, 1000)
     # CPU warmdown_frac 0.4: the peak LR ends at 60% of the schedule.
     two = resolve(parse_args(["--training_hours", "2", "--max_epochs", "8"]), cuda=False, world_size=1)
     assert too_short(two, st, 100, 4000, 1000) is None  # 1 h of 2 used; 4 of 8 passes
     short = too_short(two, RunState(used_seconds=5000.0), 100, 6000, 1000)
-    assert "TRAINING_HOURS=2 leaves no time at the peak LR after the 1.389 h used: give more than 2.315" in short
-    assert "MAX_EPOCHS=8 ends it: step where the warmdown began had seen 6.00 passes; give more than 10.00" in short
+    assert "TRAINING_HOURS=2 (or BUDGET_USD's hours) leaves no time at the peak LR after the 1.389 h used: give " \
+           "more than 2.315" in short
+    assert "MAX_EPOCHS=8 ends it: the checkpoint from before the warmdown had seen 6.00 passes; give more than " \
+           "10.00" in short
+    whole = resolve(parse_args(["--warmdown_frac", "1"]), cuda=False, world_size=1)
+    assert "WARMDOWN_FRAC=1 leaves no part of the schedule at the peak LR" in too_short(whole, st, 100, 0, 1000)
     assert math.isclose(5000 / 0.6 / 3600, 2.3148, rel_tol=1e-3)

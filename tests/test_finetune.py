@@ -41,6 +41,9 @@ def test_a_run_from_a_trained_models_weights_keeps_its_vocabulary_and_starts_whe
     # A second start of the new run resumes its own checkpoints, not INIT_FROM's weights again.
     again = run_train([*common, "--init_from", source])
     assert "init |" not in again.stdout and "resumed from" in again.stdout
+    # Another source under the same MODEL_TAG: refused, not silently resumed.
+    other = run_train([*common, "--init_from", source / "best.pt"], check=False)
+    assert other.returncode == 2 and "d2-ft holds a run started from" in other.stderr
     # The same from the exported best.pt (bf16).
     exported = run_train([*common, "--init_from", source / "best.pt", "--model_tag", "from-export"])
     assert abs(_first_loss(exported) - _first_loss(tuned)) < 0.05
@@ -58,7 +61,7 @@ def test_settings_that_contradict_the_source_and_foreign_characters_exit_2(tmp_p
     new.mkdir()
     (new / "a.txt").write_text("".join(demo_lines(2000, seed=3)) + "Zé\n")
     (new / "b.txt").write_text("".join(demo_lines(2000, seed=4)))
-    proc = _launch(tmp_path, DATA_DIR=str(new), INIT_FROM=str(source), DEPTH="auto")
+    proc = _launch(tmp_path, DATA_DIR=str(new), INIT_FROM="checkpoints/d2", DEPTH="auto")  # relative to here
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
     assert "2 character(s) of the data are not in INIT_FROM's vocabulary: 'Z' (U+005A), 'é' (U+00E9)" in errors[0]

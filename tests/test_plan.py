@@ -100,8 +100,10 @@ def test_hours_available_picks_the_fewest_gpus_and_the_launch_line_is_one_the_pr
         assert all(rows[n]["hours"] > hours for n in rows if n < gpus)
         # the same $992 on fewer GPUs buys more hours, capped at the hours available
         assert f"TRAINING_HOURS={min(hours, 992 / (4 * gpus)):g} " in p["launch"]
+    quoted = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", alphabet="ab c$'", max_seq_len=1024))
+    assert "ALPHABET='ab c$'\"'\"'' MAX_SEQ_LEN=1024 bash experiment/run.sh" in quoted["launch"]  # pasteable
     table = run_plan(env={**env, "HOURS_AVAILABLE": "24"}).stdout
-    assert "gpus | rent 1: the fewest that finish within HOURS_AVAILABLE=24" in table
+    assert "gpus | rent 1: the fewest that finish within HOURS_AVAILABLE=24 and the budget" in table
     assert "launch | on the rented box, with the data in $WORKSPACE/data: DEPTH=32 TRAINING_HOURS=24 bash" in table
     assert "launch | it writes $WORKSPACE/checkpoints/d32" in table
     # On a small corpus (64-token context), the plan's launch line passes the pre-flight's guards on

@@ -194,7 +194,7 @@ def test_launcher_maps_env_overrides_to_flags(tmp_path, corpus):
     env = {**os.environ, "DEPTH": "2", "ASPECT_RATIO": "32", "HEAD_DIM": "32", "MAX_SEQ_LEN": "32",
            "DEVICE_BATCH_SIZE": "auto", "TOTAL_BATCH_SIZE": "256", "MAX_STEPS": "1", "SAMPLE_TOKENS": "0",
            "MODEL_TAG": "envtag", "DATA_DIR": "corpus", "WORKSPACE": "ws", "OMP_NUM_THREADS": "1",
-           "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+           "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "PYTHON": sys.executable}
     proc = subprocess.run(["bash", str(REPO / "experiment/run.sh")], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -215,7 +215,7 @@ def test_launcher_arguments_are_settings_and_anything_else_exits_2(tmp_path, cor
     from conftest import REPO
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DEPTH": "64", "PATH": f"{os.path.dirname(sys.executable)}:"
-           f"{os.environ['PATH']}"}
+           f"{os.environ['PATH']}", "PYTHON": sys.executable}
 
     def launch(*args):
         return subprocess.run(["bash", str(REPO / "run.sh"), "train", *args], cwd=tmp_path, env=env,
@@ -242,7 +242,7 @@ def _launch(tmp_path, **env):
     env = {**os.environ, "DEPTH": "2", "ASPECT_RATIO": "32", "HEAD_DIM": "32", "MAX_SEQ_LEN": "32",
            "DEVICE_BATCH_SIZE": "4", "TOTAL_BATCH_SIZE": "256", "MAX_STEPS": "2", "SAMPLE_TOKENS": "0",
            "WORKSPACE": str(tmp_path / "ws"), "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "2",
-           "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", **env}
+           "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "PYTHON": sys.executable, **env}
     return subprocess.run(["bash", str(REPO / "experiment/run.sh")], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
 
