@@ -10,6 +10,7 @@
 # Extra arguments go to the command (pytest, experiment.server, .sample, .export, .plan, gpucheck).
 set -euo pipefail
 here=$PWD  # relative DATA_DIR and WORKSPACE mean relative to where the user stands
+if [[ "${PYTHON:-}" == */* && "$PYTHON" != /* ]]; then PYTHON=$here/$PYTHON; fi  # a path, not a name on PATH
 cd "$(dirname "$0")"
 
 usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; }

@@ -367,6 +367,9 @@ class RunState:
     # back to it (experiment/extend.py).
     warmdown_begun: bool = False
     warmdown_step: int = -1
+    # The best val loss of this branch of training: best_val, except in a run extended past its end,
+    # which went back to a checkpoint from before the warmdown (its warmdown's evals must beat this).
+    branch_best: float = math.inf
     data_state: dict | None = None  # the data position of the step's next batch (every rank reads the same)
     # Measured durations (longest eval, longest save, recent step): the reserve kept for the final
     # eval + save. Persisted, so a resumed run still knows what its ending costs.

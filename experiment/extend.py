@@ -61,8 +61,9 @@ def extends(cfg: TrainConfig, old: dict, old_budget: float, st: RunState, train_
 
 
 def too_short(cfg: TrainConfig, st: RunState, step: int, start_tokens: int, train_tokens: int) -> str | None:
-    """Why the extended schedule would already be in its warmdown at the rewound start, if it would:
-    then going back trains nothing at the peak LR. The same fractions as train.schedule_progress."""
+    """Why the extended run would train nothing new, if so: its schedule is already in its warmdown at
+    the rewound start (the same fractions as train.schedule_progress), or the pass cap that ended the
+    run ends the extended one where it ended (it would repeat the same warmdown on the same data)."""
     peak_end = 1 - cfg.warmdown_frac
     if peak_end <= 0:
         return f"WARMDOWN_FRAC={cfg.warmdown_frac:g} leaves no part of the schedule at the peak LR"
@@ -72,10 +73,13 @@ def too_short(cfg: TrainConfig, st: RunState, step: int, start_tokens: int, trai
         need = (st.used_seconds / peak_end + reserve) / 3600
         reasons.append(f"TRAINING_HOURS={cfg.training_hours:g} (or BUDGET_USD's hours) leaves no time at the peak "
                        f"LR after the {st.used_seconds / 3600:.3f} h used: give more than {need:.3f}")
-    passes = start_tokens / train_tokens
+    passes, ended = start_tokens / train_tokens, st.tokens_seen / train_tokens
     if cfg.max_epochs and passes / cfg.max_epochs >= peak_end:
         reasons.append(f"MAX_EPOCHS={cfg.max_epochs:g} ends it: the checkpoint from before the warmdown had seen {passes:.2f} "
                        f"passes; give more than {passes / peak_end:.2f} (0: no cap)")
+    elif cfg.max_epochs and ended >= cfg.max_epochs * (1 - 1e-9):
+        reasons.append(f"MAX_EPOCHS={cfg.max_epochs:g} ends it where it ended, after {ended:.2f} passes: give more "
+                       "(0: no cap)")
     if cfg.max_steps and step / cfg.max_steps >= peak_end:
         reasons.append(f"MAX_STEPS={cfg.max_steps} ends it: give at least {math.floor(step / peak_end) + 1}")
     return "; and ".join(reasons) or None

@@ -30,7 +30,7 @@ def link_gbps(device_name: str) -> float:
 
 def peak_flops(device_name: str) -> float | None:
     for fragment, flops in PEAK_FLOPS:
-        if fragment in device_name:
+        if fragment.lower() in device_name.lower():
             return flops
     return None
 

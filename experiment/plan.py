@@ -93,7 +93,7 @@ def parse_gpus(spec: str | None) -> Gpus:
     count, sep, name = spec.partition("x")
     name = name.replace("-", " ").strip()
     peak = peak_flops(name) or peak_flops(name + " SXM")
-    memory = next((gib for fragment, gib in GPU_MEMORY_GIB if fragment in name), None)
+    memory = next((gib for fragment, gib in GPU_MEMORY_GIB if fragment.lower() in name.lower()), None)
     if not sep or not count.isdigit() or int(count) < 1 or peak is None or memory is None:
         raise ValueError(f"GPUS {spec!r}: expected COUNTxNAME with a GPU whose peak is known, e.g. 8xH100-PCIe, "
                          "8xH100-SXM, 8xH200, 8xA100")
@@ -264,7 +264,7 @@ def gpu_lines(p: dict) -> list[str]:
         lines.append(f"gpus | rent {p['recommended_gpus']}: the fewest that finish within HOURS_AVAILABLE="
                      f"{p['hours_available']:g} and the budget"
                      if any(r["in_time"] and r["in_budget"] for r in p["gpu_table"])
-                     else f"gpus | none finishes within HOURS_AVAILABLE={p['hours_available']:g}: the launch line "
+                     else f"gpus | none finishes within HOURS_AVAILABLE={p['hours_available']:g} and the budget: the launch line "
                           f"is for {p['recommended_gpus']}, and its budget ends the run on time")
     lines += [f"launch | on the rented box, with the data in $WORKSPACE/data: {p['launch']}",
               f"launch | it writes {p['run_dir']} (WORKSPACE: /workspace/<repo> where /workspace is writable, "

@@ -17,9 +17,10 @@ for arg in "$@"; do
     export "${BASH_REMATCH[1]}=${BASH_REMATCH[2]}"
     given+=("${BASH_REMATCH[1]}")
 done
-# Relative paths mean relative to where the user stands, not to the repo this script moves into.
-for var in DATA_DIR WORKSPACE INIT_FROM PREPARED_DIR; do
-    if [ -n "${!var:-}" ] && [[ "${!var}" != /* ]]; then
+# Relative paths mean relative to where the user stands, not to the repo this script moves into
+# (PYTHON only when it is a path: python3 stays a name looked up on the PATH).
+for var in DATA_DIR WORKSPACE INIT_FROM PREPARED_DIR PYTHON; do
+    if [ -n "${!var:-}" ] && [[ "${!var}" != /* ]] && { [ "$var" != PYTHON ] || [[ "$PYTHON" == */* ]]; }; then
         printf -v "$var" '%s' "$PWD/${!var}"
     fi
 done

@@ -218,7 +218,8 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     elif resume_step is not None:
         st = restore_checkpoint(run_dir, resume_step, model, opt, d)
     if resume_step is not None:
-        log(f"resumed from {ckpt.model_path(run_dir, rewind_step or resume_step)}: step {st.step}, "
+        log(f"resumed from {ckpt.model_path(run_dir, resume_step if rewind_step is None else rewind_step)}: "
+            f"step {st.step}, "
             f"{st.used_seconds / 3600:.3f}h used, best {st.best_val:.4f} @ {st.best_step:06d}")
     if d.master:  # files of a save that a crash cut short; the loaded step is complete, so never these
         ckpt.remove_incomplete(run_dir)
@@ -444,10 +445,11 @@ def train_loop(t: Trainer) -> int:
                                              if writing else f"saving step {step:06d} and exiting"))
             elif (eval_due or save_due or last_step) and step != loop.last_eval_step:
                 maybe_eval(t, loop)
-            if not t.st.warmdown_begun and (warmdown or t.st.anneal_start_tokens == t.st.tokens_seen) and not signum:
-                # The LR warmdown begins: an extended run goes back to the newest checkpoint from before it.
-                t.st.warmdown_begun, t.st.warmdown_step = True, loop.last_complete_step
             maybe_save(t, loop, save_due, preempted=bool(signum), writing=bool(writing))
+            if not t.st.warmdown_begun and (warmdown or t.st.anneal_start_tokens == t.st.tokens_seen) and not signum:
+                # The LR warmdown begins with this step's update: an extended run goes back to the newest
+                # checkpoint from before it (this step's own, once complete: finish_save).
+                t.st.warmdown_begun, t.st.warmdown_step = True, loop.last_complete_step
             if loop.end is not None:
                 break
             t0 = time.time()
@@ -520,7 +522,8 @@ def decide(t: Trainer, loop: Loop, signum: int, writing: bool = False) -> tuple[
 
 def stopped_at_minimum(t: Trainer) -> bool:
     """The stop at the val minimum ended the run: a warmdown stopped gaining, or the one it started
-    is done. PLATEAU_EVALS=0 on a resume overrules it (and the warmdown it started): the run trains on."""
+    is done. PLATEAU_EVALS=0 on a resume overrules it: the run goes back to its checkpoint from before
+    the warmdown and trains on (extend.py)."""
     st = t.st
     return bool(t.cfg.plateau_evals) and (st.plateau_stopped or st.anneal_start_tokens >= 0
                                           and st.tokens_seen >= st.anneal_start_tokens + st.anneal_tokens)
@@ -547,12 +550,15 @@ def maybe_eval(t: Trainer, loop: Loop) -> None:
     new_best = step > 0 and loop.val_loss < st.best_val
     if new_best:
         st.best_val, st.best_step = loop.val_loss, step
+    branch_best = step > 0 and loop.val_loss < st.branch_best  # the same, but for an extended run's branch
+    if branch_best:
+        st.branch_best = loop.val_loss
     t.report.add(report_eval(step, loop.val_loss, val_bpc, by_source, st, t.eval_coverage, t.log, t.writer))
     if t.d.master and cfg.sample_tokens > 0:
         report_sample(step, t.model, t.prepared, t.eval_prompt, cfg.sample_tokens, t.log, t.writer, t.report)
     t.report.write(st, "running")
     if step > 0 and cfg.plateau_evals and loop.end is None:  # the final eval decides nothing
-        plateau_check(t, loop, new_best)
+        plateau_check(t, loop, branch_best)
     st.eval_seconds = max(st.eval_seconds, time.time() - t0)
 
 
@@ -562,7 +568,8 @@ def plateau_check(t: Trainer, loop: Loop, new_best: bool) -> None:
     up to a gain); after PLATEAU_EVALS evals in a row without a gain the warmdown starts at once, as
     long as the schedule's would be for a run planned to end here (warmdown_frac / (1 -
     warmdown_frac) of the tokens so far), and the run ends with it. In a warmdown (the schedule's or
-    that one; the count starts afresh when one begins) an eval gains when it is a new best; after
+    that one; the count starts afresh when one begins) an eval gains when it is a new best (of this
+    branch: an extended run's warmdown is not held to the annealed best it went back from); after
     PLATEAU_EVALS without one the run ends at once: the repetition of the data now outweighs the
     anneal, and the best step is saved. docs/training.md, "The stop at the val minimum"."""
     cfg, st = t.cfg, t.st
@@ -667,8 +674,11 @@ def finish_save(t: Trainer, loop: Loop, wait: bool = False) -> None:
     if error is None:
         loop.last_complete_step = p.step
         loop.saved_best = (p.meta["state"]["best_val"], p.meta["state"]["best_step"])
+        if st.warmdown_begun and not p.meta["state"]["warmdown_begun"]:
+            st.warmdown_step = p.step  # begun before the warmdown, completed in it: the newest from before it
         if t.d.master:
-            retention = Retention(t.cfg.keep_last, bool(t.cfg.keep_best_optimizer), p.meta["state"]["warmdown_step"])
+            retention = Retention(t.cfg.keep_last, bool(t.cfg.keep_best_optimizer),
+                                  st.warmdown_step if st.warmdown_begun else -1)
             t.log(f"saved step {p.step:06d} -> {t.run_dir}" + (" (best)" if p.meta["state"]["best_step"] == p.step else "")
                   + f" | written in {p.write_seconds:.1f}s, training blocked {blocked:.2f}s"
                   + ckpt.retain(t.run_dir, retention, t.log))

@@ -10,7 +10,7 @@ from conftest import TINY, run_meta, run_train
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import RunState
 from experiment.config import parse_args, resolve
-from experiment.extend import extends, too_short
+from experiment.extend import extends, rewound, too_short
 
 
 def _lines(proc, prefix):
@@ -92,6 +92,27 @@ def test_what_extends_a_run_and_what_leaves_no_time_at_the_peak_lr():
            "more than 2.315" in short
     assert "MAX_EPOCHS=8 ends it: the checkpoint from before the warmdown had seen 6.00 passes; give more than " \
            "10.00" in short
+    # The pass cap that ended the run, not raised: more hours would repeat the same warmdown.
+    capped = too_short(two, RunState(used_seconds=100.0, tokens_seen=8000), 100, 4000, 1000)
+    assert capped == "MAX_EPOCHS=8 ends it where it ended, after 8.00 passes: give more (0: no cap)"
     whole = resolve(parse_args(["--warmdown_frac", "1"]), cuda=False, world_size=1)
     assert "WARMDOWN_FRAC=1 leaves no part of the schedule at the peak LR" in too_short(whole, st, 100, 0, 1000)
     assert math.isclose(5000 / 0.6 / 3600, 2.3148, rel_tol=1e-3)
+    # The extended run serves the annealed best until beaten, but its own warmdown is held to the best
+    # of its branch (the checkpoint it went back to), not to the annealed one.
+    state = rewound(RunState(step=6, tokens_seen=600, best_val=2.0, best_step=6, branch_best=2.0, warmdown_begun=False),
+                    RunState(step=10, tokens_seen=1000, best_val=1.5, best_step=10, branch_best=1.5, warmdown_begun=True,
+                             warmdown_step=6, used_seconds=9.0))
+    assert (state.step, state.tokens_seen, state.used_seconds, state.best_val, state.branch_best) == (10, 600, 9.0, 1.5, 2.0)
+    assert not state.warmdown_begun and state.warmdown_step == -1
+
+
+def test_with_background_saves_the_step_kept_is_the_newest_from_before_the_warmdown(tmp_path, corpus):
+    """A save begun before the warmdown and completed in it (the default background writes) is the newest
+    checkpoint from before it: recorded and kept, not pruned (KEEP_LAST=1)."""
+    run_train([*TINY, "--data_dir", corpus, "--total_batch_size", 256, "--save_every_steps", 1, "--keep_last", 1,
+               "--plateau_evals", 0, "--workspace", tmp_path, "--max_steps", 10])
+    run_dir = tmp_path / "checkpoints/d2"
+    start = run_meta(tmp_path, 10)["state"]["warmdown_step"]
+    assert start in (6, 7) and start in ckpt.complete_steps(run_dir) and ckpt.is_resumable(run_dir, start)
+    assert run_meta(tmp_path, start)["state"]["warmdown_begun"] is False  # saved before the warmdown's first update

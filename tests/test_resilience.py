@@ -221,6 +221,7 @@ def test_on_exit_runs_once_when_the_run_ends_however_it_ends(tmp_path, corpus):
     env = {**ENV, "DEPTH": "2", "ASPECT_RATIO": "32", "HEAD_DIM": "32", "MAX_SEQ_LEN": "32", "DEVICE_BATCH_SIZE": "4",
            "TOTAL_BATCH_SIZE": "256", "SAMPLE_TOKENS": "0", "DATA_DIR": str(corpus), "WORKSPACE": str(tmp_path),
            "SAVE_EVERY_STEPS": "5", "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+           "WARMDOWN_FRAC": "0",  # the second launch trains on from the first's step 3 (test_extend.py)
            "ON_EXIT": f'echo "$RUN_STATUS|$RUN_OUTCOME|$BEST_CHECKPOINT|$BEST_VAL_LOSS|$BEST_EXPORT" >> {out}'}
     launch = ["bash", str(REPO / "experiment/run.sh")]
     run_dir = tmp_path / "checkpoints/d2"
@@ -447,7 +448,7 @@ def test_two_nodes_of_one_process_equal_one_node_of_two(tmp_path, corpus):
 
 def test_failed_save_keeps_earlier_checkpoints_and_training_goes_on(tmp_path, corpus):
     args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256, "--max_steps", 6,
-            "--save_every_steps", 2]
+            "--save_every_steps", 2, "--warmdown_frac", 0]  # no warmdown: 8 steps go on from step 6 (test_extend.py)
     run_dir = tmp_path / "checkpoints/d2"
     run_dir.mkdir(parents=True)
     ckpt.optim_path(run_dir, 4, 1).mkdir()  # rank 1 cannot write its step-4 shard (like a full disk)

@@ -351,7 +351,7 @@ def test_an_eval_due_when_the_budget_has_no_room_for_another_makes_this_step_the
     from experiment.distributed import Dist
 
     cfg = SimpleNamespace(eval_every_minutes=1.0, eval_every_steps=0, save_every_minutes=60.0, save_every_steps=0,
-                          plateau_evals=4)
+                          plateau_evals=4, max_steps=0, warmdown_frac=0.4)
     now = time.time()
     for eval_ago, used, writing, last in ((120, 95.0, 0, 1), (10, 95.0, 0, 0), (120, 92.0, 0, 0), (10, 95.0, 2, 1)):
         # reserve 4 s (eval 2 + save 1 + step 1) of a 100 s budget; an eval due now costs 3 s more,
@@ -363,6 +363,8 @@ def test_an_eval_due_when_the_budget_has_no_room_for_another_makes_this_step_the
         loop = SimpleNamespace(last_eval_time=now - eval_ago, last_save_time=now, reserve_seconds=4.0,
                                last_eval_tokens=0)
         assert train.decide(t, loop, 0)[:2] == (last, int(eval_ago > 60)), (eval_ago, used)
+        # 92-95 s of 96 s (the budget less the reserve): past 60%, the warmdown begins here, unless the run ends
+        assert train.decide(t, loop, 0)[5] == 1 - last
     # Before the first save its estimate stands in: 92.5 + 4 + an eval (2) and a save (1.5) due now
     # reach the budget; counting the save as free would not.
     st.used_seconds, st.save_seconds, t.saver = 92.5, 0.0, SimpleNamespace(seconds_left=lambda save_seconds: 0.0)
