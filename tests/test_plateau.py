@@ -2,6 +2,7 @@
 
 import math
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -111,3 +112,42 @@ def test_a_plateau_at_the_peak_lr_starts_the_warmdown_and_the_run_ends_with_it(t
     outcome = _end(run_dir)
     assert outcome.startswith("finished: the val loss stopped improving at") and "warmdown" in outcome
     assert "of the budget unspent" in outcome
+
+
+def test_a_run_cut_off_in_the_warmdown_the_val_minimum_started_ends_as_the_uninterrupted_one(tmp_path):
+    """The warmdown that the stop at the val minimum started, cut off halfway (every checkpoint after a
+    step in it removed, as a kill -9 then leaves the run directory) and resumed by the same command:
+    the same warmdown goes on from where it was, not back to the peak LR, not back to the checkpoint
+    from before it (that is for settings that extend the run), and the run ends at the same step with
+    the same weights and the same outcome as the uninterrupted run."""
+    data = _small_corpus(tmp_path)
+    args = [*SMALL, "--data_dir", data, "--max_epochs", "0", "--warmdown_frac", "0.1", "--save_every_steps", "3",
+            "--keep_last", "1000"]
+    whole = run_train([*args, "--workspace", tmp_path / "a"])
+    a, b = tmp_path / "a/checkpoints/d4", tmp_path / "b/checkpoints/d4"
+    final = ckpt.complete_steps(a)[-1]
+    state = run_meta(tmp_path / "a", final, "d4")["state"]
+    start, length = state["anneal_start_tokens"], state["anneal_tokens"]
+    assert start > 0 and state["warmdown_begun"] and state["warmdown_step"] in ckpt.complete_steps(a)
+    inside = [s for s in ckpt.complete_steps(a)
+              if start < run_meta(tmp_path / "a", s, "d4")["state"]["tokens_seen"] < start + length and s < final]
+    assert inside, "no checkpoint inside the warmdown"
+    cut = inside[len(inside) // 2]
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    for step in ckpt.complete_steps(b):
+        if step > cut:
+            ckpt.meta_path(b, step).unlink()  # the meta goes last into a save: without it the step never was
+    resumed = run_train([*args, "--workspace", tmp_path / "b"])
+    assert f"resumed from {ckpt.model_path(b, cut)}" in resumed.stdout and "extend |" not in resumed.stdout
+    assert ckpt.complete_steps(b)[-1] == final
+    again = run_meta(tmp_path / "b", final, "d4")["state"]
+    assert (again["anneal_start_tokens"], again["anneal_tokens"], again["tokens_seen"]) == (start, length,
+                                                                                         state["tokens_seen"])
+    # step for step the same loss and LR after the cut: the warmdown went on where it was
+    lines = lambda proc: {int(m[0]): m[1] for m in re.findall(r"^step (\d+) \| loss ([\d.]+ \| lr [\d.e+-]+)",
+                                                             proc.stdout, re.M)}
+    after = {s: v for s, v in lines(whole).items() if s > cut}
+    assert after and {s: v for s, v in lines(resumed).items() if s > cut} == after
+    theirs, ours = (ckpt.load_model_state(d, final) for d in (a, b))
+    assert all(torch.equal(theirs[n], ours[n]) for n in theirs)
+    assert _end(b) == _end(a) and _end(b).startswith("finished: the val loss stopped improving")
