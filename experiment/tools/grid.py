@@ -4,7 +4,7 @@
         --chars 20000 150000 600000 --seconds 30 90 [--depths 2,4,6,8] [--table]
 
 A cell is one corpus cut to its first --chars characters and one budget. In each cell every depth of
---depths trains from scratch for the whole budget (an explicit DEPTH: no pass cap), then the default
+--depths trains from scratch for the whole budget (an explicit DEPTH with MAX_EPOCHS=0: no pass cap), then the default
 run (DEPTH=auto, its probe and its pass cap included; --auto adds variants); every run keeps the trainer's default stop at
 the val minimum. Each run appends one JSON line to --results as it ends: the full-val loss of the
 step it serves (its best), the budget seconds it used, its passes and tokens per parameter, and why
@@ -48,7 +48,7 @@ def run_cell(corpus: Path, chars: int, seconds: float, depths: list[int], autos:
     """Every run of one cell not yet in `results`, sweep first, then auto, each appended as it ends;
     the data written once into a temp workspace."""
     done = cells(read_rows(results)).get((corpus.stem, chars, seconds), {})
-    todo = [(name, flags) for name, flags in [(f"d{d}", ["--depth", str(d)]) for d in depths] + autos
+    todo = [(name, flags) for name, flags in [(f"d{d}", ["--depth", str(d), "--max_epochs", "0"]) for d in depths] + autos
             if name not in done]
     if not todo:
         return

@@ -3,7 +3,7 @@
     python -m experiment.tools.bench repeats --corpus tinyshakespeare.txt --chars 300000 --seconds 240
 
 The first --chars characters of --corpus, one budget. First each depth of --depths trained for the
-whole budget (explicit DEPTH: no MAX_EPOCHS cap), then the default run (DEPTH=auto), which stops
+whole budget (explicit DEPTH with MAX_EPOCHS=0: no pass cap), then the default run (DEPTH=auto), which stops
 after MAX_EPOCHS passes when the budget outlasts them. Every run evaluates every half pass over the
 data (the same token positions for every depth) and keeps its best. Prints per run the depth, its
 passes, the seconds used, the best val loss and where it was reached; then the default run's best
@@ -75,7 +75,8 @@ def main(args) -> int:
     results = []
     try:
         for depth in [int(d) for d in args.depths.split(",")]:
-            results.append(run_one(f"d{depth}", ["--depth", str(depth)], data, ws, args.seconds, eval_steps))
+            results.append(run_one(f"d{depth}", ["--depth", str(depth), "--max_epochs", "0"], data, ws, args.seconds,
+                                   eval_steps))
             print_result(results[-1])
         auto = run_one("auto", [], data, ws, args.seconds, eval_steps)
     except RuntimeError as e:
