@@ -28,8 +28,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import shlex
 import os
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,19 +119,22 @@ def model_config(depth: int, cfg: PlanConfig, vocab: int) -> GPTConfig:
                      bigram_vocab=vocab if cfg.tokenizer == "char" else 0)
 
 
-def tok_per_s(config: GPTConfig, gpus: Gpus, count: int) -> float | None:
-    """Predicted on `count` of these GPUs, in the precision the memory plan picks; None if it does not fit."""
+def tok_per_s(config: GPTConfig, gpus: Gpus, count: int) -> tuple[float, float] | None:
+    """(tok/s, seconds of a step spent communicating) predicted on `count` of these GPUs, in the
+    precision the memory plan picks; None if it does not fit."""
     fit = choose_mode(config, count, 1, config.max_seq_len, gpus.memory_bytes)
     if fit is None:
         return None
-    return autosize.predicted_tok_per_s(config, gpus.peak, count, gpus.link_gbps, autosize.WEIGHT_BYTES[fit.precision])
+    weight_bytes = autosize.WEIGHT_BYTES[fit.precision]
+    return (autosize.predicted_tok_per_s(config, gpus.peak, count, gpus.link_gbps, weight_bytes),
+            autosize.comm_seconds(config, count, gpus.link_gbps, weight_bytes))
 
 
 def rung(depth: int, cfg: PlanConfig, gpus: Gpus, train_tokens: int, budget_s: float, vocab: int) -> dict:
     config = model_config(depth, cfg, vocab)
-    rate = tok_per_s(config, gpus, gpus.count)
-    fits = rate is not None
-    rate = rate or autosize.predicted_tok_per_s(config, gpus.peak, gpus.count, gpus.link_gbps)
+    predicted = tok_per_s(config, gpus, gpus.count)
+    fits = predicted is not None
+    rate = predicted[0] if fits else autosize.predicted_tok_per_s(config, gpus.peak, gpus.count, gpus.link_gbps)
     c = autosize.candidate(config, rate, budget_s, train_tokens)
     ckpt = checkpoint_bytes(config, gpus.count, gpus.memory_bytes)
     return {"depth": depth, "params": c.params, "tok_per_s": c.tok_per_s, "fits": fits,
@@ -147,20 +150,15 @@ def gpu_rows(cfg: PlanConfig, gpus: Gpus, config: GPTConfig, tokens: float, budg
     dollars, and whether they fit the budget's dollars and finish within HOURS_AVAILABLE."""
     rows = []
     for count in sorted({*GPU_COUNTS, gpus.count}):
-        rate = tok_per_s(config, gpus, count)
+        predicted = tok_per_s(config, gpus, count)
+        rate, comm = predicted or (None, None)
         hours = tokens / rate / 3600 if rate else None
         rows.append({"gpus": count, "fits": rate is not None, "tok_per_s": rate, "hours": hours,
                      "usd": hours * count * cfg.gpu_hourly_usd if rate else None,
-                     "comm_share": comm_seconds(config, gpus, count) * rate / CUDA_DEFAULTS["total_batch_size"]
-                     if rate else None,
+                     "comm_share": comm * rate / CUDA_DEFAULTS["total_batch_size"] if rate else None,
                      "in_budget": rate is not None and hours * count * cfg.gpu_hourly_usd <= budget_usd * (1 + 1e-9),
                      "in_time": rate is not None and (cfg.hours_available is None or hours <= cfg.hours_available)})
     return rows
-
-
-def comm_seconds(config: GPTConfig, gpus: Gpus, count: int) -> float:
-    fit = choose_mode(config, count, 1, config.max_seq_len, gpus.memory_bytes)
-    return autosize.comm_seconds(config, count, gpus.link_gbps, autosize.WEIGHT_BYTES[fit.precision])
 
 
 def launch_line(p: dict, cfg: PlanConfig, count: int) -> tuple[str, str]:

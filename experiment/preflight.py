@@ -44,6 +44,19 @@ WAIT_POLL_SECONDS = 5
 MANY_SOURCES = 64
 
 
+def start_checks(cfg: TrainConfig, run_dir: Path, resume_step: int | None, config: GPTConfig | None,
+                 prepared: Prepared) -> int | None:
+    """What the run starts from, checked as the trainer will: INIT_FROM's model for a fresh run; for a
+    resume the same model on the same data, and settings that extend an annealed run (exit 2 when
+    they cannot). Returns the step an extended run goes back to, else None."""
+    if resume_step is None:
+        if cfg.init_from:
+            finetune.check_target(cfg, config)
+        return None
+    check_resume_target(run_dir, resume_step, config, prepared)
+    return extend.rewind_step(run_dir, resume_step, cfg, prepared.meta["split"]["train_tokens"])
+
+
 def plan_lines(cfg: TrainConfig, prepared: Prepared, config: GPTConfig | None, world_size: int,
                resume_step: int | None, run_dir: Path) -> list[str]:
     split = prepared.meta["split"]
@@ -109,12 +122,7 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
     if depth is None and gpu is not None:
         depth = guards.auto_depth(cfg, make_config(cfg, prepared), gpu, world_size, train_tokens)
     config = model_config(dataclasses.replace(cfg, depth=depth), prepared) if depth else None
-    rewind = None
-    if cfg.init_from and resume_step is None:
-        finetune.check_target(cfg, config)
-    if resume_step is not None:
-        check_resume_target(run_dir, resume_step, config, prepared)
-        rewind = extend.rewind_step(run_dir, resume_step, cfg, train_tokens)  # settings that cannot extend: exit 2
+    rewind = start_checks(cfg, run_dir, resume_step, config, prepared)
     eval_prompt_ids(cfg, prepared)  # an EVAL_PROMPT the vocabulary cannot spell fails here, not at the first eval
     for line in plan_lines(cfg, prepared, config, world_size, resume_step, run_dir):
         log(line)

@@ -204,23 +204,8 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     torch.manual_seed(cfg.seed)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast
-    init = None
-    if cfg.init_from and resume_step is None:  # a fresh run from a trained model's weights
-        finetune.check_target(cfg, model_config)
-        init, line = finetune.weights(cfg)
-        log(line)
-    model, opt = build_model_and_optimizer(cfg, d, model_config, log, init)
-    st = RunState(used_seconds=probe_seconds)  # DEPTH=auto's probe is part of the budget
-    if rewind_step is not None:  # an annealed run extended: the checkpoint before its warmdown, the latest counters
-        st = extend.rewound(restore_checkpoint(run_dir, rewind_step, model, opt, d),
-                            ckpt.run_state(ckpt.read_meta(run_dir, resume_step)))
-        log(extend.rewind_line(rewind_step, resume_step, st, prepared.meta["split"]["train_tokens"]))
-    elif resume_step is not None:
-        st = restore_checkpoint(run_dir, resume_step, model, opt, d)
-    if resume_step is not None:
-        log(f"resumed from {ckpt.model_path(run_dir, resume_step if rewind_step is None else rewind_step)}: "
-            f"step {st.step}, "
-            f"{st.used_seconds / 3600:.3f}h used, best {st.best_val:.4f} @ {st.best_step:06d}")
+    model, opt, st = start_state(cfg, d, run_dir, model_config, prepared, resume_step, rewind_step, probe_seconds,
+                                 log)
     if d.master:  # files of a save that a crash cut short; the loaded step is complete, so never these
         ckpt.remove_incomplete(run_dir)
         launch.clear_ended(run_dir)
@@ -260,6 +245,30 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         f"{cfg.max_seq_len} x {d.world_size} ranks x {t.grad_accum} accum = {cfg.total_batch_size:,} tokens/step | "
         f"budget {cfg.training_hours:.3f}h | tensorboard {workspace / 'tensorboard' / cfg.model_tag}")
     return t
+
+
+def start_state(cfg: TrainConfig, d: Dist, run_dir: Path, model_config: GPTConfig, prepared: Prepared,
+                resume_step: int | None, rewind_step: int | None, probe_seconds: float,
+                log: RunLog) -> tuple[GPT, ShardedOptimizer, RunState]:
+    """The model, optimizer and run state the loop starts from: fresh (from INIT_FROM's weights when
+    set), a resumed step, or for an extended run the checkpoint from before its warmdown with the
+    resumed step's counters (extend.py)."""
+    init = None
+    if cfg.init_from and resume_step is None:  # a fresh run from a trained model's weights
+        finetune.check_target(cfg, model_config)
+        init, line = finetune.weights(cfg)
+        log(line)
+    model, opt = build_model_and_optimizer(cfg, d, model_config, log, init)
+    if resume_step is None:
+        return model, opt, RunState(used_seconds=probe_seconds)  # DEPTH=auto's probe is part of the budget
+    load = resume_step if rewind_step is None else rewind_step
+    st = restore_checkpoint(run_dir, load, model, opt, d)
+    if rewind_step is not None:
+        st = extend.rewound(st, ckpt.run_state(ckpt.read_meta(run_dir, resume_step)))
+        log(extend.rewind_line(rewind_step, resume_step, st, prepared.meta["split"]["train_tokens"]))
+    log(f"resumed from {ckpt.model_path(run_dir, load)}: step {st.step}, {st.used_seconds / 3600:.3f}h used, "
+        f"best {st.best_val:.4f} @ {st.best_step:06d}")
+    return model, opt, st
 
 
 def make_saver(cfg: TrainConfig, d: Dist, model: GPT, run_dir: Path, log: RunLog) -> Saver:
