@@ -143,6 +143,9 @@ class TrainConfig:
                           "fp32 master shards)", "auto")
     activation_checkpointing: str = opt("recompute blocks in backward: auto (when needed to fit), on, off", "auto")
     device: str = opt("auto, cpu or cuda", "auto")
+    dist_backend: str = opt("process group: auto (nccl with CUDA, gloo without) or gloo; with gloo on CUDA, ranks "
+                            "beyond the GPU count share GPUs: a test of the multi-rank path on one GPU, not for "
+                            "training (slow all-reduces through host memory)", "auto")
 
 
 def parse_args(argv=None) -> TrainConfig:

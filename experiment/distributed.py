@@ -84,16 +84,32 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def setup_distributed(cuda: bool) -> Dist:
+def pick_backend(cuda: bool, flag: str, local_rank: int, gpus: int) -> tuple[str, int | None]:
+    """(process-group backend, GPU index or None) for DIST_BACKEND. NCCL refuses two ranks on one GPU;
+    gloo does not, so with gloo local rank r uses GPU r mod gpus: the multi-rank path on one GPU."""
+    if flag not in ("auto", "gloo"):
+        raise ValueError(f"DIST_BACKEND must be auto or gloo, got {flag!r}")
+    if not cuda:
+        return "gloo", None
+    if flag == "gloo":
+        return "gloo", local_rank % gpus
+    if local_rank >= gpus:
+        raise ValueError(f"LOCAL_RANK {local_rank} but {gpus} GPU(s) visible: run at most one process per GPU "
+                         "(NPROC_PER_NODE), or DIST_BACKEND=gloo to share GPUs in a test")
+    return "nccl", local_rank
+
+
+def setup_distributed(cuda: bool, backend_flag: str = "auto") -> Dist:
     """torchrun sets RANK/WORLD_SIZE; plain `python -m` runs as a world of one with no process group."""
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    backend, index = pick_backend(cuda, backend_flag, local_rank, torch.cuda.device_count() if cuda else 0)
+    device = torch.device("cuda", index) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     store = None
     if world_size > 1:
-        backend, device_id = ("nccl", device) if cuda else ("gloo", None)
+        device_id = device if backend == "nccl" else None
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if restart > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # torchrun keeps its store across worker restarts, and the new workers would read the
@@ -155,7 +171,7 @@ def wrap_ddp(model: torch.nn.Module, d: Dist, always: bool = False, bucket_mb: f
     # GPU boxes' torch 2.11 knows only broadcast_buffers.
     no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters \
         else {"broadcast_buffers": False}
-    return DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None, gradient_as_bucket_view=True,
+    return DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None, gradient_as_bucket_view=True,
                bucket_cap_mb=bucket_mb or bucket_cap_mb(model), **no_sync)
 
 

@@ -933,9 +933,9 @@ def main(argv=None) -> int:
     try:
         try:
             cuda = resolve_device(cfg.device).type == "cuda"
+            d = setup_distributed(cuda, cfg.dist_backend)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        d = setup_distributed(cuda)
         return train(cfg, d)
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -4,6 +4,7 @@ import os
 import time
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -186,3 +187,14 @@ def test_compiled_ddp_with_recompute_and_accumulation_matches_eager():
     for eager, compiled in zip(r["eager_losses"], r["compiled_losses"]):
         assert abs(eager - compiled) <= 1e-5 * eager
     assert r["max_param_diff"] < 1e-3 * r["max_param"]
+
+
+def test_the_backend_and_gpu_of_each_local_rank():
+    from experiment.distributed import pick_backend
+    assert pick_backend(False, "auto", 3, 0) == ("gloo", None)
+    assert pick_backend(True, "auto", 1, 8) == ("nccl", 1)
+    assert pick_backend(True, "gloo", 1, 1) == ("gloo", 0)  # two ranks share the one GPU: a test of the path
+    with pytest.raises(ValueError, match="LOCAL_RANK 1 but 1 GPU"):
+        pick_backend(True, "auto", 1, 1)  # NCCL would refuse it later, and less clearly
+    with pytest.raises(ValueError, match="DIST_BACKEND must be auto or gloo"):
+        pick_backend(True, "mpi", 0, 1)

@@ -3,6 +3,7 @@ the trainer's CUDA path for real and reports what it measured."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from experiment import checkpoint as ckpt
+from experiment.autosize import MFU_SOURCE, WEIGHT_BYTES, predicted_tok_per_s
 from experiment.checkpoint import RunState
 from experiment.config import TrainConfig, checkpoint_meta, resolve
 from experiment.dataloader import prepare, write_demo_corpus
@@ -33,6 +35,9 @@ from experiment.saver import Saver
 from experiment.train import checkpoint_share, restore_checkpoint, write_checkpoint
 
 ITEMS = ("env", "correctness", "ddp", "speed", "memory", "checkpoints", "e2e")
+# Items whose verdicts rest on no timing of the device (pytest, compiled-vs-eager losses, a run's own
+# budget clock): on a GPU they run side by side, so the whole check fits in 10 minutes.
+SIDE_BY_SIDE = ("correctness", "ddp", "e2e")
 GIB = 2**30
 VOCAB = 128  # a char vocabulary padded to a multiple of 64
 MFU_GOAL = 0.5  # nanochat reports about 50% on H100 SXM
@@ -56,7 +61,7 @@ class Sizes:
     e2e_seconds: float
 
 
-GPU_FULL = Sizes(64, 128, 2048, (12, 20, 24, 32), 16, 6, 24, 64, 8, (1, 2, 4), (24, 32), 12, 180)
+GPU_FULL = Sizes(64, 128, 2048, (12, 20, 24, 32), 16, 6, 0, 64, 8, (1, 2, 4), (32,), 12, 90)
 GPU_QUICK = Sizes(64, 128, 2048, (12, 24), 16, 4, 24, 64, 8, (1,), (24,), 12, 60)
 CPU_SIZES = Sizes(32, 32, 64, (2, 4), 4, 3, 4, 8, 8, (1, 2), (2,), 2, 30)
 
@@ -206,13 +211,16 @@ def _junit_rows(path: Path) -> list[list]:
 
 def check_correctness(ctx: Ctx) -> Item:
     junit = ctx.out / "junit.xml"
-    cmd = [sys.executable, "-m", "pytest", str(REPO_ROOT / "tests/test_cuda.py"), "-m", "cuda", "-q", "-s",
+    # -rA prints each passed test's captured output, where the notes below come from
+    cmd = [sys.executable, "-m", "pytest", str(REPO_ROOT / "tests/test_cuda.py"), "-m", "cuda", "-q", "-rA",
            "-p", "no:cacheprovider", f"--junitxml={junit}"] + ([] if ctx.cuda else ["--cuda-tests-on-cpu"])
+    if ctx.cuda and importlib.util.find_spec("xdist") is not None:
+        cmd += ["-n", "4"]  # pytest-xdist, where the box has it: the tests side by side on the one GPU
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200)
     rows = _junit_rows(junit) if junit.exists() else []
     counts = {o: sum(r[1] == o for r in rows) for o in ("passed", "failure", "error", "skipped")}
     failed = proc.returncode != 0 or counts["passed"] == 0
-    notes = [line for line in proc.stdout.splitlines() if line.startswith("sigterm:")]
+    notes = [line for line in proc.stdout.splitlines() if line.startswith(("sigterm:", "ranks2:"))]
     detail = _table(["test", "outcome", "seconds", "message"], rows) + "".join(f"\n\n{n}" for n in notes)
     if failed:
         detail += f"\n\n```\n{(proc.stdout + proc.stderr)[-3000:]}\n```"
@@ -228,7 +236,8 @@ def _speed_row(r: dict, seq: int) -> list:
     return [f"d{r['depth']}", f"{r['params'] / 1e6:,.0f}M", f"{r['batch']} x {seq} x {r['grad_accum']}",
             r["precision"] + (" +ckpt" if r["activation_checkpointing"] else ""), f"{r['micro_tok_per_s']:,.0f}",
             f"{1000 * r['micro_s']:.1f}", f"{1000 * r['optimizer_s']:.1f}", f"{r['host_overhead_ms']:.1f}",
-            f"{r['tok_per_s']:,.0f}", f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-", f"{r['first_step_s']:.1f}"]
+            f"{r['tok_per_s']:,.0f}", f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-",
+            f"{r['predicted']:,.0f}" if r.get("predicted") else "-", f"{r['first_step_s']:.1f}"]
 
 
 def _profile(ctx: Ctx, results: dict) -> str:
@@ -257,13 +266,16 @@ def check_speed(ctx: Ctx) -> Item:
                           compile_model=ctx.cuda, tokens_per_step=tokens_per_step)
         r.update(depth=depth, batch=batch, precision=precision, activation_checkpointing=activation_checkpointing,
                  planned=plan.total, planned_rows=plan.rows,
-                 mfu=r["flops_per_token"] * r["tok_per_s"] / peak if peak else None)
+                 mfu=r["flops_per_token"] * r["tok_per_s"] / peak if peak else None,
+                 # what the plan and DEPTH=auto predict for this depth on one such GPU (CUDA only)
+                 predicted=predicted_tok_per_s(config, peak, 1, 1.0, WEIGHT_BYTES[precision], tokens_per_step)
+                 if ctx.cuda and peak else None)
         results[depth] = r
         print(f"gpucheck | speed d{depth}: {r['tok_per_s']:,.0f} tok/s, first step {r['first_step_s']:.1f}s", flush=True)
     ctx.found["speed"] = results
     head = ["size", "params", "batch x seq x accum", "weights", "micro-step tok/s", "micro-step ms",
             "optimizer + syncs ms", "host syncs ms", f"tok/s at {tokens_per_step:,} tokens/step", "MFU",
-            "first step s" + (" (compile)" if ctx.cuda else "")]
+            f"predicted tok/s ({MFU_SOURCE})", "first step s" + (" (compile)" if ctx.cuda else "")]
     detail = (f"MFU against the {peak_src}. Random tokens, one device, the trainer's step: autocast bf16, Muon + "
               f"AdamW, {'torch.compile (whole model)' if ctx.cuda else 'eager'}. A step of {tokens_per_step:,} tokens "
               "(the default TOTAL_BATCH_SIZE) is composed of measured parts: grad_accum micro-steps (forward + "
@@ -459,7 +471,8 @@ def check_checkpoints(ctx: Ctx) -> Item:
     summary = " | ".join(f"d{r['depth']} {r['bytes'] / 1e9:.1f} GB: save {r['save_s']:.1f}s ({r['save_gb_s']:.2f} GB/s), "
                          f"load {r['load_s']:.1f}s ({r['load_gb_s']:.2f} GB/s)" for r in results)
     summary += f" | d64 world 8 extrapolated: {sum(ranks) / rate / 1e9:.0f} s per save at this disk's rate"
-    summary += "".join(f" | d{r['depth']} in the background: training blocked {r['bg_blocked_s']:.2f}s per save "
+    summary += "".join(f" | d{r['depth']} in the background: training blocked {r['bg_blocked_s']:.2f}s per save, "
+                       f"{100 * r['bg_blocked_s'] / r['save_s']:.1f}% of the blocking save "
                        f"({r['bg_blocked_first_s']:.2f}s the first, pinning {r['pinned_gb']:.1f} GB), written in "
                        f"{r['bg_written_s']:.1f}s, step {r['step_s']:.3f}s, "
                        + (f"{r['step_writing_s']:.3f}s while writing" if r["step_writing_s"] else "no step while writing")
@@ -525,7 +538,12 @@ def _e2e_env(ctx: Ctx, ws: Path) -> dict:
                TRAINING_HOURS=str(s.e2e_seconds / 3600), DEPTH=str(s.e2e_depth), MODEL_TAG="e2e",
                SAVE_EVERY_MINUTES="1000", EVAL_EVERY_MINUTES=str(s.e2e_seconds / 4 / 60), SAMPLE_TOKENS="0",
                LOG_EVERY_STEPS="20", MAX_RESTARTS="0", SHUTDOWN_TIMEOUT="120",
-               ALLOW="demo,repeat")  # the check trains the demo on purpose, minutes on a small corpus
+               ALLOW="demo,repeat",  # the check trains the demo on purpose, minutes on a small corpus
+               # The budget is what it checks: neither the pass cap nor the val minimum (the demo's small
+               # corpus overfits a d12 within the minutes) may end the run first.
+               MAX_EPOCHS="0", PLATEAU_EVALS="0",
+               EVAL_EVERY_EPOCHS="0",  # evals by the clock alone: a quarter pass of the demo is seconds on a GPU
+               PYTHON_CHECK="0")  # the env item says when this Python's torch is not the pin
     if ctx.cuda:  # d12 at 16 x 2048 tokens a step: many short steps, so the stop lands close to the budget
         env.update(DEVICE_BATCH_SIZE="16", TOTAL_BATCH_SIZE=str(16 * 2048), EVAL_TOKENS=str(1 << 18))
     else:

@@ -27,6 +27,8 @@ LAUNCHER = (
     ("PREFLIGHT_WAIT_MINUTES", "120", "how long a node other than 0 waits for node 0's pre-flight"),
     ("PYTHON", "`.venv`'s python (created and installed on first use)", "the interpreter the launcher runs; a given "
      "one (or an active venv's) must hold requirements.txt's pinned versions, else the launch exits 2 naming them"),
+    ("PYTHON_CHECK", "1", "0: run a given PYTHON without checking its versions against requirements.txt (gpucheck's "
+     "end-to-end run uses it on a GPU box whose own torch is not the pin)"),
     ("ON_EXIT", "unset", "a shell command run once when the launch ends (once torchrun has started: a pre-flight "
                 "refusal exits 2 first), with RUN_STATUS, RUN_OUTCOME, RUN_DIR, BEST_CHECKPOINT, BEST_EXPORT (best.pt, "
                 "when written) and BEST_VAL_LOSS set (output: on_exit.log in the run directory)"),
