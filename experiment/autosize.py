@@ -13,7 +13,7 @@ CPU proof (docs/plan.md) the next depth up, trained for the whole budget, came o
 than this depth stopped at its 8 passes, in 2.2 times the seconds.
 
 The tok/s: on CPU measured here, a few eager steps per depth (probe_and_choose); on CUDA predicted
-(predicted_tok_per_s: the MFU measured on an H100 x the GPU's peak x the GPUs, less the gradient
+(predicted_tok_per_s: the MFU gpucheck measured on one such GPU x its peak x the GPUs, less the gradient
 traffic between them at an assumed link bandwidth), since measuring a
 compiled step takes minutes per depth. The trainer then times the chosen depth's first steps and
 says when the rule, at that measured rate, would have picked another depth.
@@ -54,10 +54,14 @@ MIN_TOKENS_PER_PARAM = 1.0
 LADDER = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64)
 PROBE_STEPS = 2  # timed steps per candidate at the run's micro-batch, after one warm-up step
 
-# Measured on one H100 80GB HBM3 (reports/gpucheck-h100.md, run 2: compiled, bf16, 524,288
-# tokens/step): MFU against the 989 TFLOP/s peak, by depth. Other depths take the nearest.
-MEASURED_MFU = {12: 0.441, 20: 0.494, 24: 0.528}
-MFU_SOURCE = "reports/gpucheck-h100.md"
+# MFU against the dense bf16 peak (hardware.PEAK_FLOPS), by depth, as gpucheck measured it on one GPU
+# of each kind (compiled, bf16, seq 2048, 524,288 tokens/step): GPU-name fragment -> (MFU by depth,
+# the report, the GPU). Other depths take the nearest measured one; GPUs not listed take the H100's.
+# The H100 run used the trainer of its day (2026-11-23); the H200 run the current one.
+MEASURED_MFU = {
+    "H100": ({12: 0.441, 20: 0.494, 24: 0.528}, "reports/gpucheck-h100.md", "one H100 80GB HBM3"),
+    "H200": ({12: 0.493, 20: 0.535, 24: 0.564, 32: 0.583}, "reports/gpucheck-h200.md", "one H200"),
+}
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2}  # and so of each gradient, by the memory plan's precision
 
 
@@ -101,8 +105,15 @@ def measure_tok_per_s(config: GPTConfig, batch: int, device: torch.device) -> fl
     return batch * config.max_seq_len / mean_seconds(device, PROBE_STEPS, step)
 
 
-def mfu(depth: int) -> float:
-    return MEASURED_MFU[min(MEASURED_MFU, key=lambda d: abs(d - depth))]
+def mfu_table(gpu_name: str = "") -> tuple[dict[int, float], str, str]:
+    """(MFU by depth, the report it comes from, the GPU it was measured on) for this GPU's name."""
+    key = next((k for k in MEASURED_MFU if k.lower() in gpu_name.lower()), "H100")
+    return MEASURED_MFU[key]
+
+
+def mfu(depth: int, gpu_name: str = "") -> float:
+    table = mfu_table(gpu_name)[0]
+    return table[min(table, key=lambda d: abs(d - depth))]
 
 
 def rule_params(config: GPTConfig) -> int:
@@ -118,10 +129,11 @@ def flops_per_token(config: GPTConfig) -> float:
 
 
 def predicted_tok_per_s(config: GPTConfig, peak: float, gpus: int, link_gbps: float, weight_bytes: int = 4,
-                        tokens_per_step: int = config.CUDA_DEFAULTS["total_batch_size"]) -> float:
-    """A prediction, not a measurement: a step's compute at the nearest measured MFU x the GPUs' dense
-    bf16 peak (the model's training FLOPs per token), plus its communication (comm_seconds)."""
-    compute = tokens_per_step * flops_per_token(config) / (mfu(config.depth) * peak * gpus)
+                        tokens_per_step: int = config.CUDA_DEFAULTS["total_batch_size"], gpu_name: str = "") -> float:
+    """A prediction, not a measurement: a step's compute at the nearest measured MFU (of this GPU's
+    kind, mfu_table) x the GPUs' dense bf16 peak (the model's training FLOPs per token), plus its
+    communication (comm_seconds)."""
+    compute = tokens_per_step * flops_per_token(config) / (mfu(config.depth, gpu_name) * peak * gpus)
     return tokens_per_step / (compute + comm_seconds(config, gpus, link_gbps, weight_bytes))
 
 
@@ -168,7 +180,7 @@ def choose(candidates: list[Candidate]) -> Candidate:
 
 
 def predict_and_choose(make_config, peak: float, gpus: int, gpu_bytes: int, budget_s: float, train_tokens: int,
-                       link_gbps: float) -> tuple[Candidate, list[Candidate]]:
+                       link_gbps: float, gpu_name: str = "") -> tuple[Candidate, list[Candidate]]:
     """CUDA: every ladder depth that the memory plan fits on these GPUs (at one sequence per
     micro-batch), at its predicted tok/s; then choose."""
     candidates = []
@@ -176,7 +188,7 @@ def predict_and_choose(make_config, peak: float, gpus: int, gpu_bytes: int, budg
         config = make_config(depth)
         if (fit := choose_mode(config, gpus, 1, config.max_seq_len, gpu_bytes)) is None:
             break
-        rate = predicted_tok_per_s(config, peak, gpus, link_gbps, WEIGHT_BYTES[fit.precision])
+        rate = predicted_tok_per_s(config, peak, gpus, link_gbps, WEIGHT_BYTES[fit.precision], gpu_name=gpu_name)
         candidates.append(candidate(config, rate, budget_s, train_tokens))
     return choose(candidates), candidates
 

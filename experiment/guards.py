@@ -71,7 +71,7 @@ def auto_depth(cfg: TrainConfig, make_config, gpu: Gpu, world_size: int, train_t
     if gpu.peak is None:
         return None
     chosen, _ = autosize.predict_and_choose(make_config, gpu.peak, world_size, gpu.memory_bytes,
-                                            cfg.training_hours * 3600, train_tokens, link_gbps(gpu.name))
+                                            cfg.training_hours * 3600, train_tokens, link_gbps(gpu.name), gpu.name)
     return chosen.depth
 
 
@@ -80,7 +80,7 @@ def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: 
         return None
     precision = checkpoint_precision(config, world_size, gpu.memory_bytes, cfg.precision)
     rate = autosize.predicted_tok_per_s(config, gpu.peak, world_size, link_gbps(gpu.name),
-                                        autosize.WEIGHT_BYTES[precision], cfg.total_batch_size)
+                                        autosize.WEIGHT_BYTES[precision], cfg.total_batch_size, gpu.name)
     budget_epochs = rate * cfg.training_hours * 3600 / train_tokens
     epochs = min(budget_epochs, cfg.max_epochs or budget_epochs)
     ckpt = checkpoint_bytes(config, world_size, gpu.memory_bytes, cfg.precision)
@@ -110,8 +110,9 @@ def plan_line(cfg: TrainConfig, p: GpuPlan, world_size: int, gpu: Gpu) -> str:
     stop = (f"stops after {p.epochs:g} passes at {p.hours:.2f}h, {unspent:.2f}h (${unspent * cfg.gpu_hourly_usd * world_size:,.0f}) "
             f"of the {cfg.training_hours:g}h budget unspent" if p.epochs < p.budget_epochs - 1e-9
             else f"trains the whole {cfg.training_hours:g}h budget, {p.epochs:.1f} passes over the data")
+    _, source, measured_on = autosize.mfu_table(gpu.name)
     return (f"preflight | plan d{p.depth}: {p.tok_per_s:,.0f} tok/s PREDICTED on {world_size} x {gpu.name} (MFU "
-            f"measured on one H100, {autosize.MFU_SOURCE}) | {stop} | checkpoint {p.checkpoint_bytes / 1e9:.1f} GB, "
+            f"measured on {measured_on}, {source}) | {stop} | checkpoint {p.checkpoint_bytes / 1e9:.1f} GB, "
             f"disk peak {p.disk_peak_bytes / 1e9:.1f} GB, a save about {p.save_seconds:.0f} s at {DISK_WRITE_GBPS} GB/s")
 
 

@@ -17,8 +17,9 @@ It ends with the launch line to paste and the run directory that launch writes, 
 recommended depth on 1, 2, 4 and 8 GPUs: hours and dollars; with HOURS_AVAILABLE, the fewest GPUs
 that finish in time.
 
-The tok/s are predictions, not measurements: a step's compute at the MFU measured on one H100 at
-d12-d24 (autosize.MEASURED_MFU, from reports/gpucheck-h100.md) times the GPU's dense bf16 peak times
+The tok/s are predictions, not measurements: a step's compute at the MFU gpucheck measured on one GPU of
+that kind (autosize.MEASURED_MFU: H200 at d12-d32, H100 at d12-d24 and for GPUs not listed, each with
+its report) times the GPU's dense bf16 peak times
 the GPU count, plus its traffic between the GPUs (the gradient all-reduce and ZeRO-1's weight
 broadcasts) at LINK_GBPS, unhidden (autosize.comm_seconds): more GPUs are not linearly faster.
 """
@@ -126,7 +127,7 @@ def tok_per_s(config: GPTConfig, gpus: Gpus, count: int) -> tuple[float, float] 
     if fit is None:
         return None
     weight_bytes = autosize.WEIGHT_BYTES[fit.precision]
-    return (autosize.predicted_tok_per_s(config, gpus.peak, count, gpus.link_gbps, weight_bytes),
+    return (autosize.predicted_tok_per_s(config, gpus.peak, count, gpus.link_gbps, weight_bytes, gpu_name=gpus.name),
             autosize.comm_seconds(config, count, gpus.link_gbps, weight_bytes))
 
 
@@ -134,7 +135,8 @@ def rung(depth: int, cfg: PlanConfig, gpus: Gpus, train_tokens: int, budget_s: f
     config = model_config(depth, cfg, vocab)
     predicted = tok_per_s(config, gpus, gpus.count)
     fits = predicted is not None
-    rate = predicted[0] if fits else autosize.predicted_tok_per_s(config, gpus.peak, gpus.count, gpus.link_gbps)
+    rate = predicted[0] if fits else autosize.predicted_tok_per_s(config, gpus.peak, gpus.count, gpus.link_gbps,
+                                                                  gpu_name=gpus.name)
     c = autosize.candidate(config, rate, budget_s, train_tokens)
     ckpt = checkpoint_bytes(config, gpus.count, gpus.memory_bytes)
     return {"depth": depth, "params": c.params, "tok_per_s": c.tok_per_s, "fits": fits,
@@ -205,7 +207,8 @@ def plan(cfg: PlanConfig) -> dict:
          "budget_usd": hours * per_hour, "usd_per_hour": per_hour, "tokens": tokens, "train_tokens": train_tokens,
          "counted": counted, "gpus": f"{gpus.count} x {gpus.name}", "peak_flops": gpus.peak,
          "max_passes": chosen["epochs"], "stops_at_val_minimum": PLATEAU_EVALS > 0,
-         "mfu_source": autosize.MFU_SOURCE, "rule": autosize.rule(best) + f"; never more than {autosize.MAX_EPOCHS} "
+         "mfu_source": autosize.mfu_table(gpus.name)[1], "mfu_measured_on": autosize.mfu_table(gpus.name)[2],
+         "mfu_by_depth": autosize.mfu_table(gpus.name)[0], "rule": autosize.rule(best) + f"; never more than {autosize.MAX_EPOCHS} "
          "passes (repeated data is worth less and less: Muennighoff et al. 2023)", "rungs": rungs,
          "link_gbps": gpus.link_gbps, "hours_available": cfg.hours_available, "gpu_table": rows,
          "recommended_gpus": min(in_time) if cfg.hours_available is not None and in_time else gpus.count}
@@ -214,19 +217,21 @@ def plan(cfg: PlanConfig) -> dict:
 
 
 def table(p: dict) -> str:
-    measured = ", ".join(f"d{d} {100 * m:.1f}%" for d, m in autosize.MEASURED_MFU.items())
+    by_depth = p["mfu_by_depth"]
+    measured = ", ".join(f"d{d} {100 * m:.1f}%" for d, m in by_depth.items())
     lines = [f"plan | data: {p['train_tokens']:,} training tokens ({p['tokens']:,} {p['counted']}, "
              "minus the val split)",
              f"plan | GPUs: {p['gpus']} at {p['peak_flops'] / 1e12:.0f} TFLOP/s bf16 each | "
              f"${p['usd_per_hour']:.2f}/hour | budget {p['budget_hours']:.1f} h = ${p['budget_usd']:,.0f}",
-             f"plan | tok/s are PREDICTED: MFU measured on one H100 ({p['mfu_source']}: {measured}) x peak x GPUs, "
-             f"less the gradient traffic at an assumed {p['link_gbps']:g} GB/s between GPUs (LINK_GBPS); not measured "
-             "on these GPUs; * outside d12-d24 the nearest measured MFU is taken (small depths: an upper bound)",
+             f"plan | tok/s are PREDICTED: MFU measured on {p['mfu_measured_on']} ({p['mfu_source']}: {measured}) x "
+             f"peak x GPUs, less the gradient traffic at an assumed {p['link_gbps']:g} GB/s between GPUs (LINK_GBPS); "
+             f"not measured on these GPUs; * outside d{min(by_depth)}-d{max(by_depth)} the nearest measured MFU is "
+             "taken (small depths: an upper bound)",
              f"{'depth':>5} {'params':>8} {'tok/s':>11} {'1 pass h':>9} {'4 passes h':>11} "
              f"{f'{autosize.MAX_EPOCHS} passes h':>11} {'useful h':>9} {'tok/param':>9} {'ckpt GB':>8} "
              f"{'disk GB':>8} {'save min':>8}"]
     for r in p["rungs"]:
-        measured_depth = min(autosize.MEASURED_MFU) <= r["depth"] <= max(autosize.MEASURED_MFU)
+        measured_depth = min(by_depth) <= r["depth"] <= max(by_depth)
         rate = f"{r['tok_per_s']:,.0f}" + ("" if measured_depth else "*")
         lines.append(f"{'d' + str(r['depth']):>5} {_count(r['params']):>8} {rate:>11} "
                      f"{r['hours_per_pass']:>9.2f} {4 * r['hours_per_pass']:>11.2f} "

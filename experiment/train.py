@@ -380,7 +380,8 @@ def choose_depth(cfg: TrainConfig, d: Dist, gpu: guards.Gpu | None, prepared: Pr
     predicted = gpu is not None and gpu.peak is not None
     if predicted:
         chosen, candidates = autosize.predict_and_choose(make_config, gpu.peak, d.world_size, gpu.memory_bytes,
-                                                         cfg.training_hours * 3600, train_tokens, link_gbps(gpu.name))
+                                                         cfg.training_hours * 3600, train_tokens, link_gbps(gpu.name),
+                                                         gpu.name)
     else:
         chosen, candidates = autosize.probe_and_choose(make_config, cfg.device_batch_size or 1, d.device,
                                                        d.world_size, cfg.training_hours * 3600, train_tokens)

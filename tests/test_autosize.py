@@ -208,3 +208,13 @@ def test_a_run_stops_after_max_epochs_passes_its_schedule_ended_and_says_what_it
     assert "| projected end |" not in report and report.startswith("# Run report") and "finished:" in report
     end = json.loads((tmp_path / "checkpoints/d2/metrics.jsonl").read_text().splitlines()[-1])
     assert end["outcome"].startswith("finished: 0.5 passes over the training data")
+
+
+def test_each_gpu_kind_is_predicted_from_its_own_measured_mfu():
+    gpu = GPTConfig(vocab_size=256, depth=32, aspect_ratio=64, head_dim=128, max_seq_len=2048)
+    assert autosize.mfu(32, "NVIDIA H200") == 0.583  # measured at d32 on an H200 (reports/gpucheck-h200.md)
+    assert autosize.mfu(32, "NVIDIA H100 PCIe") == autosize.mfu(24, "NVIDIA H100 PCIe") == 0.528  # d24, the nearest
+    assert autosize.mfu_table("NVIDIA A100-SXM4-80GB")[1] == "reports/gpucheck-h100.md"  # not measured: the H100's
+    h200 = autosize.predicted_tok_per_s(gpu, 989e12, 1, 20.0, gpu_name="NVIDIA H200")
+    h100 = autosize.predicted_tok_per_s(gpu, 989e12, 1, 20.0, gpu_name="NVIDIA H100 80GB HBM3")
+    assert h200 / h100 == pytest.approx(0.583 / 0.528)

@@ -44,7 +44,7 @@ def test_the_issue_example_as_json_and_as_a_table():
     assert (one["gpus"], eight["gpus"]) == (1, 8) and eight["hours"] == pytest.approx(p["hours"])
     assert 20.8 < one["hours"] < 21.0 and one["comm_share"] == 0 and one["usd"] < eight["usd"]  # no all-reduce
     table = run_plan(env=env).stdout
-    assert "PREDICTED" in table and "reports/gpucheck-h100.md" in table
+    assert "PREDICTED" in table and "MFU measured on one H100 80GB HBM3 (reports/gpucheck-h100.md" in table
     assert f"recommendation | DEPTH={p['depth']} for {p['hours']:.2f} h" in table
     assert p["max_passes"] == pytest.approx(autosize.MAX_EPOCHS)  # the data limits: all its passes
     assert f"at most {p['max_passes']:.1f} passes; stops earlier when val stops improving" in table

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from experiment import checkpoint as ckpt
-from experiment.autosize import MFU_SOURCE, WEIGHT_BYTES, predicted_tok_per_s
+from experiment.autosize import WEIGHT_BYTES, mfu_table, predicted_tok_per_s
 from experiment.checkpoint import RunState
 from experiment.config import TrainConfig, checkpoint_meta, resolve
 from experiment.dataloader import prepare, write_demo_corpus
@@ -268,14 +268,16 @@ def check_speed(ctx: Ctx) -> Item:
                  planned=plan.total, planned_rows=plan.rows,
                  mfu=r["flops_per_token"] * r["tok_per_s"] / peak if peak else None,
                  # what the plan and DEPTH=auto predict for this depth on one such GPU (CUDA only)
-                 predicted=predicted_tok_per_s(config, peak, 1, 1.0, WEIGHT_BYTES[precision], tokens_per_step)
+                 predicted=predicted_tok_per_s(config, peak, 1, 1.0, WEIGHT_BYTES[precision], tokens_per_step,
+                                               torch.cuda.get_device_name(ctx.device))
                  if ctx.cuda and peak else None)
         results[depth] = r
         print(f"gpucheck | speed d{depth}: {r['tok_per_s']:,.0f} tok/s, first step {r['first_step_s']:.1f}s", flush=True)
     ctx.found["speed"] = results
     head = ["size", "params", "batch x seq x accum", "weights", "micro-step tok/s", "micro-step ms",
             "optimizer + syncs ms", "host syncs ms", f"tok/s at {tokens_per_step:,} tokens/step", "MFU",
-            f"predicted tok/s ({MFU_SOURCE})", "first step s" + (" (compile)" if ctx.cuda else "")]
+            "predicted tok/s" + (f" ({mfu_table(torch.cuda.get_device_name(ctx.device))[1]})" if ctx.cuda else ""),
+            "first step s" + (" (compile)" if ctx.cuda else "")]
     detail = (f"MFU against the {peak_src}. Random tokens, one device, the trainer's step: autocast bf16, Muon + "
               f"AdamW, {'torch.compile (whole model)' if ctx.cuda else 'eager'}. A step of {tokens_per_step:,} tokens "
               "(the default TOTAL_BATCH_SIZE) is composed of measured parts: grad_accum micro-steps (forward + "
