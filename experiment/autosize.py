@@ -105,13 +105,13 @@ def measure_tok_per_s(config: GPTConfig, batch: int, device: torch.device) -> fl
     return batch * config.max_seq_len / mean_seconds(device, PROBE_STEPS, step)
 
 
-def mfu_table(gpu_name: str = "") -> tuple[dict[int, float], str, str]:
+def mfu_table(gpu_name: str) -> tuple[dict[int, float], str, str]:
     """(MFU by depth, the report it comes from, the GPU it was measured on) for this GPU's name."""
     key = next((k for k in MEASURED_MFU if k.lower() in gpu_name.lower()), "H100")
     return MEASURED_MFU[key]
 
 
-def mfu(depth: int, gpu_name: str = "") -> float:
+def mfu(depth: int, gpu_name: str) -> float:
     table = mfu_table(gpu_name)[0]
     return table[min(table, key=lambda d: abs(d - depth))]
 
@@ -129,7 +129,7 @@ def flops_per_token(config: GPTConfig) -> float:
 
 
 def predicted_tok_per_s(config: GPTConfig, peak: float, gpus: int, link_gbps: float, weight_bytes: int = 4,
-                        tokens_per_step: int = config.CUDA_DEFAULTS["total_batch_size"], gpu_name: str = "") -> float:
+                        tokens_per_step: int = config.CUDA_DEFAULTS["total_batch_size"], *, gpu_name: str) -> float:
     """A prediction, not a measurement: a step's compute at the nearest measured MFU (of this GPU's
     kind, mfu_table) x the GPUs' dense bf16 peak (the model's training FLOPs per token), plus its
     communication (comm_seconds)."""
@@ -180,7 +180,7 @@ def choose(candidates: list[Candidate]) -> Candidate:
 
 
 def predict_and_choose(make_config, peak: float, gpus: int, gpu_bytes: int, budget_s: float, train_tokens: int,
-                       link_gbps: float, gpu_name: str = "") -> tuple[Candidate, list[Candidate]]:
+                       link_gbps: float, gpu_name: str) -> tuple[Candidate, list[Candidate]]:
     """CUDA: every ladder depth that the memory plan fits on these GPUs (at one sequence per
     micro-batch), at its predicted tok/s; then choose."""
     candidates = []

@@ -144,8 +144,9 @@ class TrainConfig:
     activation_checkpointing: str = opt("recompute blocks in backward: auto (when needed to fit), on, off", "auto")
     device: str = opt("auto, cpu or cuda", "auto")
     dist_backend: str = opt("process group: auto (nccl with CUDA, gloo without) or gloo; with gloo on CUDA, ranks "
-                            "beyond the GPU count share GPUs: a test of the multi-rank path on one GPU, not for "
-                            "training (slow all-reduces through host memory)", "auto")
+                            "beyond the GPU count share GPUs (each plans its memory as if alone: DEVICE_BATCH_SIZE "
+                            "is required): a test of the multi-rank path on one GPU, not for training (slow "
+                            "all-reduces through host memory)", "auto")
 
 
 def parse_args(argv=None) -> TrainConfig:
@@ -218,9 +219,13 @@ def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
     if cfg.training_hours <= 0:
         raise ConfigError(f"--training_hours must be > 0, got {cfg.training_hours}")
     for name, allowed in (("compile", ("auto", "on", "off")), ("precision", ("auto", "fp32", "bf16")),
-                          ("activation_checkpointing", ("auto", "on", "off"))):
+                          ("activation_checkpointing", ("auto", "on", "off")), ("dist_backend", ("auto", "gloo"))):
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"--{name} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}")
+    if cuda and cfg.dist_backend == "gloo" and cfg.device_batch_size is None:
+        # Each rank would probe the GPU's memory as if it had the GPU alone, side by side with the others.
+        raise ConfigError("--dist_backend gloo on CUDA needs --device_batch_size: ranks that share a GPU "
+                          "cannot each probe it for the largest batch")
     if cfg.resume not in ("auto", "never") and not cfg.resume.isdigit():
         raise ConfigError(f"--resume must be auto, never or a step number, got {cfg.resume!r}")
     per_rank = cfg.max_seq_len * world_size

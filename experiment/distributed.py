@@ -1,7 +1,7 @@
 """Process-group setup and the few collectives the trainer's decisions need.
 
-Works with and without torchrun: nccl on CUDA, gloo on CPU, and no process group at all for a plain
-`python -m` world of one.
+Works with and without torchrun: nccl on CUDA, gloo on CPU (and on CUDA with DIST_BACKEND=gloo, a test
+of several ranks sharing one GPU), and no process group at all for a plain `python -m` world of one.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: 
         return None
     precision = checkpoint_precision(config, world_size, gpu.memory_bytes, cfg.precision)
     rate = autosize.predicted_tok_per_s(config, gpu.peak, world_size, link_gbps(gpu.name),
-                                        autosize.WEIGHT_BYTES[precision], cfg.total_batch_size, gpu.name)
+                                        autosize.WEIGHT_BYTES[precision], cfg.total_batch_size, gpu_name=gpu.name)
     budget_epochs = rate * cfg.training_hours * 3600 / train_tokens
     epochs = min(budget_epochs, cfg.max_epochs or budget_epochs)
     ckpt = checkpoint_bytes(config, world_size, gpu.memory_bytes, cfg.precision)

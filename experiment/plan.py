@@ -200,6 +200,7 @@ def plan(cfg: PlanConfig) -> dict:
     best = autosize.choose(candidates)
     chosen = next(r for r in fitting if r["depth"] == best.depth)
     per_hour = cfg.gpu_hourly_usd * gpus.count
+    by_depth, mfu_source, measured_on = autosize.mfu_table(gpus.name)
     rows = gpu_rows(cfg, gpus, model_config(best.depth, cfg, vocab), chosen["tokens"], hours * per_hour)
     in_time = [r["gpus"] for r in rows if r["in_time"] and r["in_budget"]]
     p = {"depth": chosen["depth"], "hours": chosen["useful_hours"], "usd": chosen["useful_hours"] * per_hour,
@@ -207,8 +208,7 @@ def plan(cfg: PlanConfig) -> dict:
          "budget_usd": hours * per_hour, "usd_per_hour": per_hour, "tokens": tokens, "train_tokens": train_tokens,
          "counted": counted, "gpus": f"{gpus.count} x {gpus.name}", "peak_flops": gpus.peak,
          "max_passes": chosen["epochs"], "stops_at_val_minimum": PLATEAU_EVALS > 0,
-         "mfu_source": autosize.mfu_table(gpus.name)[1], "mfu_measured_on": autosize.mfu_table(gpus.name)[2],
-         "mfu_by_depth": autosize.mfu_table(gpus.name)[0], "rule": autosize.rule(best) + f"; never more than {autosize.MAX_EPOCHS} "
+         "mfu_source": mfu_source, "mfu_measured_on": measured_on, "mfu_by_depth": by_depth, "rule": autosize.rule(best) + f"; never more than {autosize.MAX_EPOCHS} "
          "passes (repeated data is worth less and less: Muennighoff et al. 2023)", "rungs": rungs,
          "link_gbps": gpus.link_gbps, "hours_available": cfg.hours_available, "gpu_table": rows,
          "recommended_gpus": min(in_time) if cfg.hours_available is not None and in_time else gpus.count}

@@ -22,12 +22,14 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from experiment import autosize, extend, finetune, guards
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError
 from experiment.config import ConfigError, TrainConfig, parse_args, resolve
 from experiment.dataloader import DataError, Prepared
-from experiment.distributed import resolve_device
+from experiment.distributed import pick_backend, resolve_device
 from experiment.files import atomic_write_json, default_workspace
 from experiment.hardware import host_available_bytes
 from experiment.launch import (check_not_running, check_resume_target, depth_for, eval_prompt_ids, make_config, model_config,
@@ -107,6 +109,11 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
         except ValueError as e:
             raise ConfigError(str(e)) from None
     cfg = resolve(finetune.apply(cfg), gpu is not None, world_size)
+    if gpu is not None and torch.cuda.is_available():  # more ranks than GPUs: refused here, not by each worker
+        try:
+            pick_backend(True, cfg.dist_backend, (nproc_per_node or world_size) - 1, torch.cuda.device_count())
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     workspace = Path(cfg.workspace) if cfg.workspace else default_workspace()
     run_dir = workspace / "checkpoints" / cfg.model_tag
     plan_file = workspace / "preflight" / f"{cfg.model_tag}.json"

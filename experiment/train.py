@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node=N -m experiment.train [--flags]   (or python -m ...)
 
-Raw DDP (nccl on CUDA, gloo on CPU), ZeRO-1 optimizer shards (experiment/optim.py), bf16 autocast on
+Raw DDP (nccl on CUDA, gloo on CPU or with DIST_BACKEND=gloo), ZeRO-1 optimizer shards (experiment/optim.py), bf16 autocast on
 GPU, periodic eval summed over all ranks, best-val tracking, atomic checkpoints, automatic resume.
 The budget is wall-clock seconds of the training loop (evals and saves included), persisted across
 restarts; the LR schedule is a function of the budget fraction used, so warmdown ends at the deadline
@@ -30,7 +30,8 @@ from experiment.checkpoint import CheckpointError, Retention, RunState, pick_res
 from experiment.config import ConfigError, TrainConfig, checkpoint_meta, fill_lrs, parse_args, resolve
 from experiment.dataloader import DataError, Prepared, TokenBatches
 from experiment.distributed import (PHASE_TIMEOUTS, Dist, ParentWatch, StopSignal, all_ranks_ok, broadcast_object,
-                                    gather_objects, resolve_device, setup_distributed, wrap_ddp)
+                                    gather_objects, pick_backend, resolve_device, setup_distributed,
+                                    wrap_ddp)
 from experiment.evaluation import eval_coverage, evaluate
 from experiment.files import default_workspace, volume
 from experiment.hardware import host_available_bytes, link_gbps, memory_gib
@@ -934,9 +935,11 @@ def main(argv=None) -> int:
     try:
         try:
             cuda = resolve_device(cfg.device).type == "cuda"
-            d = setup_distributed(cuda, cfg.dist_backend)
+            pick_backend(cuda, cfg.dist_backend, int(os.environ.get("LOCAL_RANK", 0)),
+                         torch.cuda.device_count() if cuda else 0)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        d = setup_distributed(cuda, cfg.dist_backend)
         return train(cfg, d)
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -12,6 +12,8 @@ from experiment import autosize
 from experiment.hardware import link_gbps
 from experiment.autosize import Candidate, candidate, choose, data_lines, supported_depth
 from experiment.memory import count_params
+
+H100 = "NVIDIA H100 80GB HBM3"
 from experiment.config import ConfigError, TrainConfig, parse_args, resolve
 from experiment.model import GPTConfig
 
@@ -64,24 +66,24 @@ def test_a_budget_that_outruns_the_data_buys_no_bigger_model_and_no_more_passes(
 def test_cuda_predicts_each_depth_and_stops_where_memory_ends():
     gpu = lambda d: GPTConfig(vocab_size=256, depth=d, aspect_ratio=64, head_dim=128, max_seq_len=2048)
     peak = 989e12
-    chosen, cands = autosize.predict_and_choose(gpu, peak, 8, 80 * 2**30, 31 * 3600, 332_500_000, 350.0)
+    chosen, cands = autosize.predict_and_choose(gpu, peak, 8, 80 * 2**30, 31 * 3600, 332_500_000, 350.0, H100)
     assert [c.depth for c in cands] == autosize.ladder(64, 128)  # 8 x 80 GB fit every depth with ZeRO-1
     assert all(a.tok_per_s > b.tok_per_s for a, b in zip(cands, cands[1:]))
     assert chosen is choose(cands) and chosen.epochs == autosize.MAX_EPOCHS  # 31 h outlast 8 passes
-    assert cands[0].tok_per_s == pytest.approx(autosize.predicted_tok_per_s(gpu(2), peak, 8, 350.0))
+    assert cands[0].tok_per_s == pytest.approx(autosize.predicted_tok_per_s(gpu(2), peak, 8, 350.0, gpu_name=H100))
     # The gradient traffic: none on one GPU; over PCIe (20 GB/s) a d32 step spends a third of its time on it.
-    linear = autosize.mfu(32) * peak * 8 / autosize.flops_per_token(gpu(32))
-    assert autosize.predicted_tok_per_s(gpu(32), peak, 1, 20.0) == pytest.approx(linear / 8)
-    assert 0.6 < autosize.predicted_tok_per_s(gpu(32), peak, 8, 20.0) / linear < 0.75
+    linear = autosize.mfu(32, H100) * peak * 8 / autosize.flops_per_token(gpu(32))
+    assert autosize.predicted_tok_per_s(gpu(32), peak, 1, 20.0, gpu_name=H100) == pytest.approx(linear / 8)
+    assert 0.6 < autosize.predicted_tok_per_s(gpu(32), peak, 8, 20.0, gpu_name=H100) / linear < 0.75
     assert link_gbps("NVIDIA H100 PCIe") == link_gbps("NVIDIA A100-PCIE-40GB") == 20.0 < link_gbps("NVIDIA H100 80GB HBM3")
-    _, one_small = autosize.predict_and_choose(gpu, peak, 1, 24 * 2**30, 31 * 3600, 332_500_000, 350.0)
+    _, one_small = autosize.predict_and_choose(gpu, peak, 1, 24 * 2**30, 31 * 3600, 332_500_000, 350.0, H100)
     assert 0 < len(one_small) < len(cands)  # one 24 GB GPU: the ladder ends where the memory plan says no
 
 
 def test_the_measured_rate_checks_a_predicted_choice():
     gpu = lambda d: GPTConfig(vocab_size=256, depth=d, aspect_ratio=64, head_dim=128, max_seq_len=2048)
     budget, tokens = 3 * 3600, 10**10  # a budget shorter than the data: the rate decides the depth
-    chosen, cands = autosize.predict_and_choose(gpu, 989e12, 8, 80 * 2**30, budget, tokens, 350.0)
+    chosen, cands = autosize.predict_and_choose(gpu, 989e12, 8, 80 * 2**30, budget, tokens, 350.0, H100)
     dicts = [dataclasses.asdict(c) for c in cands]
     same = autosize.check_prediction(dicts, chosen.depth, chosen.tok_per_s * 1.1, budget, tokens)
     assert "1.10x the predicted" in same and f"the rule picks d{chosen.depth} too" in same

@@ -194,7 +194,17 @@ def test_the_backend_and_gpu_of_each_local_rank():
     assert pick_backend(False, "auto", 3, 0) == ("gloo", None)
     assert pick_backend(True, "auto", 1, 8) == ("nccl", 1)
     assert pick_backend(True, "gloo", 1, 1) == ("gloo", 0)  # two ranks share the one GPU: a test of the path
+    assert pick_backend(True, "gloo", 3, 2) == ("gloo", 1)
     with pytest.raises(ValueError, match="LOCAL_RANK 1 but 1 GPU"):
         pick_backend(True, "auto", 1, 1)  # NCCL would refuse it later, and less clearly
     with pytest.raises(ValueError, match="DIST_BACKEND must be auto or gloo"):
         pick_backend(True, "mpi", 0, 1)
+
+
+def test_gloo_on_cuda_needs_an_explicit_device_batch():
+    from experiment.config import ConfigError, TrainConfig, resolve
+    with pytest.raises(ConfigError, match="dist_backend gloo on CUDA needs --device_batch_size"):
+        resolve(TrainConfig(depth=2, dist_backend="gloo"), True, 2)
+    assert resolve(TrainConfig(depth=2, dist_backend="gloo", device_batch_size=1), True, 2).device_batch_size == 1
+    with pytest.raises(ConfigError, match="dist_backend must be one of auto, gloo"):
+        resolve(TrainConfig(depth=2, dist_backend="nccl"), False, 1)

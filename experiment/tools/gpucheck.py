@@ -32,7 +32,7 @@ class Report:
     """report.md and report.json, rewritten atomically after every item."""
 
     def __init__(self, out: Path, header: str):
-        self.out, self.header, self.items = out, header, []
+        self.out, self.header, self.items, self.started = out, header, [], time.time()
 
     def add(self, item: Item) -> None:
         self.items.append(item)
@@ -40,7 +40,10 @@ class Report:
         atomic_write_json(self.out / "report.json", {"header": self.header, "items": [asdict(i) for i in self.items]})
 
     def markdown(self) -> str:
-        lines = [self.header, "", "| item | result | seconds | summary |", "|---|---|---|---|"]
+        together = [i.name for i in self.items if i.side_by_side]
+        lines = [self.header, "", f"{time.time() - self.started:.0f} s so far"
+                 + (f"; {', '.join(together)} ran side by side (their seconds overlap)" if together else ""), "",
+                 "| item | result | seconds | summary |", "|---|---|---|---|"]
         lines += [f"| {i.name} | **{i.status}** | {i.seconds:.0f} | {i.summary} |" for i in self.items]
         for i in self.items:
             lines += ["", f"## {i.name}: {i.status}", "", i.summary]
@@ -63,20 +66,25 @@ def run_item(ctx: Ctx, name: str) -> Item:
 
 
 def run_items(ctx: Ctx, names: list[str], report: Report) -> None:
-    """On a GPU the items that judge no timing of the device (SIDE_BY_SIDE: each its own subprocesses)
-    run together after env, then the timed ones alone; on a CPU, each in turn (2 cores would make
-    the end-to-end run's budget check a test of the machine's load)."""
+    """env first; then, on a GPU, the items SIDE_BY_SIDE together (each runs its own subprocesses);
+    then the rest in turn. On a CPU every item runs in turn: 2 cores would make the end-to-end run's
+    budget check a test of the machine's load."""
     together = [n for n in names if n in SIDE_BY_SIDE] if ctx.cuda else []
-    alone = [n for n in names if n not in together]
-    first = [n for n in alone if n == "env"]
-    for name in first:
-        report.add(run_item(ctx, name))
-    with ThreadPoolExecutor(max_workers=max(len(together), 1)) as pool:
-        for item in pool.map(lambda n: run_item(ctx, n), together):
-            report.add(item)
-    for name in alone:
-        if name not in first:
-            report.add(run_item(ctx, name))
+    order = [n for n in names if n == "env"] + together + [n for n in names if n != "env" and n not in together]
+    pool = ThreadPoolExecutor(max_workers=max(len(together), 1))
+    try:
+        for name in order:
+            if name not in together:
+                report.add(run_item(ctx, name))
+            elif name == together[0]:
+                for item in pool.map(lambda n: run_item(ctx, n), together):
+                    item.side_by_side = True
+                    report.add(item)
+    except BaseException:  # Ctrl-C reaches this thread only: end what the items launched in their own sessions
+        ctx.stop_children()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

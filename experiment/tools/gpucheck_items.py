@@ -74,6 +74,7 @@ class Item:
     figures: dict = field(default_factory=dict)
     detail: str = ""  # Markdown: tables, logs
     seconds: float = 0.0
+    side_by_side: bool = False  # ran beside other items (SIDE_BY_SIDE, on a GPU)
 
 
 @dataclass
@@ -84,10 +85,16 @@ class Ctx:
     workspace: Path
     out: Path
     found: dict = field(default_factory=dict)
+    children: list = field(default_factory=list)  # processes started in their own session (the e2e launcher)
 
     @property
     def cuda(self) -> bool:
         return self.device.type == "cuda"
+
+    def stop_children(self) -> None:
+        for proc in self.children:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------- shared helpers
@@ -185,7 +192,7 @@ def check_env(ctx: Ctx) -> Item:
             warnings.append(f"{props.name} is not in the peak FLOP/s table (train.PEAK_FLOPS): no MFU is reported")
         if figures["gpus"] < 2:
             warnings.append("one GPU: NCCL collectives are not exercised (the correctness tests run nccl world 2 "
-                            "when there are 2 or more GPUs)")
+                            "when there are 2 or more GPUs; on one, their two-rank test runs gloo on it)")
     else:
         figures.update(cpu_threads=torch.get_num_threads(), cpu_fp32_matmul_gflops=round(_peak_flops(ctx)[0] / 1e9, 1))
         warnings.append("no CUDA: every figure in this report is a CPU figure at tiny sizes")
@@ -220,7 +227,7 @@ def check_correctness(ctx: Ctx) -> Item:
     rows = _junit_rows(junit) if junit.exists() else []
     counts = {o: sum(r[1] == o for r in rows) for o in ("passed", "failure", "error", "skipped")}
     failed = proc.returncode != 0 or counts["passed"] == 0
-    notes = [line for line in proc.stdout.splitlines() if line.startswith(("sigterm:", "ranks2:"))]
+    notes = [line for line in proc.stdout.splitlines() if line.startswith(("sigterm:", "ranks2"))]
     detail = _table(["test", "outcome", "seconds", "message"], rows) + "".join(f"\n\n{n}" for n in notes)
     if failed:
         detail += f"\n\n```\n{(proc.stdout + proc.stderr)[-3000:]}\n```"
@@ -269,7 +276,7 @@ def check_speed(ctx: Ctx) -> Item:
                  mfu=r["flops_per_token"] * r["tok_per_s"] / peak if peak else None,
                  # what the plan and DEPTH=auto predict for this depth on one such GPU (CUDA only)
                  predicted=predicted_tok_per_s(config, peak, 1, 1.0, WEIGHT_BYTES[precision], tokens_per_step,
-                                               torch.cuda.get_device_name(ctx.device))
+                                               gpu_name=torch.cuda.get_device_name(ctx.device))
                  if ctx.cuda and peak else None)
         results[depth] = r
         print(f"gpucheck | speed d{depth}: {r['tok_per_s']:,.0f} tok/s, first step {r['first_step_s']:.1f}s", flush=True)
@@ -282,7 +289,9 @@ def check_speed(ctx: Ctx) -> Item:
               f"AdamW, {'torch.compile (whole model)' if ctx.cuda else 'eager'}. A step of {tokens_per_step:,} tokens "
               "(the default TOTAL_BATCH_SIZE) is composed of measured parts: grad_accum micro-steps (forward + "
               "backward, timed in a queue) plus one optimizer step with the trainer's two host syncs. 'host syncs' "
-              "is a synced step minus a step in a queue of unsynced ones.\n\n"
+              "is a synced step minus a step in a queue of unsynced ones. 'predicted' is what the plan and DEPTH=auto "
+              "predict for this depth on one such GPU, from this GPU kind's MFU table (autosize.MEASURED_MFU): where "
+              "that table came from an earlier gpucheck of the same kind, a check that it still holds.\n\n"
               + _table(head, [_speed_row(r, ctx.sizes.seq) for r in results.values()]) + _profile(ctx, results))
     goal = results.get(24, {}).get("mfu")
     short = ctx.cuda and goal is not None and goal < MFU_GOAL
@@ -522,6 +531,8 @@ def check_ddp(ctx: Ctx) -> Item:
                                    f"compiled vs {r['eager_step_seconds']:.3f}s eager") for r in runs)
     if len(worlds) == 1 and ctx.cuda:
         summary += " | world 2 not run: one GPU"
+    if ctx.cuda:
+        summary += " | step times taken beside the other side-by-side items"
     return Item("ddp", _status(failed, False), summary, {"runs": runs})
 
 
@@ -598,6 +609,7 @@ def check_e2e(ctx: Ctx) -> Item:
     env, budget = _e2e_env(ctx, ws), ctx.sizes.e2e_seconds
     run_dir, train_log = ws / "checkpoints/e2e", ws / "checkpoints/e2e/training.log"
     first = _launch(env, ctx.out / "e2e-run1.log")
+    ctx.children.append(first)
     try:
         started = _wait_for_line(train_log, " | loss ", first, 900)
         time.sleep(0.4 * budget if started else 0)
@@ -610,6 +622,7 @@ def check_e2e(ctx: Ctx) -> Item:
     preempted = "received SIGTERM: " in text  # "saving step N", or "completing step M's save, in flight"
     saved = ckpt.complete_steps(run_dir)
     second = _launch(env, ctx.out / "e2e-run2.log")
+    ctx.children.append(second)
     try:
         second.wait(timeout=budget + 900)
     finally:
