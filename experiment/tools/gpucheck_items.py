@@ -35,8 +35,9 @@ from experiment.saver import Saver
 from experiment.train import checkpoint_share, restore_checkpoint, write_checkpoint
 
 ITEMS = ("env", "correctness", "ddp", "speed", "memory", "checkpoints", "e2e")
-# Items whose verdicts rest on no timing of the device (pytest, compiled-vs-eager losses, a run's own
-# budget clock): on a GPU they run side by side, so the whole check fits in 10 minutes.
+# Items whose verdicts rest on no speed target (pytest, compiled-vs-eager losses, a run's budget against
+# the reserve it measured itself, under the same load): on a GPU they run side by side, so the whole
+# check fits in 10 minutes. Their own timings (ddp's step times) are taken under that load.
 SIDE_BY_SIDE = ("correctness", "ddp", "e2e")
 GIB = 2**30
 VOCAB = 128  # a char vocabulary padded to a multiple of 64
