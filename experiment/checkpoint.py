@@ -20,7 +20,7 @@ import json
 import math
 import re
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -353,10 +353,12 @@ class RunState:
     used_seconds: float = 0.0
     best_val: float = math.inf
     best_step: int = -1
-    # The stop at the val minimum (train.py, plateau_check): the val loss of the last eval that
-    # gained (at the peak LR: PLATEAU_MARGIN below the one before; in a warmdown: a new best), the
+    # The stop at the val minimum (train.py, plateau_check): the level of the last eval that gained
+    # (at the peak LR its val loss, PLATEAU_MARGIN below the one before; in a warmdown the mean of the
+    # warmdown's last train.WARMDOWN_WINDOW val losses, held in warmdown_window, below its best so far), the
     # evals since, whether a warmdown has been seen, the anneal it started, and whether it ended the run.
     plateau_ref: float = math.inf
+    warmdown_window: list = field(default_factory=list)
     evals_without_gain: int = 0
     warmdown_seen: bool = False
     anneal_start_tokens: int = -1  # tokens_seen where the warmdown started at the plateau; -1: none
@@ -367,9 +369,6 @@ class RunState:
     # back to it (experiment/extend.py).
     warmdown_begun: bool = False
     warmdown_step: int = -1
-    # The best val loss of this branch of training: best_val, except in a run extended past its end,
-    # which went back to a checkpoint from before the warmdown (its warmdown's evals must beat this).
-    branch_best: float = math.inf
     data_state: dict | None = None  # the data position of the step's next batch (every rank reads the same)
     # Measured durations (longest eval, longest save, recent step): the reserve kept for the final
     # eval + save. Persisted, so a resumed run still knows what its ending costs.

@@ -92,7 +92,7 @@ def rewound(start: RunState, latest: RunState) -> RunState:
             "nonfinite_steps", "save_waits", "save_wait_seconds")
     return dataclasses.replace(start, **{k: getattr(latest, k) for k in keep}, warmdown_begun=False, warmdown_step=-1,
                                anneal_start_tokens=-1, anneal_tokens=0, plateau_stopped=False,
-                               warmdown_seen=False, evals_without_gain=0)
+                               warmdown_seen=False, evals_without_gain=0, warmdown_window=[])
 
 
 def rewind_line(start: int, step: int, st: RunState, train_tokens: int) -> str:

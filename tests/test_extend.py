@@ -98,13 +98,15 @@ def test_what_extends_a_run_and_what_leaves_no_time_at_the_peak_lr():
     whole = resolve(parse_args(["--warmdown_frac", "1"]), cuda=False, world_size=1)
     assert "WARMDOWN_FRAC=1 leaves no part of the schedule at the peak LR" in too_short(whole, st, 100, 0, 1000)
     assert math.isclose(5000 / 0.6 / 3600, 2.3148, rel_tol=1e-3)
-    # The extended run serves the annealed best until beaten, but its own warmdown is held to the best
-    # of its branch (the checkpoint it went back to), not to the annealed one.
-    state = rewound(RunState(step=6, tokens_seen=600, best_val=2.0, best_step=6, branch_best=2.0, warmdown_begun=False),
-                    RunState(step=10, tokens_seen=1000, best_val=1.5, best_step=10, branch_best=1.5, warmdown_begun=True,
-                             warmdown_step=6, used_seconds=9.0))
-    assert (state.step, state.tokens_seen, state.used_seconds, state.best_val, state.branch_best) == (10, 600, 9.0, 1.5, 2.0)
+    # The extended run serves the annealed best until beaten, but its own warmdown is held to its own
+    # evals: the old warmdown's count and window are gone, the peak-LR reference is the branch point's.
+    state = rewound(RunState(step=6, tokens_seen=600, best_val=2.0, best_step=6, plateau_ref=2.0, warmdown_begun=False),
+                    RunState(step=10, tokens_seen=1000, best_val=1.5, best_step=10, plateau_ref=1.6, warmdown_begun=True,
+                             warmdown_seen=True, warmdown_window=[1.7, 1.6], evals_without_gain=2, warmdown_step=6,
+                             used_seconds=9.0))
+    assert (state.step, state.tokens_seen, state.used_seconds, state.best_val, state.plateau_ref) == (10, 600, 9.0, 1.5, 2.0)
     assert not state.warmdown_begun and state.warmdown_step == -1
+    assert (state.warmdown_seen, state.warmdown_window, state.evals_without_gain) == (False, [], 0)
 
 
 def test_with_background_saves_the_step_kept_is_the_newest_from_before_the_warmdown(tmp_path, corpus):
