@@ -358,7 +358,7 @@ class RunState:
     # warmdown's last train.WARMDOWN_WINDOW val losses, held in warmdown_window, below its best so far), the
     # evals since, whether a warmdown has been seen, the anneal it started, and whether it ended the run.
     plateau_ref: float = math.inf
-    warmdown_window: list = field(default_factory=list)
+    warmdown_window: list[float] = field(default_factory=list)
     evals_without_gain: int = 0
     warmdown_seen: bool = False
     anneal_start_tokens: int = -1  # tokens_seen where the warmdown started at the plateau; -1: none
@@ -384,7 +384,11 @@ def run_state(meta: dict) -> RunState:
     """The RunState a meta records."""
     if "state" in meta:  # fields added or dropped since a checkpoint was written take their defaults
         known = {f.name for f in fields(RunState)}
-        return RunState(**{k: v for k, v in meta["state"].items() if k in known})
+        st = RunState(**{k: v for k, v in meta["state"].items() if k in known})
+        if "warmdown_window" not in meta["state"] and st.warmdown_seen and not st.plateau_stopped:
+            # Written before the warmdown had its own window: its reference meant a new best; start afresh.
+            st.plateau_ref, st.evals_without_gain = math.inf, 0
+        return st
     # Metas written before the state was one dict hold its fields at the top level.
     flat = {f.name: meta[f.name] for f in fields(RunState) if f.name in meta}
     return RunState(**flat, best_val=meta["best_val_loss"] if meta["best_step"] >= 0 else math.inf,

@@ -311,9 +311,8 @@ def report_facts(cfg: TrainConfig, d: Dist, model: GPT, prepared: Prepared, budg
         "eval": f"{eval_sample_text(coverage)}, every {cfg.eval_every_minutes:g} min"
                 + (f" or {cfg.eval_every_epochs:g} passes" if cfg.eval_every_epochs else "")
                 + (f"; stop at the val minimum: {cfg.plateau_evals} evals without a gain of {cfg.plateau_margin:.1%} "
-                   f"at the peak LR start the warmdown, {cfg.plateau_evals} in a warmdown without a fall of the mean of its last "
-                   f"{WARMDOWN_WINDOW} end "
-                   "the run" if cfg.plateau_evals else "; no stop at the val minimum (PLATEAU_EVALS=0)"),
+                   f"at the peak LR start the warmdown, {cfg.plateau_evals} evals in a warmdown without a new low of "
+                   f"the mean of the last {WARMDOWN_WINDOW} val losses end the run" if cfg.plateau_evals else "; no stop at the val minimum (PLATEAU_EVALS=0)"),
     }
 
 
@@ -577,29 +576,34 @@ def maybe_eval(t: Trainer, loop: Loop) -> None:
 # overfitting Shakespeare runs still stopped within 4-5 evals of their minimum.
 WARMDOWN_WINDOW = 2
 
+
 def plateau_check(t: Trainer, loop: Loop) -> None:
     """The stop at the val minimum, on evals after step 0. At the LR's peak an eval gains when its
     val loss is below the last gaining one's by PLATEAU_MARGIN (a fraction of it: a slow creep adds
     up to a gain); after PLATEAU_EVALS evals in a row without a gain the warmdown starts at once, as
     long as the schedule's would be for a run planned to end here (warmdown_frac / (1 -
     warmdown_frac) of the tokens so far), and the run ends with it. In a warmdown (the schedule's or
-    that one) the count and the reference start afresh, and an eval gains when the mean of the
-    warmdown's last WARMDOWN_WINDOW val losses is below its lowest so far: the annealing LR moves the
+    that one) the count and the reference start afresh, and from its WARMDOWN_WINDOW-th eval on an
+    eval gains when the mean of the warmdown's last WARMDOWN_WINDOW val losses is below its lowest so
+    far: the annealing LR moves the
     val loss to a level of its own, which an earlier best from the peak LR does not measure, and on a
     noisy val set (2% from eval to eval on code) one lucky eval must not become the bar (an extended
     run's warmdown is so held to its own evals too). After PLATEAU_EVALS without a gain the run ends
     at once: the repetition of the data now outweighs the anneal, and the best step is saved.
     docs/training.md, "The stop at the val minimum"."""
     cfg, st = t.cfg, t.st
-    # Rank 0's word on whether a warmdown has begun (the schedule's follows each rank's clock).
-    in_warmdown = st.anneal_start_tokens >= 0 or loop.progress > 1 - cfg.warmdown_frac
+    # Rank 0's word on whether a warmdown has begun (the schedule's follows each rank's clock); once
+    # begun it stays begun, though the budget's fraction can dip when the measured reserve shrinks.
+    in_warmdown = st.warmdown_seen or st.anneal_start_tokens >= 0 or loop.progress > 1 - cfg.warmdown_frac
     flag = torch.tensor([int(t.d.master and in_warmdown)], dtype=torch.int32, device=t.d.device)
     in_warmdown = bool(t.d.all_reduce(flag, "max").item())
     if in_warmdown and not st.warmdown_seen:  # a count from the peak LR does not carry over
         begin_warmdown_count(st)
     if in_warmdown:
         st.warmdown_window = (st.warmdown_window + [loop.val_loss])[-WARMDOWN_WINDOW:]
-        level = sum(st.warmdown_window) / len(st.warmdown_window)
+        if len(st.warmdown_window) < WARMDOWN_WINDOW:
+            return  # a first eval alone would set the bar: one lucky eval is what the window is against
+        level = sum(st.warmdown_window) / WARMDOWN_WINDOW
         gained = level < st.plateau_ref
     else:
         level = loop.val_loss
@@ -614,9 +618,8 @@ def plateau_check(t: Trainer, loop: Loop) -> None:
     best = f"best {st.best_val:.4f} at step {st.best_step}"
     if in_warmdown:
         st.plateau_stopped = True
-        t.log(f"plateau | the mean of the last {WARMDOWN_WINDOW} val losses has not fallen in {st.evals_without_gain} "
-              f"evals during the warmdown ({best}): stopping at "
-              f"{passes:.2f} passes")
+        t.log(f"plateau | the mean of the last {WARMDOWN_WINDOW} val losses has not gone below its lowest in this "
+              f"warmdown for {st.evals_without_gain} evals ({best}): stopping at {passes:.2f} passes")
         loop.stop(0, plateau_outcome(t, loop.used()))
         return
     wd = cfg.warmdown_frac

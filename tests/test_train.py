@@ -146,17 +146,18 @@ def test_budget_stop_two_ranks_then_second_launch_resumes(tmp_path, corpus):
 
 def test_a_run_that_stopped_gaining_in_its_warmdown_stops_and_a_second_launch_trains_no_more(tmp_path, corpus):
     """With the LRs at 0 nothing gains after step 1; the whole run is warmdown (WARMDOWN_FRAC=1), so
-    2 evals in which the mean of the last 2 does not fall end it at step 3, and the same command again
-    resumes and ends at once."""
+    the mean of the last 2 val losses is set at step 2 and 2 evals without a new low of it end the run
+    at step 4, and the same command again resumes and ends at once."""
     args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 128,
             "--matrix_lr", 0, "--embedding_lr", 0, "--unembedding_lr", 0, "--max_steps", 50,
             "--eval_every_steps", 1, "--plateau_evals", 2, "--warmdown_frac", 1]
     proc = run_train(args)
-    assert "plateau | the mean of the last 2 val losses has not fallen in 2 evals during the warmdown" in proc.stdout
-    assert ckpt.complete_steps(tmp_path / "checkpoints/d2")[-1] == 3  # best at 1, no gain at 2 and 3
+    assert "plateau | the mean of the last 2 val losses has not gone below its lowest in this warmdown for 2 evals" \
+        in proc.stdout
+    assert ckpt.complete_steps(tmp_path / "checkpoints/d2")[-1] == 4  # the mean set at 2, no gain at 3 and 4
     again = run_train(args)
     assert "resumed from" in again.stdout and "the val loss stopped improving" in again.stdout
-    assert ckpt.complete_steps(tmp_path / "checkpoints/d2")[-1] == 3
+    assert ckpt.complete_steps(tmp_path / "checkpoints/d2")[-1] == 4
 
 
 def test_bad_data_and_bad_settings_exit_nonzero_and_write_nothing(tmp_path, corpus):
