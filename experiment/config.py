@@ -116,8 +116,9 @@ class TrainConfig:
     eval_tokens: int | None = opt("size of the eval sample: windows at even strides over the val split, the whole "
                                   "split when it holds no more (default 1048576 with CUDA, 65536 without)")
     plateau_evals: int = opt("stop at the val minimum: after this many evals in a row without a gain of "
-                             "plateau_margin, the LR warmdown starts at once and the run ends with it "
-                             "(0: off: train to the budget or MAX_EPOCHS)", PLATEAU_EVALS)
+                             "plateau_margin, the LR warmdown starts at once and the run ends with it; in a "
+                             "warmdown, this many without a new low of the mean of its last two val losses end "
+                             "the run (0: off: train to the budget or MAX_EPOCHS)", PLATEAU_EVALS)
     plateau_margin: float = opt("the gain, as a fraction of the val loss, that counts as an improvement for "
                                 "plateau_evals", PLATEAU_MARGIN)
     sample_tokens: int = opt("tokens sampled at each eval", 64)
