@@ -99,11 +99,17 @@ def pick_backend(cuda: bool, flag: str, local_rank: int, gpus: int) -> tuple[str
     return "nccl", local_rank
 
 
-def setup_distributed(cuda: bool, backend_flag: str = "auto") -> Dist:
-    """torchrun sets RANK/WORLD_SIZE; plain `python -m` runs as a world of one with no process group."""
+def local_backend(cuda: bool, flag: str = "auto") -> tuple[str, int | None]:
+    """pick_backend for this process (torchrun's LOCAL_RANK, the visible GPUs)."""
+    return pick_backend(cuda, flag, int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count() if cuda else 0)
+
+
+def setup_distributed(cuda: bool, backend: tuple[str, int | None] | None = None) -> Dist:
+    """torchrun sets RANK/WORLD_SIZE; plain `python -m` runs as a world of one with no process group.
+    `backend`: local_backend's answer (None: DIST_BACKEND=auto's)."""
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    backend, index = pick_backend(cuda, backend_flag, local_rank, torch.cuda.device_count() if cuda else 0)
+    backend, index = backend or local_backend(cuda)
     device = torch.device("cuda", index) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)

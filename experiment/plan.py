@@ -208,7 +208,8 @@ def plan(cfg: PlanConfig) -> dict:
          "budget_usd": hours * per_hour, "usd_per_hour": per_hour, "tokens": tokens, "train_tokens": train_tokens,
          "counted": counted, "gpus": f"{gpus.count} x {gpus.name}", "peak_flops": gpus.peak,
          "max_passes": chosen["epochs"], "stops_at_val_minimum": PLATEAU_EVALS > 0,
-         "mfu_source": mfu_source, "mfu_measured_on": measured_on, "mfu_by_depth": by_depth, "rule": autosize.rule(best) + f"; never more than {autosize.MAX_EPOCHS} "
+         "mfu_source": mfu_source, "mfu_measured_on": measured_on, "mfu_by_depth": by_depth,
+         "rule": autosize.rule(best) + f"; never more than {autosize.MAX_EPOCHS} "
          "passes (repeated data is worth less and less: Muennighoff et al. 2023)", "rungs": rungs,
          "link_gbps": gpus.link_gbps, "hours_available": cfg.hours_available, "gpu_table": rows,
          "recommended_gpus": min(in_time) if cfg.hours_available is not None and in_time else gpus.count}

@@ -59,6 +59,16 @@ def start_checks(cfg: TrainConfig, run_dir: Path, resume_step: int | None, confi
     return extend.rewind_step(run_dir, resume_step, cfg, prepared.meta["split"]["train_tokens"])
 
 
+def check_ranks_per_gpu(cfg: TrainConfig, gpu: guards.Gpu | None, nproc_per_node: int) -> None:
+    """More ranks on this node than GPUs (under NCCL): refused here, not by each worker and its restarts."""
+    if gpu is None or not torch.cuda.is_available():  # a CUDA-shaped plan on a CPU (the tests) has no GPUs to count
+        return
+    try:
+        pick_backend(True, cfg.dist_backend, nproc_per_node - 1, torch.cuda.device_count())
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def plan_lines(cfg: TrainConfig, prepared: Prepared, config: GPTConfig | None, world_size: int,
                resume_step: int | None, run_dir: Path) -> list[str]:
     split = prepared.meta["split"]
@@ -109,11 +119,7 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
         except ValueError as e:
             raise ConfigError(str(e)) from None
     cfg = resolve(finetune.apply(cfg), gpu is not None, world_size)
-    if gpu is not None and torch.cuda.is_available():  # more ranks than GPUs: refused here, not by each worker
-        try:
-            pick_backend(True, cfg.dist_backend, (nproc_per_node or world_size) - 1, torch.cuda.device_count())
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+    check_ranks_per_gpu(cfg, gpu, nproc_per_node or world_size)
     workspace = Path(cfg.workspace) if cfg.workspace else default_workspace()
     run_dir = workspace / "checkpoints" / cfg.model_tag
     plan_file = workspace / "preflight" / f"{cfg.model_tag}.json"

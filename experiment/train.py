@@ -2,8 +2,9 @@
 
     torchrun --standalone --nproc_per_node=N -m experiment.train [--flags]   (or python -m ...)
 
-Raw DDP (nccl on CUDA, gloo on CPU or with DIST_BACKEND=gloo), ZeRO-1 optimizer shards (experiment/optim.py), bf16 autocast on
-GPU, periodic eval summed over all ranks, best-val tracking, atomic checkpoints, automatic resume.
+Raw DDP (nccl on CUDA, gloo on CPU or with DIST_BACKEND=gloo), ZeRO-1 optimizer shards
+(experiment/optim.py), bf16 autocast on GPU, periodic eval summed over all ranks, best-val tracking,
+atomic checkpoints, automatic resume.
 The budget is wall-clock seconds of the training loop (evals and saves included), persisted across
 restarts; the LR schedule is a function of the budget fraction used, so warmdown ends at the deadline
 whatever the step speed.
@@ -30,7 +31,7 @@ from experiment.checkpoint import CheckpointError, Retention, RunState, pick_res
 from experiment.config import ConfigError, TrainConfig, checkpoint_meta, fill_lrs, parse_args, resolve
 from experiment.dataloader import DataError, Prepared, TokenBatches
 from experiment.distributed import (PHASE_TIMEOUTS, Dist, ParentWatch, StopSignal, all_ranks_ok, broadcast_object,
-                                    gather_objects, pick_backend, resolve_device, setup_distributed,
+                                    gather_objects, local_backend, resolve_device, setup_distributed,
                                     wrap_ddp)
 from experiment.evaluation import eval_coverage, evaluate
 from experiment.files import default_workspace, volume
@@ -312,7 +313,8 @@ def report_facts(cfg: TrainConfig, d: Dist, model: GPT, prepared: Prepared, budg
                 + (f" or {cfg.eval_every_epochs:g} passes" if cfg.eval_every_epochs else "")
                 + (f"; stop at the val minimum: {cfg.plateau_evals} evals without a gain of {cfg.plateau_margin:.1%} "
                    f"at the peak LR start the warmdown, {cfg.plateau_evals} evals in a warmdown without a new low of "
-                   f"the mean of the last {WARMDOWN_WINDOW} val losses end the run" if cfg.plateau_evals else "; no stop at the val minimum (PLATEAU_EVALS=0)"),
+                   f"the mean of the last {WARMDOWN_WINDOW} val losses end the run" if cfg.plateau_evals
+                   else "; no stop at the val minimum (PLATEAU_EVALS=0)"),
     }
 
 
@@ -578,18 +580,10 @@ WARMDOWN_WINDOW = 2
 
 
 def plateau_check(t: Trainer, loop: Loop) -> None:
-    """The stop at the val minimum, on evals after step 0. At the LR's peak an eval gains when its
-    val loss is below the last gaining one's by PLATEAU_MARGIN (a fraction of it: a slow creep adds
-    up to a gain); after PLATEAU_EVALS evals in a row without a gain the warmdown starts at once, as
-    long as the schedule's would be for a run planned to end here (warmdown_frac / (1 -
-    warmdown_frac) of the tokens so far), and the run ends with it. In a warmdown (the schedule's or
-    that one) the count and the reference start afresh, and from its WARMDOWN_WINDOW-th eval on an
-    eval gains when the mean of the warmdown's last WARMDOWN_WINDOW val losses is below its lowest so
-    far: the annealing LR moves the
-    val loss to a level of its own, which an earlier best from the peak LR does not measure, and on a
-    noisy val set (2% from eval to eval on code) one lucky eval must not become the bar (an extended
-    run's warmdown is so held to its own evals too). After PLATEAU_EVALS without a gain the run ends
-    at once: the repetition of the data now outweighs the anneal, and the best step is saved.
+    """The stop at the val minimum, on evals after step 0: at the LR's peak, PLATEAU_EVALS evals in a
+    row without a gain (plateau_gain) start the warmdown at once (start_anneal), and the run ends
+    with it; in a warmdown (the schedule's or that one), PLATEAU_EVALS without a gain end the run at
+    once: the repetition of the data now outweighs the anneal, and the best step is saved already.
     docs/training.md, "The stop at the val minimum"."""
     cfg, st = t.cfg, t.st
     # Rank 0's word on whether a warmdown has begun (the schedule's follows each rank's clock); once
@@ -599,29 +593,49 @@ def plateau_check(t: Trainer, loop: Loop) -> None:
     in_warmdown = bool(t.d.all_reduce(flag, "max").item())
     if in_warmdown and not st.warmdown_seen:  # a count from the peak LR does not carry over
         begin_warmdown_count(st)
-    if in_warmdown:
-        st.warmdown_window = (st.warmdown_window + [loop.val_loss])[-WARMDOWN_WINDOW:]
-        if len(st.warmdown_window) < WARMDOWN_WINDOW:
-            return  # a first eval alone would set the bar: one lucky eval is what the window is against
-        level = sum(st.warmdown_window) / WARMDOWN_WINDOW
-        gained = level < st.plateau_ref
-    else:
-        level = loop.val_loss
-        gained = level < st.plateau_ref * (1 - cfg.plateau_margin)
-    if gained:
-        st.plateau_ref, st.evals_without_gain = level, 0
+    gained = plateau_gain(cfg, st, loop.val_loss, in_warmdown)
+    if gained is None or gained:
         return
     st.evals_without_gain += 1
     if st.evals_without_gain < cfg.plateau_evals:
         return
     passes = st.tokens_seen / t.prepared.meta["split"]["train_tokens"]
     best = f"best {st.best_val:.4f} at step {st.best_step}"
-    if in_warmdown:
-        st.plateau_stopped = True
-        t.log(f"plateau | the mean of the last {WARMDOWN_WINDOW} val losses has not gone below its lowest in this "
-              f"warmdown for {st.evals_without_gain} evals ({best}): stopping at {passes:.2f} passes")
-        loop.stop(0, plateau_outcome(t, loop.used()))
+    if not in_warmdown:
+        start_anneal(t, passes, best)
         return
+    st.plateau_stopped = True
+    t.log(f"plateau | the mean of the last {WARMDOWN_WINDOW} val losses has not gone below its lowest in this "
+          f"warmdown for {st.evals_without_gain} evals ({best}): stopping at {passes:.2f} passes")
+    loop.stop(0, plateau_outcome(t, loop.used()))
+
+
+def plateau_gain(cfg: TrainConfig, st: RunState, val_loss: float, in_warmdown: bool) -> bool | None:
+    """Whether this eval gains (and if so it becomes the reference, the count starts again); None while
+    a warmdown's window fills. At the LR's peak: its val loss is PLATEAU_MARGIN (a fraction) below the
+    last gaining one's, so a slow creep adds up to a gain. In a warmdown: the mean of its last
+    WARMDOWN_WINDOW val losses is below the lowest such mean in it. The annealing LR moves the val
+    loss to a level of its own, which a best from the peak LR does not measure, and on a noisy val
+    set (2% from eval to eval on code) one lucky eval must not become the bar; an extended run's
+    warmdown is so held to its own evals too."""
+    if in_warmdown:
+        st.warmdown_window = (st.warmdown_window + [val_loss])[-WARMDOWN_WINDOW:]
+        if len(st.warmdown_window) < WARMDOWN_WINDOW:
+            return None
+        level = sum(st.warmdown_window) / WARMDOWN_WINDOW
+        gained = level < st.plateau_ref
+    else:
+        level = val_loss
+        gained = level < st.plateau_ref * (1 - cfg.plateau_margin)
+    if gained:
+        st.plateau_ref, st.evals_without_gain = level, 0
+    return gained
+
+
+def start_anneal(t: Trainer, passes: float, best: str) -> None:
+    """The warmdown the val minimum starts: as long as the schedule's would be for a run planned to
+    end here (warmdown_frac / (1 - warmdown_frac) of the tokens so far); the run ends with it."""
+    cfg, st = t.cfg, t.st
     wd = cfg.warmdown_frac
     st.anneal_start_tokens = st.tokens_seen
     st.anneal_tokens = max(cfg.total_batch_size, round(st.tokens_seen * wd / max(1 - wd, 1e-9)))
@@ -957,11 +971,10 @@ def main(argv=None) -> int:
     try:
         try:
             cuda = resolve_device(cfg.device).type == "cuda"
-            pick_backend(cuda, cfg.dist_backend, int(os.environ.get("LOCAL_RANK", 0)),
-                         torch.cuda.device_count() if cuda else 0)
-        except ValueError as e:
+            backend = local_backend(cuda, cfg.dist_backend)
+        except ValueError as e:  # only these: one from the process group itself is no config error
             raise ConfigError(str(e)) from None
-        d = setup_distributed(cuda, cfg.dist_backend)
+        d = setup_distributed(cuda, backend)
         return train(cfg, d)
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

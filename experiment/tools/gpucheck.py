@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from concurrent.futures import ThreadPoolExecutor
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -70,16 +70,17 @@ def run_items(ctx: Ctx, names: list[str], report: Report) -> None:
     then the rest in turn. On a CPU every item runs in turn: 2 cores would make the end-to-end run's
     budget check a test of the machine's load."""
     together = [n for n in names if n in SIDE_BY_SIDE] if ctx.cuda else []
-    order = [n for n in names if n == "env"] + together + [n for n in names if n != "env" and n not in together]
+    first = [n for n in names if n == "env"]
+    rest = [n for n in names if n not in first and n not in together]
     pool = ThreadPoolExecutor(max_workers=max(len(together), 1))
     try:
-        for name in order:
-            if name not in together:
-                report.add(run_item(ctx, name))
-            elif name == together[0]:
-                for item in pool.map(lambda n: run_item(ctx, n), together):
-                    item.side_by_side = True
-                    report.add(item)
+        for name in first:
+            report.add(run_item(ctx, name))
+        for item in pool.map(lambda n: run_item(ctx, n), together):
+            item.side_by_side = True
+            report.add(item)
+        for name in rest:
+            report.add(run_item(ctx, name))
     except BaseException:  # Ctrl-C reaches this thread only: end what the items launched in their own sessions
         ctx.stop_children()
         raise
