@@ -1,16 +1,18 @@
 """DEPTH=auto: the model size that the budget and the data support.
 
-The rule (fitted from the README's sweep of budget x depth on a 2-core CPU, "DEPTH=auto"): a depth is
-eligible if the budget, at its tok/s, gives it at least MIN_TOKENS_PER_PARAM tokens per parameter
-and repeats the training data at most MAX_EPOCHS times; of those, take the one nearest
+The rule (fitted from sweeps of budget x depth on a 2-core CPU and proven on a grid of corpora x data
+sizes x budgets: docs/performance.md, "DEPTH=auto"): each depth may make at most `pass_cap` passes
+over the training data (MAX_EPOCHS, or MIN_STEPS optimizer steps where the data are so small that
+MAX_EPOCHS passes are fewer). A depth is eligible if the budget, at its tok/s, gives it at least
+MIN_TOKENS_PER_PARAM tokens per parameter within that cap; of those, take the one nearest
 TOKENS_PER_PARAM tokens per parameter (in log), which trains for the whole budget. A faster machine
 or a longer budget buys more tokens, so a larger model; a small corpus rules out the small models
 that would cycle through it many times. When none is eligible, the budget outruns the data: take
-the largest depth that MAX_EPOCHS passes give MIN_TOKENS_PER_PARAM (else the smallest), and train
-it for those passes only. The run stops there (train.py), and the rest of the budget, which would
-only repeat the data, is left unspent. A still larger model is not taken to burn the hours: in the
-CPU proof (docs/plan.md) the next depth up, trained for the whole budget, came out 0.45% better
-than this depth stopped at its 8 passes, in 2.2 times the seconds.
+the largest depth that completes the cap's passes within the budget with at least `data_floor`
+tokens per parameter (MIN_TOKENS_PER_PARAM at and above FLOOR_TOKENS training tokens, less on
+smaller data, where the grid's winners were larger models stopped at their val minimum), and train
+it for those passes only (else the smallest depth, for the budget). The run stops there (train.py),
+and the rest of the budget, which would only repeat the data, is left unspent.
 
 The tok/s: on CPU measured here, a few eager steps per depth (probe_and_choose); on CUDA predicted
 (predicted_tok_per_s: the MFU gpucheck measured on one such GPU x its peak x the GPUs, less the gradient
@@ -19,9 +21,9 @@ compiled step takes minutes per depth. The trainer then times the chosen depth's
 says when the rule, at that measured rate, would have picked another depth.
 
 The same arithmetic answers an explicit DEPTH: `supported_depth` is the largest depth on the ladder
-that MAX_EPOCHS passes over the data give MIN_TOKENS_PER_PARAM tokens per parameter, the most the
-rule could ever pick on this data, and `data_lines` warns when a depth will repeat the data more
-than MAX_GOOD_EPOCHS times.
+that the cap's passes over the data give the floor's tokens per parameter, the most the rule could
+ever pick on this data, and `data_lines` warns when a depth will repeat the data more than
+MAX_GOOD_EPOCHS times.
 """
 
 from __future__ import annotations
@@ -51,6 +53,19 @@ MAX_EPOCHS = config.MAX_EPOCHS
 # Checked: the 600 s winner (d6) got 1.1 tokens/param; losers that got less: d4 at 60 s (0.9), d6 at
 # 180 s (0.3), d8 at 600 s (0.2).
 MIN_TOKENS_PER_PARAM = 1.0
+# Fitted on the grid's smallest data (docs/performance.md, "The data branch"): at 19,001 and 47,501
+# training tokens (4,096 tokens a step) the winners reached their val minimum after 38-123 steps,
+# while 8 passes are 37 and 93 steps. Where MAX_EPOCHS passes are fewer than MIN_STEPS optimizer
+# steps, the cap is MIN_STEPS steps' worth of passes; the stop at the val minimum guards the run.
+MIN_STEPS = 80
+MAX_PASS_CAP = 2 * MAX_EPOCHS  # and at most this many: the grid's winners made up to 16.4 passes
+# Fitted on the same cells: a depth that completes its passes needs MIN_TOKENS_PER_PARAM tokens per
+# parameter at FLOOR_TOKENS training tokens (the Tiny Shakespeare sweep the floor came from), and
+# (train tokens / FLOOR_TOKENS) ** FLOOR_EXPONENT of that below. Winners that completed their passes
+# had 0.12 (d6, 19,001 tokens) and 0.46 (d4, 47,501); a loser 0.14 (d6, 47,501): exponents 0.53-0.65
+# separate them.
+FLOOR_TOKENS = 1_000_000
+FLOOR_EXPONENT = 0.6
 LADDER = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64)
 PROBE_STEPS = 2  # timed steps per candidate at the run's micro-batch, after one warm-up step
 
@@ -71,9 +86,11 @@ class Candidate:
     width: int
     params: int
     tok_per_s: float  # measured, all ranks together
-    tokens: float  # in the budget at that rate, at most MAX_EPOCHS passes over the data
+    tokens: float  # in the budget at that rate, at most `cap` passes over the data
     epochs: float  # the passes those tokens make
     budget_epochs: float = 0.0  # the passes the whole budget would make at that rate
+    cap: float = float(MAX_EPOCHS)  # the most passes a run may make on this data (pass_cap)
+    floor: float = MIN_TOKENS_PER_PARAM  # tokens/param a depth that completes them needs (data_floor)
 
     @property
     def tokens_per_param(self) -> float:
@@ -145,14 +162,30 @@ def comm_seconds(config: GPTConfig, gpus: int, link_gbps: float, weight_bytes: i
     return 3 * (gpus - 1) / gpus * count_params(config) * weight_bytes / (link_gbps * 1e9)
 
 
-def candidate(config: GPTConfig, tok_per_s: float, budget_s: float, train_tokens: int) -> Candidate:
-    return at_rate(Candidate(config.depth, config.n_embd, rule_params(config), tok_per_s, 0.0, 0.0), tok_per_s,
-                   budget_s, train_tokens)
+def pass_cap(train_tokens: int, tokens_per_step: int) -> float:
+    """The default cap on passes over the data (MAX_EPOCHS unset), at any depth: MAX_EPOCHS, or as many
+    passes as MIN_STEPS optimizer steps make where the data are smaller than that, up to MAX_PASS_CAP
+    (data of fewer than a few steps: a smaller TOTAL_BATCH_SIZE is the way to more steps)."""
+    steps = math.ceil(10 * MIN_STEPS * tokens_per_step / train_tokens) / 10
+    return float(min(MAX_PASS_CAP, max(MAX_EPOCHS, steps)))
+
+
+def data_floor(train_tokens: int) -> float:
+    """Tokens per parameter that a depth completing its passes needs: MIN_TOKENS_PER_PARAM from
+    FLOOR_TOKENS training tokens up, falling as a power of the data below."""
+    return MIN_TOKENS_PER_PARAM * min(1.0, train_tokens / FLOOR_TOKENS) ** FLOOR_EXPONENT
+
+
+def candidate(config: GPTConfig, tok_per_s: float, budget_s: float, train_tokens: int,
+              tokens_per_step: int) -> Candidate:
+    c = Candidate(config.depth, config.n_embd, rule_params(config), tok_per_s, 0.0, 0.0,
+                  cap=pass_cap(train_tokens, tokens_per_step), floor=data_floor(train_tokens))
+    return at_rate(c, tok_per_s, budget_s, train_tokens)
 
 
 def at_rate(c: Candidate, tok_per_s: float, budget_s: float, train_tokens: int) -> Candidate:
-    """The candidate at another tok/s: the tokens that buys in the budget, at most MAX_EPOCHS passes."""
-    tokens = min(tok_per_s * budget_s, MAX_EPOCHS * train_tokens)
+    """The candidate at another tok/s: the tokens that buys in the budget, at most its cap's passes."""
+    tokens = min(tok_per_s * budget_s, c.cap * train_tokens)
     return dataclasses.replace(c, tok_per_s=tok_per_s, tokens=tokens, epochs=tokens / train_tokens,
                                budget_epochs=tok_per_s * budget_s / train_tokens)
 
@@ -168,19 +201,29 @@ def check_prediction(candidates: list[dict], depth: int, measured: float, budget
     if again.depth == depth:
         return head + f"at that rate the rule picks d{depth} too"
     return head + (f"warning: at that rate the rule picks d{again.depth}; this run keeps d{depth} (a fresh run with "
-                   f"DEPTH={again.depth} MAX_EPOCHS={MAX_EPOCHS} follows the measured rate)")
+                   f"DEPTH={again.depth} MAX_EPOCHS={again.cap:g} follows the measured rate)")
+
+
+def eligible(c: Candidate) -> bool:
+    """The budget branch: at least MIN_TOKENS_PER_PARAM tokens per parameter within the cap."""
+    return c.tokens_per_param >= MIN_TOKENS_PER_PARAM and c.budget_epochs <= c.cap
+
+
+def completes(c: Candidate) -> bool:
+    """The data branch: the budget makes the cap's passes, which give at least the data's floor."""
+    return c.budget_epochs >= c.cap and c.tokens_per_param >= c.floor
 
 
 def choose(candidates: list[Candidate]) -> Candidate:
-    trained = [c for c in candidates if c.tokens_per_param >= MIN_TOKENS_PER_PARAM]
-    eligible = [c for c in trained if c.budget_epochs <= MAX_EPOCHS]
-    if eligible:
-        return min(eligible, key=lambda c: abs(math.log(c.tokens_per_param / TOKENS_PER_PARAM)))
-    return max(trained, key=lambda c: c.params) if trained else min(candidates, key=lambda c: c.params)
+    if budget := [c for c in candidates if eligible(c)]:
+        return min(budget, key=lambda c: abs(math.log(c.tokens_per_param / TOKENS_PER_PARAM)))
+    data = [c for c in candidates if completes(c)]
+    return max(data, key=lambda c: c.params) if data else min(candidates, key=lambda c: c.params)
 
 
 def predict_and_choose(make_config, peak: float, gpus: int, gpu_bytes: int, budget_s: float, train_tokens: int,
-                       link_gbps: float, gpu_name: str) -> tuple[Candidate, list[Candidate]]:
+                       link_gbps: float, gpu_name: str,
+                       tokens_per_step: int = config.CUDA_DEFAULTS["total_batch_size"]) -> tuple[Candidate, list[Candidate]]:
     """CUDA: every ladder depth that the memory plan fits on these GPUs (at one sequence per
     micro-batch), at its predicted tok/s; then choose."""
     candidates = []
@@ -188,16 +231,18 @@ def predict_and_choose(make_config, peak: float, gpus: int, gpu_bytes: int, budg
         config = make_config(depth)
         if (fit := choose_mode(config, gpus, 1, config.max_seq_len, gpu_bytes)) is None:
             break
-        rate = predicted_tok_per_s(config, peak, gpus, link_gbps, WEIGHT_BYTES[fit.precision], gpu_name=gpu_name)
-        candidates.append(candidate(config, rate, budget_s, train_tokens))
+        rate = predicted_tok_per_s(config, peak, gpus, link_gbps, WEIGHT_BYTES[fit.precision], tokens_per_step,
+                                   gpu_name=gpu_name)
+        candidates.append(candidate(config, rate, budget_s, train_tokens, tokens_per_step))
     return choose(candidates), candidates
 
 
 def probe_and_choose(make_config, batch: int, device: torch.device, world_size: int, budget_s: float,
-                     train_tokens: int) -> tuple[Candidate, list[Candidate]]:
-    """Measure the ladder from the smallest depth up until no larger depth can be chosen (one below
-    MIN_TOKENS_PER_PARAM, or below half the target and within MAX_EPOCHS: larger ones only get
-    fewer tokens per parameter), then choose. make_config(depth) -> GPTConfig."""
+                     train_tokens: int, tokens_per_step: int) -> tuple[Candidate, list[Candidate]]:
+    """Measure the ladder from the smallest depth up until no larger depth can be chosen (larger ones
+    only get fewer tokens per parameter and fewer passes: one below the data's floor, one that neither
+    completes its passes nor reaches MIN_TOKENS_PER_PARAM, or one eligible below half the target),
+    then choose. make_config(depth) -> GPTConfig."""
     candidates = []
     for depth in ladder(make_config(2).aspect_ratio, make_config(2).head_dim):
         config = make_config(depth)
@@ -208,10 +253,9 @@ def probe_and_choose(make_config, batch: int, device: torch.device, world_size: 
         finally:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        candidates.append(candidate(config, rate, budget_s, train_tokens))
-        c = candidates[-1]
-        if c.tokens_per_param < MIN_TOKENS_PER_PARAM or (c.tokens_per_param < TOKENS_PER_PARAM / 2
-                                                          and c.budget_epochs <= MAX_EPOCHS):
+        candidates.append(c := candidate(config, rate, budget_s, train_tokens, tokens_per_step))
+        if (c.tokens_per_param < c.floor or (c.budget_epochs < c.cap and c.tokens_per_param < MIN_TOKENS_PER_PARAM)
+                or (eligible(c) and c.tokens_per_param < TOKENS_PER_PARAM / 2)):
             break
     return choose(candidates), candidates
 
@@ -224,29 +268,38 @@ def reason(c: Candidate, candidates: list[Candidate], how: str = "measured") -> 
 
 def rule(c: Candidate) -> str:
     """Which branch of the rule chose c, in words."""
-    if c.budget_epochs <= MAX_EPOCHS:
+    if eligible(c):
         return (f"nearest {TOKENS_PER_PARAM:g} tokens/param of those with >= {MIN_TOKENS_PER_PARAM:g} in at most "
-                f"{MAX_EPOCHS} epochs of the budget")
-    return (f"the budget outruns the data: the largest depth with >= {MIN_TOKENS_PER_PARAM:g} tokens/param in "
-            f"{MAX_EPOCHS} epochs, stopped there")
+                f"{c.cap:g} epochs of the budget")
+    if completes(c):
+        return (f"the budget outruns the data: the largest depth with >= {c.floor:.2g} tokens/param in "
+                f"{c.cap:g} epochs, stopped there")
+    return "no depth has enough tokens: the smallest, for the budget"
 
 
-def supported_depth(make_config, train_tokens: int) -> int | None:
-    """The largest ladder depth that MAX_EPOCHS passes over train_tokens give MIN_TOKENS_PER_PARAM
+def supported_depth(make_config, train_tokens: int, tokens_per_step: int) -> int | None:
+    """The largest ladder depth that the cap's passes over train_tokens give the data's floor of
     tokens per parameter; None if even the smallest is too large."""
+    cap, floor = pass_cap(train_tokens, tokens_per_step), data_floor(train_tokens)
     fits = [d for d in ladder(make_config(2).aspect_ratio, make_config(2).head_dim)
-            if MAX_EPOCHS * train_tokens / rule_params(make_config(d)) >= MIN_TOKENS_PER_PARAM]
+            if cap * train_tokens / rule_params(make_config(d)) >= floor]
     return max(fits) if fits else None
 
 
-def data_lines(depth: int, make_config, total_tokens: float, train_tokens: int, auto: bool = False) -> list[str]:
+def supports(make_config, train_tokens: int, tokens_per_step: int) -> str:
+    """supported_depth and its bound, in words (the pre-flight's and the planner's line)."""
+    best = supported_depth(make_config, train_tokens, tokens_per_step)
+    return (f"{f'd{best}' if best else 'less than the smallest depth'} ({data_floor(train_tokens):.2g} token/param "
+            f"over at most {pass_cap(train_tokens, tokens_per_step):g} epochs)")
+
+
+def data_lines(depth: int, make_config, total_tokens: float, train_tokens: int, tokens_per_step: int,
+               auto: bool = False) -> list[str]:
     """The depth the data supports, and a warning when this depth will repeat the data more than
     MAX_GOOD_EPOCHS times in the budget."""
-    best = supported_depth(make_config, train_tokens)
     params = rule_params(make_config(depth))
     lines = [f"planner | the data ({train_tokens:,} train tokens) supports up to "
-             f"{'d' + str(best) if best else 'less than the smallest depth'} ({MIN_TOKENS_PER_PARAM:g} token/param "
-             f"over at most {MAX_EPOCHS} epochs); d{depth} has {params:,} params"]
+             f"{supports(make_config, train_tokens, tokens_per_step)}; d{depth} has {params:,} params"]
     epochs = total_tokens / train_tokens
     if epochs > MAX_GOOD_EPOCHS:
         fix = "more data" if auto else "DEPTH=auto, a smaller DEPTH, more data or a smaller budget"

@@ -79,7 +79,8 @@ class TrainConfig:
     budget_usd: float | None = opt("if set: hours = budget_usd / (gpu_hourly_usd x world size)")
     gpu_hourly_usd: float = opt("price of one GPU-hour, for budget_usd", 4.0)
     max_epochs: float | None = opt("stop after this many passes over the training data, the LR schedule planned "
-                                    "for them (default 8; 0: none)")
+                                    "for them (default 8, or 80 optimizer steps' worth where 8 passes make fewer: "
+                                    "experiment/autosize.py; 0: none)")
     allow: str = opt("pre-flight guards to pass on CUDA, comma-separated: demo (train on the built-in demo data), "
                      "repeat (an explicit DEPTH whose budget repeats the data more than 8 times, with MAX_EPOCHS=0 or above 8), disk (less free "
                      "space than the checkpoints need)", "")
@@ -197,11 +198,9 @@ def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
     cfg = dataclasses.replace(cfg, **{k: v for k, v in defaults.items() if getattr(cfg, k) is None})
     if not (cfg.depth == "auto" or isinstance(cfg.depth, int) and cfg.depth > 0):
         raise ConfigError(f"--depth must be a positive number of layers or auto, got {cfg.depth!r}")
-    if cfg.max_epochs is None:
-        cfg.max_epochs = float(MAX_EPOCHS)  # an explicit depth too: the plan's DEPTH=32 must launch as planned
     if cfg.bigram_embed is None:  # measured on characters only (docs/performance.md, the recipe's ablation)
         cfg.bigram_embed = int(cfg.tokenizer == "char")
-    if cfg.max_epochs < 0:
+    if cfg.max_epochs is not None and cfg.max_epochs < 0:
         raise ConfigError(f"--max_epochs must be >= 0 (0: no limit), got {cfg.max_epochs}")
     for name in ("eval_every_epochs", "plateau_evals"):
         if getattr(cfg, name) < 0:

@@ -6,8 +6,9 @@ the run will train, one checkpoint's size and the disk that retention needs. The
 a ConfigError (exit 2, after the plan line) unless ALLOW names it:
 
     demo    the run would train on the built-in demo data (the corpus is not where it looks)
-    repeat  the run would repeat the training data more than MAX_EPOCHS times (MAX_EPOCHS set to 0
-            or above 8 with an explicit DEPTH: more than the data can use; the default 8 stops there)
+    repeat  the run would repeat the training data more than the default cap (autosize.pass_cap: 8
+            passes, more on data of few optimizer steps) because MAX_EPOCHS is set to 0 or above it
+            with an explicit DEPTH: more than the data can use; the default stops there
     disk    the free space under WORKSPACE (plus what the run directory already holds, which
             retention replaces) is below the planned peak: KEEP_LAST + EXTRA_CHECKPOINTS (the
             best, the newest one from before the warmdown, the one being written)
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 from experiment import autosize
-from experiment.config import MAX_EPOCHS, ConfigError, TrainConfig
+from experiment.config import ConfigError, TrainConfig
 from experiment.files import volume
 from experiment.hardware import link_gbps, peak_flops
 from experiment.memory import checkpoint_bytes, checkpoint_precision, staged_bytes_per_rank
@@ -47,6 +48,7 @@ class GpuPlan:
     tok_per_s: float  # predicted, all GPUs
     budget_epochs: float  # passes over the training data the whole budget buys
     epochs: float  # the passes the run trains: the budget's, or MAX_EPOCHS when fewer
+    default_cap: float  # the passes MAX_EPOCHS unset stops at on this data (autosize.pass_cap)
     hours: float  # the hours those take
     checkpoint_bytes: int
     staged_rank_bytes: int  # the largest rank's share staged in pinned host memory (background saves)
@@ -71,7 +73,8 @@ def auto_depth(cfg: TrainConfig, make_config, gpu: Gpu, world_size: int, train_t
     if gpu.peak is None:
         return None
     chosen, _ = autosize.predict_and_choose(make_config, gpu.peak, world_size, gpu.memory_bytes,
-                                            cfg.training_hours * 3600, train_tokens, link_gbps(gpu.name), gpu.name)
+                                            cfg.training_hours * 3600, train_tokens, link_gbps(gpu.name), gpu.name,
+                                            cfg.total_batch_size)
     return chosen.depth
 
 
@@ -85,7 +88,8 @@ def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: 
     epochs = min(budget_epochs, cfg.max_epochs or budget_epochs)
     ckpt = checkpoint_bytes(config, world_size, gpu.memory_bytes, cfg.precision)
     staged = max(staged_bytes_per_rank(config, world_size, precision, pinned=True))
-    return GpuPlan(config.depth, rate, budget_epochs, epochs, epochs * train_tokens / rate / 3600, ckpt, staged,
+    return GpuPlan(config.depth, rate, budget_epochs, epochs, autosize.pass_cap(train_tokens, cfg.total_batch_size),
+                   epochs * train_tokens / rate / 3600, ckpt, staged,
                    (cfg.keep_last + EXTRA_CHECKPOINTS) * ckpt, ckpt / (DISK_WRITE_GBPS * 1e9))
 
 
@@ -140,10 +144,11 @@ def check(cfg: TrainConfig, p: GpuPlan | None, demo: bool, workspace: Path, run_
     if demo and "demo" not in allowed:
         errors.append(f"no *.txt in {workspace / 'data'}: this would train on the built-in demo data; put the "
                       "corpus there or set DATA_DIR (ALLOW=demo trains on the demo)")
-    if p is not None and p.epochs > MAX_EPOCHS and "repeat" not in allowed:
+    if p is not None and p.epochs > p.default_cap + 1e-9 and "repeat" not in allowed:
         errors.append(f"d{p.depth} would see the training data {p.epochs:.1f} times in the {cfg.training_hours:g}h "
-                      f"budget (predicted), past {MAX_EPOCHS} (repeated data is worth less and less); leave MAX_EPOCHS "
-                      f"unset (MAX_EPOCHS={MAX_EPOCHS} stops there), use DEPTH=auto, fewer TRAINING_HOURS, or ALLOW=repeat")
+                      f"budget (predicted), past {p.default_cap:g} (repeated data is worth less and less); leave "
+                      f"MAX_EPOCHS unset (it then stops at {p.default_cap:g}), use DEPTH=auto, fewer TRAINING_HOURS, or "
+                      "ALLOW=repeat")
     if p is not None and "disk" not in allowed and not resume and (short := disk_shortfall(cfg, p.checkpoint_bytes,
                                                                                            run_dir)):
         errors.append(short + "; free space, lower KEEP_LAST, or ALLOW=disk")

@@ -15,6 +15,7 @@ import socket
 import time
 from pathlib import Path
 
+from experiment import autosize
 from experiment import checkpoint as ckpt
 from experiment import finetune
 from experiment.config import ConfigError, TrainConfig
@@ -160,6 +161,13 @@ def eval_prompt_ids(cfg: TrainConfig, prepared: Prepared) -> list[int]:
     except ValueError as e:
         raise ConfigError(f"--eval_prompt: {e}") from None
     return ids[-cfg.max_seq_len :]
+
+
+def fill_pass_cap(cfg: TrainConfig, prepared: Prepared) -> None:
+    """MAX_EPOCHS unset: the default cap on passes, which follows the data (autosize.pass_cap), set
+    where the data are first known (the pre-flight, then every rank of the trainer alike)."""
+    if cfg.max_epochs is None:
+        cfg.max_epochs = autosize.pass_cap(prepared.meta["split"]["train_tokens"], cfg.total_batch_size)
 
 
 def model_config(cfg: TrainConfig, prepared: Prepared) -> GPTConfig:

@@ -137,12 +137,12 @@ def rung(depth: int, cfg: PlanConfig, gpus: Gpus, train_tokens: int, budget_s: f
     fits = predicted is not None
     rate = predicted[0] if fits else autosize.predicted_tok_per_s(config, gpus.peak, gpus.count, gpus.link_gbps,
                                                                   gpu_name=gpus.name)
-    c = autosize.candidate(config, rate, budget_s, train_tokens)
+    c = autosize.candidate(config, rate, budget_s, train_tokens, CUDA_DEFAULTS["total_batch_size"])
     ckpt = checkpoint_bytes(config, gpus.count, gpus.memory_bytes)
     return {"depth": depth, "params": c.params, "tok_per_s": c.tok_per_s, "fits": fits,
             "hours_per_pass": train_tokens / c.tok_per_s / 3600, "useful_hours": c.seconds / 3600,
             "tokens": c.tokens, "tokens_per_param": c.tokens_per_param, "epochs": c.epochs,
-            "budget_epochs": c.budget_epochs,
+            "budget_epochs": c.budget_epochs, "cap": c.cap, "floor": c.floor,
             "checkpoint_gb": ckpt / 1e9, "disk_peak_gb": (cfg.keep_last + EXTRA_CHECKPOINTS) * ckpt / 1e9,
             "save_minutes": ckpt / (cfg.disk_write_gbps * 1e9) / 60}
 
@@ -196,7 +196,8 @@ def plan(cfg: PlanConfig) -> dict:
     rungs = [rung(d, cfg, gpus, train_tokens, hours * 3600, vocab) for d in ladder]
     fitting = [r for r in rungs if r["fits"]]
     candidates = [autosize.Candidate(r["depth"], r["depth"] * CUDA_DEFAULTS["aspect_ratio"], r["params"],
-                                     r["tok_per_s"], r["tokens"], r["epochs"], r["budget_epochs"]) for r in fitting]
+                                     r["tok_per_s"], r["tokens"], r["epochs"], r["budget_epochs"], r["cap"], r["floor"])
+                  for r in fitting]
     best = autosize.choose(candidates)
     chosen = next(r for r in fitting if r["depth"] == best.depth)
     per_hour = cfg.gpu_hourly_usd * gpus.count
@@ -209,7 +210,8 @@ def plan(cfg: PlanConfig) -> dict:
          "counted": counted, "gpus": f"{gpus.count} x {gpus.name}", "peak_flops": gpus.peak,
          "max_passes": chosen["epochs"], "stops_at_val_minimum": PLATEAU_EVALS > 0,
          "mfu_source": mfu_source, "mfu_measured_on": measured_on, "mfu_by_depth": by_depth,
-         "rule": autosize.rule(best) + f"; never more than {autosize.MAX_EPOCHS} "
+         "pass_cap": best.cap,
+         "rule": autosize.rule(best) + f"; never more than {best.cap:g} "
          "passes (repeated data is worth less and less: Muennighoff et al. 2023)", "rungs": rungs,
          "link_gbps": gpus.link_gbps, "hours_available": cfg.hours_available, "gpu_table": rows,
          "recommended_gpus": min(in_time) if cfg.hours_available is not None and in_time else gpus.count}
@@ -229,14 +231,14 @@ def table(p: dict) -> str:
              f"not measured on these GPUs; * outside d{min(by_depth)}-d{max(by_depth)} the nearest measured MFU is "
              "taken (small depths: an upper bound)",
              f"{'depth':>5} {'params':>8} {'tok/s':>11} {'1 pass h':>9} {'4 passes h':>11} "
-             f"{f'{autosize.MAX_EPOCHS} passes h':>11} {'useful h':>9} {'tok/param':>9} {'ckpt GB':>8} "
+             f"{str(round(p['pass_cap'], 1)) + ' passes h':>11} {'useful h':>9} {'tok/param':>9} {'ckpt GB':>8} "
              f"{'disk GB':>8} {'save min':>8}"]
     for r in p["rungs"]:
         measured_depth = min(by_depth) <= r["depth"] <= max(by_depth)
         rate = f"{r['tok_per_s']:,.0f}" + ("" if measured_depth else "*")
         lines.append(f"{'d' + str(r['depth']):>5} {_count(r['params']):>8} {rate:>11} "
                      f"{r['hours_per_pass']:>9.2f} {4 * r['hours_per_pass']:>11.2f} "
-                     f"{autosize.MAX_EPOCHS * r['hours_per_pass']:>11.2f} {r['useful_hours']:>9.2f} "
+                     f"{p['pass_cap'] * r['hours_per_pass']:>11.2f} {r['useful_hours']:>9.2f} "
                      f"{r['tokens_per_param']:>9.1f} {r['checkpoint_gb']:>8.1f} {r['disk_peak_gb']:>8.0f} "
                      f"{r['save_minutes']:>8.1f}" + ("" if r["fits"] else "  does not fit in memory"))
     lines += ["plan | disk GB: KEEP_LAST + the best + the one before the warmdown + the one being written; save min: one checkpoint at the "

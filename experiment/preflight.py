@@ -32,8 +32,8 @@ from experiment.dataloader import DataError, Prepared
 from experiment.distributed import pick_backend, resolve_device
 from experiment.files import atomic_write_json, default_workspace
 from experiment.hardware import host_available_bytes
-from experiment.launch import (check_not_running, check_resume_target, depth_for, eval_prompt_ids, make_config, model_config,
-                               prepare_data, uses_demo)
+from experiment.launch import (check_not_running, check_resume_target, depth_for, eval_prompt_ids, fill_pass_cap,
+                               make_config, model_config, prepare_data, uses_demo)
 from experiment.memory import checkpoint_bytes
 from experiment.mixture import source_weights
 from experiment.model import GPTConfig
@@ -76,14 +76,13 @@ def plan_lines(cfg: TrainConfig, prepared: Prepared, config: GPTConfig | None, w
     chosen = " (DEPTH=auto, from the predicted tok/s)" if config and cfg.depth == "auto" and resume_step is None else ""
     model = (f"model d{config.depth}{chosen} width {config.n_embd}, {config.n_head} heads" if config else
              "model auto (depth chosen at start from the throughput measured there)")
-    supported = autosize.supported_depth(make_config(cfg, prepared), split["train_tokens"])
     return [
         f"preflight | data {prepared.dir} | {split['train_tokens']:,} train tokens, {split['val_tokens']:,} val "
         f"tokens | vocabulary {prepared.meta['vocab_size']}",
         f"preflight | {model}, context {cfg.max_seq_len} | world {world_size} | {cfg.total_batch_size:,} tokens/step = "
         f"{cfg.total_batch_size / split['train_tokens']:.4f} epochs/step | budget {cfg.training_hours:.3f}h",
-        f"preflight | the data supports up to {f'd{supported}' if supported else 'less than d2'} "
-        f"({autosize.MIN_TOKENS_PER_PARAM:g} token/param over at most {autosize.MAX_EPOCHS} epochs)",
+        f"preflight | the data supports up to "
+        f"{autosize.supports(make_config(cfg, prepared), split['train_tokens'], cfg.total_batch_size)}",
         f"preflight | {resume}",
     ]
 
@@ -129,6 +128,7 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
     check_not_running(run_dir)  # before minutes of data preparation, not after
     demo = uses_demo(cfg, workspace)
     prepared = prepare_data(cfg, workspace, log)
+    fill_pass_cap(cfg, prepared)
     weights = source_weights(prepared.meta, cfg.data_mix)
     resume_step = ckpt.pick_resume_step(run_dir, cfg.resume, log)
     depth, train_tokens = depth_for(cfg, run_dir, resume_step), prepared.meta["split"]["train_tokens"]

@@ -151,6 +151,7 @@ def prepare_data(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path,
         try:
             lock = launch.hold_trainer_lock(run_dir)
             prepared = launch.prepare_data(cfg, workspace, log)
+            launch.fill_pass_cap(cfg, prepared)
             resume_step = pick_resume_step(run_dir, cfg.resume, log, quarantine=True)
             train_tokens = prepared.meta["split"]["train_tokens"]
             setup = {"prepared": str(prepared.dir), "resume_step": resume_step,
@@ -161,7 +162,9 @@ def prepare_data(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path,
     setup = broadcast_object(setup, d)
     if "error" in setup:
         raise ConfigError(setup["error"])
-    return Prepared.load(setup["prepared"]), setup["resume_step"], setup["rewind_step"], lock
+    prepared = Prepared.load(setup["prepared"])
+    launch.fill_pass_cap(cfg, prepared)  # the other ranks: the same cap from the same data
+    return prepared, setup["resume_step"], setup["rewind_step"], lock
 
 
 def build_model_and_optimizer(cfg: TrainConfig, d: Dist, model_config: GPTConfig, log: RunLog,
@@ -384,10 +387,11 @@ def choose_depth(cfg: TrainConfig, d: Dist, gpu: guards.Gpu | None, prepared: Pr
     if predicted:
         chosen, candidates = autosize.predict_and_choose(make_config, gpu.peak, d.world_size, gpu.memory_bytes,
                                                          cfg.training_hours * 3600, train_tokens, link_gbps(gpu.name),
-                                                         gpu.name)
+                                                         gpu.name, cfg.total_batch_size)
     else:
         chosen, candidates = autosize.probe_and_choose(make_config, cfg.device_batch_size or 1, d.device,
-                                                       d.world_size, cfg.training_hours * 3600, train_tokens)
+                                                       d.world_size, cfg.training_hours * 3600, train_tokens,
+                                                       cfg.total_batch_size)
     how = "predicted" if predicted else "measured"
     auto = broadcast_object({"depth": chosen.depth, "reason": autosize.reason(chosen, candidates, how), "how": how,
                              "candidates": [dataclasses.asdict(c) for c in candidates]}, d)
@@ -890,7 +894,7 @@ def plan_from_measured_rate(t: Trainer, loop: Loop, rate: float) -> None:
               "trains the whole budget)")
     total = min(st.tokens_seen + rate * left, t.max_tokens)
     for line in autosize.data_lines(cfg.depth, launch.make_config(cfg, t.prepared), total, train_tokens,
-                                    auto=t.run_meta["auto"] is not None):
+                                    cfg.total_batch_size, auto=t.run_meta["auto"] is not None):
         t.log(line)
     if t.weights:
         for line in source_epoch_lines(total, t.weights, t.prepared.meta["source_splits"]):

@@ -26,7 +26,7 @@ def ladder_at(rate_d2: float, budget_s: float, train_tokens: int) -> list[Candid
     """Candidates whose tok/s falls with FLOPs per token, as measured ones do."""
     base = make_config(2)
     return [candidate(make_config(d), rate_d2 * 6 * count_params(base) / (6 * count_params(make_config(d))),
-                      budget_s, train_tokens) for d in autosize.ladder(32, 64)]
+                      budget_s, train_tokens, 4096) for d in autosize.ladder(32, 64)]
 
 
 def test_choice_grows_with_the_budget():
@@ -42,14 +42,14 @@ def test_rule_picks_the_sweeps_winners_from_their_measured_speeds():
               600: {2: 77_400, 4: 19_100, 6: 6_670}}
     winners = {60: 2, 180: 4, 600: 6}
     for budget, rates in speeds.items():
-        cands = [candidate(make_config(d), r, budget, train_tokens) for d, r in rates.items()]
+        cands = [candidate(make_config(d), r, budget, train_tokens, 4096) for d, r in rates.items()]
         assert choose(cands).depth == winners[budget], budget
     # The sweep again with the bigram table and the LR by depth (reports/autosize-refit.jsonl), on a
     # machine where d4 ran relatively slower: the same winners.
     speeds = {60: {2: 65_288, 4: 12_531, 6: 3_879}, 180: {2: 61_605, 4: 13_007, 6: 4_716},
               600: {4: 14_287, 6: 5_143, 8: 2_223}}
     for budget, rates in speeds.items():
-        cands = [candidate(make_config(d), r, budget, train_tokens) for d, r in rates.items()]
+        cands = [candidate(make_config(d), r, budget, train_tokens, 4096) for d, r in rates.items()]
         assert choose(cands).depth == winners[budget], budget
 
 
@@ -58,7 +58,7 @@ def test_a_budget_that_outruns_the_data_buys_no_bigger_model_and_no_more_passes(
     # nothing, and the candidates' tokens never exceed 8 passes.
     chosen = [choose(ladder_at(80_000, s, 10**6)) for s in (60_000, 600_000, 6_000_000)]
     assert len({(c.depth, c.tokens) for c in chosen}) == 1
-    assert chosen[0].depth == supported_depth(make_config, 10**6)  # the largest that 8 passes train
+    assert chosen[0].depth == supported_depth(make_config, 10**6, 4096)  # the largest that 8 passes train
     assert chosen[0].tokens == autosize.MAX_EPOCHS * 10**6 and chosen[0].seconds < 60_000
     assert all(c.epochs <= autosize.MAX_EPOCHS for c in ladder_at(80_000, 6_000_000, 10**6))
 
@@ -113,9 +113,53 @@ def test_choice_is_the_candidate_nearest_the_target_ratio():
     assert choose([e, c("F", 9000, 100, 0.1)]).depth == "E"  # none trained: the smallest
 
 
+def test_small_data_caps_by_steps_and_lowers_the_floor_for_a_depth_that_completes_its_passes():
+    """The data branch on small data (docs/performance.md, "DEPTH=auto on a grid"): hand-worked numbers
+    first, then the grid's smallest cells replayed from the tok/s their sweeps measured."""
+    assert (autosize.MIN_STEPS, autosize.MAX_PASS_CAP, autosize.FLOOR_TOKENS) == (80, 16, 1_000_000)
+    assert autosize.pass_cap(47_501, 4096) == 8  # 8 passes are 93 steps
+    assert autosize.pass_cap(28_501, 4096) == 11.5  # 80 steps (8 passes would be 56)
+    assert autosize.pass_cap(19_001, 4096) == 16  # 80 steps would be 17.3 passes: at most 16
+    assert autosize.pass_cap(5_000_000, 524_288) == 8.4  # a GPU's batch on 5M tokens
+    assert autosize.data_floor(10**6) == autosize.data_floor(10**9) == 1.0
+    assert autosize.data_floor(10**5) == pytest.approx(0.1 ** 0.6)
+
+    def c(name, params, budget_epochs):  # 1,000 training tokens, a cap of 16 passes, a floor of 0.1
+        tokens = min(budget_epochs, 16) * 1000
+        return Candidate(name, 0, params, 1.0, tokens, tokens / 1000, budget_epochs, cap=16.0, floor=0.1)
+
+    small, mid = c("S", 5_000, 200.0), c("M", 60_000, 40.0)  # 3.2 and 0.27 tokens/param, both complete
+    big = c("B", 150_000, 20.0)  # 0.107: over the floor, and completes its 16 passes
+    huge = c("H", 140_000, 15.0)  # as many tokens per parameter, but the budget ends before 16 passes
+    assert choose([small, mid, big]).depth == "B"
+    assert choose([small, mid, huge]).depth == "M"
+    assert choose([small, mid, c("T", 170_000, 30.0)]).depth == "M"  # 0.094: under the floor
+
+    # Tok/s the grid's sweeps measured (training tokens / seconds used, evals included) in the cells of
+    # 20,000 and 50,000 characters (19,001 and 47,501 training tokens), and each cell's winner; at
+    # Tiny Shakespeare 20,000/30 s the sweep's d2 won by 0.3% over d4 (within the goal), the rule takes d4.
+    grid = {(19_001, 30): ({2: 52_531, 4: 13_292, 6: 5_098, 8: 2_324}, 4),  # code
+            (19_001, 90): ({2: 61_606, 4: 14_352, 6: 5_172, 8: 2_401}, 6),
+            (47_501, 30): ({2: 62_693, 4: 14_879, 6: 5_360, 8: 2_454}, 4),
+            (47_501, 90): ({2: 51_630, 4: 13_554, 6: 5_168}, 4),
+            (19_001, 31): ({2: 67_149, 4: 14_585, 6: 5_334, 8: 2_224}, 4),  # Tiny Shakespeare (31: 30 s)
+            (19_001, 91): ({2: 53_997, 4: 13_383, 6: 5_232, 8: 2_377}, 6),
+            (47_501, 32): ({2: 69_304, 4: 15_236, 6: 5_469, 8: 2_405}, 4),
+            (47_501, 92): ({2: 72_365, 4: 15_028, 6: 5_290, 8: 2_324}, 4)}
+    cpu = lambda d: GPTConfig(vocab_size=100, depth=d, aspect_ratio=32, head_dim=64, max_seq_len=256, bigram_vocab=100)
+    for (tokens, seconds), (rates, winner) in grid.items():
+        budget = 30 if seconds < 60 else 90
+        cands = [candidate(cpu(d), r, budget, tokens, 4096) for d, r in rates.items()]
+        assert choose(cands).depth == winner, (tokens, seconds)
+        assert not any(autosize.eligible(x) for x in cands)  # all in the data branch
+        # The rule before the floor and the cap followed the data: d2 for 8 passes in every cell.
+        old = [dataclasses.replace(x, cap=8.0, floor=1.0, tokens=min(x.budget_epochs, 8) * tokens) for x in cands]
+        assert choose(old).depth == 2
+
+
 def test_supported_depth_follows_the_corpus_size():
     sizes = [10**5, 10**6, 10**8, 10**10]
-    depths = [supported_depth(make_config, n) for n in sizes]
+    depths = [supported_depth(make_config, n, 4096) for n in sizes]
     assert depths[0] is None or depths[0] <= depths[1]
     assert depths[1:] == sorted(depths[1:]) and depths[-1] > depths[1]
     d = depths[2]  # the largest depth the data trains to the target ratio, and the next one does not
@@ -128,28 +172,32 @@ def test_supported_depth_follows_the_corpus_size():
 def test_an_explicit_depth_that_repeats_the_data_gets_a_warning():
     # The original question: a d64 for 31 h on 8 GPUs over a small corpus.
     gpu = lambda d: GPTConfig(vocab_size=50304, depth=d, aspect_ratio=64, head_dim=128, max_seq_len=2048)
-    lines = data_lines(64, gpu, total_tokens=8 * 31 * 3600 * 20_000, train_tokens=10**8)
+    lines = data_lines(64, gpu, total_tokens=8 * 31 * 3600 * 20_000, train_tokens=10**8, tokens_per_step=524288)
     assert "supports up to d" in lines[0] and "d64 has" in lines[0]
     assert lines[1].startswith("warning: d64 will see the training data 178.6 times")
-    assert len(data_lines(64, gpu, total_tokens=2 * 10**8, train_tokens=10**8)) == 1
+    assert len(data_lines(64, gpu, total_tokens=2 * 10**8, train_tokens=10**8, tokens_per_step=524288)) == 1
 
 
 def test_probe_measures_the_ladder_and_stops_below_half_the_target(monkeypatch):
     """The probe with rates given per depth, so that each depth's tokens per parameter is known: it
     stops after the first depth below half the target (6.25) within 8 passes, or below 1 token/param
     when the budget repeats the data more (hand-worked stops, not a copy of the condition)."""
-    cfg = lambda d: GPTConfig(vocab_size=64, depth=d, aspect_ratio=32, head_dim=32, max_seq_len=32)
+    # Wide enough that the small corpus below holds over 10^6 tokens: the data's floor is then 1 token/param.
+    cfg = lambda d: GPTConfig(vocab_size=64, depth=d, aspect_ratio=64, head_dim=64, max_seq_len=32)
     budget = 100.0
-    ratios = dict(zip(autosize.ladder(32, 32), [100, 20, 5, 3, 0.5, 0.1, 0.05]))  # tokens/param the budget buys
+    ratios = dict(zip(autosize.ladder(64, 64), [100, 20, 5, 3, 0.5, 0.1, 0.05]))  # tokens/param the budget buys
     monkeypatch.setattr(autosize, "measure_tok_per_s", lambda config, batch, device:
                         ratios[config.depth] * autosize.rule_params(config) / budget)
-    chosen, cands = autosize.probe_and_choose(cfg, 2, torch.device("cpu"), 1, budget_s=budget, train_tokens=10**12)
+    chosen, cands = autosize.probe_and_choose(cfg, 2, torch.device("cpu"), 1, budget_s=budget, train_tokens=10**12,
+                                              tokens_per_step=64)
     assert [c.depth for c in cands] == [2, 4, 6] and chosen.depth == 4  # 20 is nearest 12.5 in log
     # A small corpus: every budget repeats the data past 8 passes, so each depth trains 8 passes, 8 x
     # `few` tokens, 0.9 tokens/param at d8; only "below 1 token/param" stops the probe, after d8,
     # and with none within 8 passes the largest depth with >= 1 token/param is chosen.
     few = int(0.9 * autosize.rule_params(cfg(8)) / 8)
-    chosen, cands = autosize.probe_and_choose(cfg, 2, torch.device("cpu"), 1, budget_s=budget, train_tokens=few)
+    assert few > autosize.FLOOR_TOKENS
+    chosen, cands = autosize.probe_and_choose(cfg, 2, torch.device("cpu"), 1, budget_s=budget, train_tokens=few,
+                                              tokens_per_step=64)
     assert [c.depth for c in cands] == [2, 4, 6, 8] and chosen.depth == 6
     assert all(c.budget_epochs > 8 and c.tokens == 8 * few for c in cands)
     assert [c.tokens_per_param >= 1 for c in cands] == [True, True, True, False]
@@ -160,8 +208,8 @@ def test_depth_flag_takes_auto_or_a_positive_number():
     assert parse_args(["--depth", "6"]).depth == 6
     assert resolve(parse_args([]), cuda=False, world_size=1).depth == "auto"
     assert resolve(parse_args([]), cuda=True, world_size=1).depth == "auto"
-    assert resolve(parse_args([]), cuda=True, world_size=1).max_epochs == autosize.MAX_EPOCHS
-    assert resolve(parse_args(["--depth", "6"]), cuda=True, world_size=1).max_epochs == autosize.MAX_EPOCHS
+    assert resolve(parse_args([]), cuda=True, world_size=1).max_epochs is None  # the data's cap, set once known
+    assert resolve(parse_args(["--depth", "6"]), cuda=True, world_size=1).max_epochs is None
     assert resolve(parse_args(["--depth", "6", "--max_epochs", "3"]), cuda=True, world_size=1).max_epochs == 3
     assert resolve(parse_args(["--depth", "auto"]), cuda=False, world_size=1).model_tag == "auto"
     with pytest.raises(ConfigError, match="--depth must be"):

@@ -31,10 +31,13 @@ def test_auto_is_predicted_and_stops_at_max_epochs_with_the_budget_left_said(tmp
     plan, lines = run_preflight(tmp_path, "--data_dir", corpus)
     assert isinstance(plan, dict), plan
     text = "\n".join(lines)
-    assert "model d2 (DEPTH=auto, from the predicted tok/s)" in text
-    line = next(x for x in lines if x.startswith("preflight | plan d2:"))
-    # 31 h of 8 H100s would pass over a 40k-character corpus many thousand times: 8 passes, then stop.
-    assert "PREDICTED on 8 x NVIDIA H100 PCIe" in line and "stops after 8 passes at 0.00h" in line
+    # 31 h of 8 H100s would pass over a 40k-character corpus many thousand times. 8 passes are under one
+    # step of 524,288 tokens, so the cap is the most on small data (16 passes), whose 570,624 tokens give
+    # d4 (3.1M params) 0.18 tokens/param, over the floor at 35,664 training tokens (0.14): d4, then stop.
+    assert "model d4 (DEPTH=auto, from the predicted tok/s)" in text
+    assert "the data supports up to d4 (0.14 token/param over at most 16 epochs)" in text
+    line = next(x for x in lines if x.startswith("preflight | plan d4:"))
+    assert "PREDICTED on 8 x NVIDIA H100 PCIe" in line and "stops after 16 passes at 0.00h" in line
     assert "of the 31h budget unspent" in line and "disk peak" in line
 
 
@@ -47,13 +50,14 @@ def test_training_on_the_demo_data_is_refused_unless_allowed(tmp_path):
 
 
 def test_an_explicit_depth_that_repeats_the_data_is_refused_unless_capped_or_allowed(tmp_path, corpus):
-    # An explicit depth has the default pass cap too: the plan's DEPTH=12 launches as it is.
+    # An explicit depth has the default pass cap too: the plan's DEPTH=12 launches as it is. On this
+    # 40k-character corpus 8 passes are under one step of 524,288 tokens: the cap is 16 passes.
     plan, lines = run_preflight(tmp_path, "--data_dir", corpus, "--depth", 12)
-    assert isinstance(plan, dict) and any("stops after 8 passes" in x for x in lines), (plan, lines)
+    assert isinstance(plan, dict) and any("stops after 16 passes" in x for x in lines), (plan, lines)
     error, lines = run_preflight(tmp_path, "--data_dir", corpus, "--depth", 12, "--max_epochs", 0)
     assert isinstance(error, ConfigError), error
-    assert "d12 would see the training data" in str(error) and "past 8" in str(error)
-    assert "ALLOW=repeat" in str(error) and "MAX_EPOCHS=8" in str(error)
+    assert "d12 would see the training data" in str(error) and "past 16" in str(error)
+    assert "ALLOW=repeat" in str(error) and "MAX_EPOCHS unset (it then stops at 16)" in str(error)
     assert any("trains the whole 31h budget" in x for x in lines)
     for way_out in (["--max_epochs", 8], ["--allow", "repeat"], ["--training_hours", 0.0000001]):
         plan, _ = run_preflight(tmp_path, "--data_dir", corpus, "--depth", 12, "--max_epochs", 0, *way_out)
@@ -119,7 +123,7 @@ def test_the_plan_says_whether_host_memory_holds_the_staged_checkpoint_shares(tm
     plan, lines = run_preflight(tmp_path, "--data_dir", corpus)
     assert any(x.startswith("preflight | saves write in the background:") for x in lines), lines
     cfg = resolve(parse_args([]), True, 8)
-    p = guards.GpuPlan(64, 1e6, 1.0, 1.0, 1.0, checkpoint_bytes=129 * 10**9, staged_rank_bytes=16_125 * 10**6,
+    p = guards.GpuPlan(64, 1e6, 1.0, 1.0, 8.0, 1.0, checkpoint_bytes=129 * 10**9, staged_rank_bytes=16_125 * 10**6,
                        disk_peak_bytes=0, save_seconds=430.0)
     # one node of 8 ranks stages 8 shares; a node of 4 ranks half as many
     assert "saves write in the background: 129.0 GB" in guards.staging_line(cfg, p, 8, 8, 1000 * 10**9)
