@@ -2,8 +2,8 @@
 
 The rule (fitted from sweeps of budget x depth on a 2-core CPU and proven on a grid of corpora x data
 sizes x budgets: docs/performance.md, "DEPTH=auto"): each depth may make at most `pass_cap` passes
-over the training data (MAX_EPOCHS, or MIN_STEPS optimizer steps where the data are so small that
-MAX_EPOCHS passes are fewer). A depth is eligible if the budget, at its tok/s, gives it at least
+over the training data (MAX_EPOCHS, or MIN_STEPS optimizer steps' worth, at most MAX_PASS_CAP,
+where the data are so small that MAX_EPOCHS passes are fewer steps). A depth is eligible if the budget, at its tok/s, gives it at least
 MIN_TOKENS_PER_PARAM tokens per parameter within that cap; of those, take the one nearest
 TOKENS_PER_PARAM tokens per parameter (in log), which trains for the whole budget. A faster machine
 or a longer budget buys more tokens, so a larger model; a small corpus rules out the small models
@@ -11,7 +11,7 @@ that would cycle through it many times. When none is eligible, the budget outrun
 the largest depth that completes the cap's passes within the budget with at least `data_floor`
 tokens per parameter (MIN_TOKENS_PER_PARAM at and above FLOOR_TOKENS training tokens, less on
 smaller data, where the grid's winners were larger models stopped at their val minimum), and train
-it for those passes only (else the smallest depth, for the budget). The run stops there (train.py),
+it for those passes only (else the smallest depth, for the budget or its passes, whichever ends first). The run stops there (train.py),
 and the rest of the budget, which would only repeat the data, is left unspent.
 
 The tok/s: on CPU measured here, a few eager steps per depth (probe_and_choose); on CUDA predicted
@@ -53,17 +53,17 @@ MAX_EPOCHS = config.MAX_EPOCHS
 # Checked: the 600 s winner (d6) got 1.1 tokens/param; losers that got less: d4 at 60 s (0.9), d6 at
 # 180 s (0.3), d8 at 600 s (0.2).
 MIN_TOKENS_PER_PARAM = 1.0
-# Fitted on the grid's smallest data (docs/performance.md, "The data branch"): at 19,001 and 47,501
-# training tokens (4,096 tokens a step) the winners reached their val minimum after 38-123 steps,
-# while 8 passes are 37 and 93 steps. Where MAX_EPOCHS passes are fewer than MIN_STEPS optimizer
-# steps, the cap is MIN_STEPS steps' worth of passes; the stop at the val minimum guards the run.
+# Fitted on the grid's smallest data (docs/performance.md, "The data branch on small data"): at
+# 19,001 training tokens (4,096 tokens a step) the sweep's runs that the stop ended had their val
+# minimum after 38-72 steps, while 8 passes are 37. Where MAX_EPOCHS passes are fewer than MIN_STEPS optimizer steps,
+# the cap is MIN_STEPS steps' worth of passes; the stop at the val minimum guards the run.
 MIN_STEPS = 80
 MAX_PASS_CAP = 2 * MAX_EPOCHS  # and at most this many: the grid's winners made up to 16.4 passes
 # Fitted on the same cells: a depth that completes its passes needs MIN_TOKENS_PER_PARAM tokens per
 # parameter at FLOOR_TOKENS training tokens (the Tiny Shakespeare sweep the floor came from), and
 # (train tokens / FLOOR_TOKENS) ** FLOOR_EXPONENT of that below. Winners that completed their passes
-# had 0.12 (d6, 19,001 tokens) and 0.46 (d4, 47,501); a loser 0.14 (d6, 47,501): exponents 0.53-0.65
-# separate them.
+# had 0.12 (d6, 19,001 tokens) and 0.46 (d4, 47,501); d6 at 47,501 (0.14) lost to d4 by 2.8% on Tiny
+# Shakespeare: exponents 0.53-0.65 separate them.
 FLOOR_TOKENS = 1_000_000
 FLOOR_EXPONENT = 0.6
 LADDER = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64)
@@ -222,8 +222,7 @@ def choose(candidates: list[Candidate]) -> Candidate:
 
 
 def predict_and_choose(make_config, peak: float, gpus: int, gpu_bytes: int, budget_s: float, train_tokens: int,
-                       link_gbps: float, gpu_name: str,
-                       tokens_per_step: int = config.CUDA_DEFAULTS["total_batch_size"]) -> tuple[Candidate, list[Candidate]]:
+                       link_gbps: float, gpu_name: str, tokens_per_step: int) -> tuple[Candidate, list[Candidate]]:
     """CUDA: every ladder depth that the memory plan fits on these GPUs (at one sequence per
     micro-batch), at its predicted tok/s; then choose."""
     candidates = []
@@ -254,10 +253,17 @@ def probe_and_choose(make_config, batch: int, device: torch.device, world_size: 
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         candidates.append(c := candidate(config, rate, budget_s, train_tokens, tokens_per_step))
-        if (c.tokens_per_param < c.floor or (c.budget_epochs < c.cap and c.tokens_per_param < MIN_TOKENS_PER_PARAM)
-                or (eligible(c) and c.tokens_per_param < TOKENS_PER_PARAM / 2)):
+        if larger_cannot_win(c):
             break
     return choose(candidates), candidates
+
+
+def larger_cannot_win(c: Candidate) -> bool:
+    """A larger depth gets fewer tokens per parameter and fewer passes than c: none can be chosen once
+    c is under the data's floor, or neither completes its passes nor reaches MIN_TOKENS_PER_PARAM, or
+    is eligible under half the target (the budget branch then decides, and larger ones are further)."""
+    return (c.tokens_per_param < c.floor or (c.budget_epochs < c.cap and c.tokens_per_param < MIN_TOKENS_PER_PARAM)
+            or (eligible(c) and c.tokens_per_param < TOKENS_PER_PARAM / 2))
 
 
 def reason(c: Candidate, candidates: list[Candidate], how: str = "measured") -> str:
@@ -274,7 +280,8 @@ def rule(c: Candidate) -> str:
     if completes(c):
         return (f"the budget outruns the data: the largest depth with >= {c.floor:.2g} tokens/param in "
                 f"{c.cap:g} epochs, stopped there")
-    return "no depth has enough tokens: the smallest, for the budget"
+    return "no depth has enough tokens per parameter: the smallest, " + (
+        f"stopped at {c.cap:g} passes" if c.budget_epochs >= c.cap else "for the budget")
 
 
 def supported_depth(make_config, train_tokens: int, tokens_per_step: int) -> int | None:

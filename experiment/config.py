@@ -79,10 +79,10 @@ class TrainConfig:
     budget_usd: float | None = opt("if set: hours = budget_usd / (gpu_hourly_usd x world size)")
     gpu_hourly_usd: float = opt("price of one GPU-hour, for budget_usd", 4.0)
     max_epochs: float | None = opt("stop after this many passes over the training data, the LR schedule planned "
-                                    "for them (default 8, or 80 optimizer steps' worth where 8 passes make fewer: "
+                                    "for them (default 8, or 80 optimizer steps' worth, at most 16, where 8 passes make fewer: "
                                     "experiment/autosize.py; 0: none)")
     allow: str = opt("pre-flight guards to pass on CUDA, comma-separated: demo (train on the built-in demo data), "
-                     "repeat (an explicit DEPTH whose budget repeats the data more than 8 times, with MAX_EPOCHS=0 or above 8), disk (less free "
+                     "repeat (an explicit DEPTH whose budget repeats the data more than the default cap, with MAX_EPOCHS=0 or above it), disk (less free "
                      "space than the checkpoints need)", "")
     max_steps: int = opt("stop after this many optimizer steps (0: budget only); for tests and benchmarks", 0)
     data_dir: str | None = opt("directory of *.txt (or one .txt); default $WORKSPACE/data, demo if empty")

@@ -85,6 +85,7 @@ def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: 
     rate = autosize.predicted_tok_per_s(config, gpu.peak, world_size, link_gbps(gpu.name),
                                         autosize.WEIGHT_BYTES[precision], cfg.total_batch_size, gpu_name=gpu.name)
     budget_epochs = rate * cfg.training_hours * 3600 / train_tokens
+    assert cfg.max_epochs is not None, "the pass cap is set with the data (launch.fill_pass_cap)"
     epochs = min(budget_epochs, cfg.max_epochs or budget_epochs)
     ckpt = checkpoint_bytes(config, world_size, gpu.memory_bytes, cfg.precision)
     staged = max(staged_bytes_per_rank(config, world_size, precision, pinned=True))

@@ -163,11 +163,28 @@ def eval_prompt_ids(cfg: TrainConfig, prepared: Prepared) -> list[int]:
     return ids[-cfg.max_seq_len :]
 
 
-def fill_pass_cap(cfg: TrainConfig, prepared: Prepared) -> None:
-    """MAX_EPOCHS unset: the default cap on passes, which follows the data (autosize.pass_cap), set
-    where the data are first known (the pre-flight, then every rank of the trainer alike)."""
-    if cfg.max_epochs is None:
-        cfg.max_epochs = autosize.pass_cap(prepared.meta["split"]["train_tokens"], cfg.total_batch_size)
+def fill_pass_cap(cfg: TrainConfig, prepared: Prepared, run_dir: Path, resume_step: int | None, log) -> None:
+    """MAX_EPOCHS unset: a resumed run keeps the cap it started with (its checkpoint's: a changed
+    TOTAL_BATCH_SIZE or a newer rule must not move a schedule already under way), a fresh one takes
+    the default cap, which follows the data (autosize.pass_cap). Set where the data and the resume
+    step are first known: the pre-flight, and rank 0 of the trainer, which hands it to the others."""
+    if cfg.max_epochs is not None:
+        return
+    if resume_step is not None and (kept := ckpt.read_meta(run_dir, resume_step)["train_config"].get("max_epochs")):
+        cfg.max_epochs = kept
+        return
+    train_tokens = prepared.meta["split"]["train_tokens"]
+    cfg.max_epochs = autosize.pass_cap(train_tokens, cfg.total_batch_size)
+    steps = cfg.max_epochs * train_tokens / cfg.total_batch_size
+    if cfg.max_epochs != autosize.MAX_EPOCHS:
+        log(f"data | MAX_EPOCHS unset: {cfg.max_epochs:g} passes, {steps:.0f} optimizer steps of "
+            f"{cfg.total_batch_size:,} tokens ({autosize.MAX_EPOCHS} passes would make "
+            f"{autosize.MAX_EPOCHS * train_tokens / cfg.total_batch_size:.0f}; experiment/autosize.py, pass_cap)")
+    if steps < autosize.MIN_STEPS / 2:  # the grid's smallest runs had their val minimum after 38 steps or more
+        log(f"warning: the data make only {steps:.0f} optimizer steps in {cfg.max_epochs:g} passes at "
+            f"TOTAL_BATCH_SIZE={cfg.total_batch_size}, too few to train well; a TOTAL_BATCH_SIZE of at most "
+            f"{autosize.MAX_EPOCHS * train_tokens // autosize.MIN_STEPS:,} tokens (a multiple of MAX_SEQ_LEN) makes "
+            f"{autosize.MIN_STEPS} in {autosize.MAX_EPOCHS} passes")
 
 
 def model_config(cfg: TrainConfig, prepared: Prepared) -> GPTConfig:

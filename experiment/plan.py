@@ -6,10 +6,10 @@
 Every flag is also an env override named like it in upper case (TOKENS, GPUS, DATA_DIR, ...), as
 for experiment/run.sh. For each depth on DEPTH=auto's ladder (the CUDA shape: width 64 per layer,
 heads of 128, context 2048) it prints the parameters, the predicted training tok/s, the hours that
-1, 4 and MAX_EPOCHS passes over the data take, the tokens per parameter the useful hours buy, and
+1, 4 and the pass cap's passes over the data take (autosize.pass_cap: 8, more on data of few steps), the tokens per parameter the useful hours buy, and
 the checkpoint size, the disk retention needs and the minutes a save takes. Then the recommendation:
 the depth DEPTH=auto picks on those GPUs (experiment/autosize.py, from the same predictions), the
-hours worth paying for (never past MAX_EPOCHS passes) and the dollars the budget leaves unspent.
+hours worth paying for (never past the cap's passes) and the dollars the budget leaves unspent.
 
 With DATA_DIR it first runs the pre-flight's data checks (dataloader.validate: UTF-8, empty
 files, NUL bytes, each source's val share), so data the rented box would refuse is refused here.
@@ -221,6 +221,7 @@ def plan(cfg: PlanConfig) -> dict:
 
 def table(p: dict) -> str:
     by_depth = p["mfu_by_depth"]
+    cap_head = f"{p['pass_cap']:g} passes h"
     measured = ", ".join(f"d{d} {100 * m:.1f}%" for d, m in by_depth.items())
     lines = [f"plan | data: {p['train_tokens']:,} training tokens ({p['tokens']:,} {p['counted']}, "
              "minus the val split)",
@@ -231,7 +232,7 @@ def table(p: dict) -> str:
              f"not measured on these GPUs; * outside d{min(by_depth)}-d{max(by_depth)} the nearest measured MFU is "
              "taken (small depths: an upper bound)",
              f"{'depth':>5} {'params':>8} {'tok/s':>11} {'1 pass h':>9} {'4 passes h':>11} "
-             f"{str(round(p['pass_cap'], 1)) + ' passes h':>11} {'useful h':>9} {'tok/param':>9} {'ckpt GB':>8} "
+             f"{cap_head:>11} {'useful h':>9} {'tok/param':>9} {'ckpt GB':>8} "
              f"{'disk GB':>8} {'save min':>8}"]
     for r in p["rungs"]:
         measured_depth = min(by_depth) <= r["depth"] <= max(by_depth)

@@ -128,9 +128,9 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
     check_not_running(run_dir)  # before minutes of data preparation, not after
     demo = uses_demo(cfg, workspace)
     prepared = prepare_data(cfg, workspace, log)
-    fill_pass_cap(cfg, prepared)
     weights = source_weights(prepared.meta, cfg.data_mix)
     resume_step = ckpt.pick_resume_step(run_dir, cfg.resume, log)
+    fill_pass_cap(cfg, prepared, run_dir, resume_step, log)
     depth, train_tokens = depth_for(cfg, run_dir, resume_step), prepared.meta["split"]["train_tokens"]
     if depth is None and gpu is not None:
         depth = guards.auto_depth(cfg, make_config(cfg, prepared), gpu, world_size, train_tokens)

@@ -151,10 +151,10 @@ def prepare_data(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path,
         try:
             lock = launch.hold_trainer_lock(run_dir)
             prepared = launch.prepare_data(cfg, workspace, log)
-            launch.fill_pass_cap(cfg, prepared)
             resume_step = pick_resume_step(run_dir, cfg.resume, log, quarantine=True)
+            launch.fill_pass_cap(cfg, prepared, run_dir, resume_step, log)
             train_tokens = prepared.meta["split"]["train_tokens"]
-            setup = {"prepared": str(prepared.dir), "resume_step": resume_step,
+            setup = {"prepared": str(prepared.dir), "resume_step": resume_step, "max_epochs": cfg.max_epochs,
                      "rewind_step": None if resume_step is None else extend.rewind_step(run_dir, resume_step, cfg,
                                                                                         train_tokens)}
         except (DataError, ConfigError, CheckpointError) as e:
@@ -162,9 +162,8 @@ def prepare_data(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path,
     setup = broadcast_object(setup, d)
     if "error" in setup:
         raise ConfigError(setup["error"])
-    prepared = Prepared.load(setup["prepared"])
-    launch.fill_pass_cap(cfg, prepared)  # the other ranks: the same cap from the same data
-    return prepared, setup["resume_step"], setup["rewind_step"], lock
+    cfg.max_epochs = setup["max_epochs"]  # rank 0's pass cap (launch.fill_pass_cap), on every rank
+    return Prepared.load(setup["prepared"]), setup["resume_step"], setup["rewind_step"], lock
 
 
 def build_model_and_optimizer(cfg: TrainConfig, d: Dist, model_config: GPTConfig, log: RunLog,
@@ -200,6 +199,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     gpu = guards.local_gpu(d.device) if cuda else None
     log(f"world {d.world_size} x {gpu.name if gpu else 'cpu'} | torch {torch.__version__}")
     prepared, resume_step, rewind_step, lock = prepare_data(cfg, d, workspace, run_dir, log)
+    assert cfg.max_epochs is not None, "the pass cap is set with the data (launch.fill_pass_cap)"
     auto, probe_seconds = (choose_depth(cfg, d, gpu, prepared, run_dir, resume_step, log) if cfg.depth == "auto"
                            else (None, 0))
     fill_lrs(cfg, cuda)

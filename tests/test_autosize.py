@@ -66,7 +66,7 @@ def test_a_budget_that_outruns_the_data_buys_no_bigger_model_and_no_more_passes(
 def test_cuda_predicts_each_depth_and_stops_where_memory_ends():
     gpu = lambda d: GPTConfig(vocab_size=256, depth=d, aspect_ratio=64, head_dim=128, max_seq_len=2048)
     peak = 989e12
-    chosen, cands = autosize.predict_and_choose(gpu, peak, 8, 80 * 2**30, 31 * 3600, 332_500_000, 350.0, H100)
+    chosen, cands = autosize.predict_and_choose(gpu, peak, 8, 80 * 2**30, 31 * 3600, 332_500_000, 350.0, H100, 524288)
     assert [c.depth for c in cands] == autosize.ladder(64, 128)  # 8 x 80 GB fit every depth with ZeRO-1
     assert all(a.tok_per_s > b.tok_per_s for a, b in zip(cands, cands[1:]))
     assert chosen is choose(cands) and chosen.epochs == autosize.MAX_EPOCHS  # 31 h outlast 8 passes
@@ -76,14 +76,14 @@ def test_cuda_predicts_each_depth_and_stops_where_memory_ends():
     assert autosize.predicted_tok_per_s(gpu(32), peak, 1, 20.0, gpu_name=H100) == pytest.approx(linear / 8)
     assert 0.6 < autosize.predicted_tok_per_s(gpu(32), peak, 8, 20.0, gpu_name=H100) / linear < 0.75
     assert link_gbps("NVIDIA H100 PCIe") == link_gbps("NVIDIA A100-PCIE-40GB") == 20.0 < link_gbps("NVIDIA H100 80GB HBM3")
-    _, one_small = autosize.predict_and_choose(gpu, peak, 1, 24 * 2**30, 31 * 3600, 332_500_000, 350.0, H100)
+    _, one_small = autosize.predict_and_choose(gpu, peak, 1, 24 * 2**30, 31 * 3600, 332_500_000, 350.0, H100, 524288)
     assert 0 < len(one_small) < len(cands)  # one 24 GB GPU: the ladder ends where the memory plan says no
 
 
 def test_the_measured_rate_checks_a_predicted_choice():
     gpu = lambda d: GPTConfig(vocab_size=256, depth=d, aspect_ratio=64, head_dim=128, max_seq_len=2048)
     budget, tokens = 3 * 3600, 10**10  # a budget shorter than the data: the rate decides the depth
-    chosen, cands = autosize.predict_and_choose(gpu, 989e12, 8, 80 * 2**30, budget, tokens, 350.0, H100)
+    chosen, cands = autosize.predict_and_choose(gpu, 989e12, 8, 80 * 2**30, budget, tokens, 350.0, H100, 524288)
     dicts = [dataclasses.asdict(c) for c in cands]
     same = autosize.check_prediction(dicts, chosen.depth, chosen.tok_per_s * 1.1, budget, tokens)
     assert "1.10x the predicted" in same and f"the rule picks d{chosen.depth} too" in same
@@ -201,6 +201,14 @@ def test_probe_measures_the_ladder_and_stops_below_half_the_target(monkeypatch):
     assert [c.depth for c in cands] == [2, 4, 6, 8] and chosen.depth == 6
     assert all(c.budget_epochs > 8 and c.tokens == 8 * few for c in cands)
     assert [c.tokens_per_param >= 1 for c in cands] == [True, True, True, False]
+    # Under 10^6 training tokens the floor is lower: 8 passes give d4 0.5 tokens/param, over the floor
+    # (about 0.25), so the probe goes on past it, stops at d6 (under the floor), and d4 is chosen.
+    small = int(0.5 * autosize.rule_params(cfg(4)) / 8)
+    chosen, cands = autosize.probe_and_choose(cfg, 2, torch.device("cpu"), 1, budget_s=budget, train_tokens=small,
+                                              tokens_per_step=64)
+    floor = autosize.data_floor(small)
+    assert [c.depth for c in cands] == [2, 4, 6] and chosen.depth == 4
+    assert cands[1].tokens_per_param == pytest.approx(0.5, rel=1e-3) and cands[2].tokens_per_param < floor < 0.5
 
 
 def test_depth_flag_takes_auto_or_a_positive_number():
@@ -268,3 +276,30 @@ def test_each_gpu_kind_is_predicted_from_its_own_measured_mfu():
     h200 = autosize.predicted_tok_per_s(gpu, 989e12, 1, 20.0, gpu_name="NVIDIA H200")
     h100 = autosize.predicted_tok_per_s(gpu, 989e12, 1, 20.0, gpu_name="NVIDIA H100 80GB HBM3")
     assert h200 / h100 == pytest.approx(0.583 / 0.528)
+
+
+def test_an_unset_max_epochs_takes_the_datas_cap_and_a_resume_keeps_the_one_it_started_with(tmp_path):
+    from types import SimpleNamespace
+
+    from experiment import checkpoint as ckpt
+    from experiment.launch import fill_pass_cap
+
+    def filled(train_tokens, resume_step=None, **flags):
+        cfg, lines = resolve(TrainConfig(**flags), cuda=False, world_size=1), []
+        fill_pass_cap(cfg, SimpleNamespace(meta={"split": {"train_tokens": train_tokens}}), tmp_path, resume_step,
+                      lines.append)
+        return cfg.max_epochs, lines
+
+    assert filled(10**6) == (8.0, [])  # 8 passes are 1,953 steps of 4,096 tokens: no line
+    cap, lines = filled(19_001)
+    assert cap == 16.0 and lines == ["data | MAX_EPOCHS unset: 16 passes, 74 optimizer steps of 4,096 tokens (8 "
+                                     "passes would make 37; experiment/autosize.py, pass_cap)"]
+    cap, lines = filled(5_000)  # even 16 passes are 20 steps
+    assert cap == 16.0 and lines[1] == ("warning: the data make only 20 optimizer steps in 16 passes at "
+                                        "TOTAL_BATCH_SIZE=4096, too few to train well; a TOTAL_BATCH_SIZE of at "
+                                        "most 500 tokens (a multiple of MAX_SEQ_LEN) makes 80 in 8 passes")
+    assert filled(19_001, max_epochs=3.0) == (3.0, [])  # set: kept as given
+    # A resume keeps its checkpoint's cap, whatever the batch or the rule says now.
+    ckpt.meta_path(tmp_path, 40).write_text(json.dumps({"train_config": {"max_epochs": 8.0}}))
+    assert filled(19_001, resume_step=40) == (8.0, [])
+    assert filled(19_001, resume_step=40, total_batch_size=1024)[0] == 8.0
