@@ -62,8 +62,8 @@ MAX_PASS_CAP = 2 * MAX_EPOCHS  # and at most this many: the grid's winners made 
 # Fitted on the same cells: a depth that completes its passes needs MIN_TOKENS_PER_PARAM tokens per
 # parameter at FLOOR_TOKENS training tokens (the Tiny Shakespeare sweep the floor came from), and
 # (train tokens / FLOOR_TOKENS) ** FLOOR_EXPONENT of that below. Winners that completed their passes
-# had 0.12 (d6, 19,001 tokens) and 0.46 (d4, 47,501); d6 at 47,501 (0.14) lost to d4 by 2.8% on Tiny
-# Shakespeare: exponents 0.53-0.65 separate them.
+# had, at those passes, 0.12 (d6, 19,001 tokens) and 0.47 (d4, 47,501); d6 at 47,501 (0.14 at 8
+# passes) lost to d4 by 2.8% on Tiny Shakespeare: exponents 0.53-0.65 separate them.
 FLOOR_TOKENS = 1_000_000
 FLOOR_EXPONENT = 0.6
 LADDER = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64)

@@ -48,7 +48,7 @@ class GpuPlan:
     tok_per_s: float  # predicted, all GPUs
     budget_epochs: float  # passes over the training data the whole budget buys
     epochs: float  # the passes the run trains: the budget's, or MAX_EPOCHS when fewer
-    default_cap: float  # the passes MAX_EPOCHS unset stops at on this data (autosize.pass_cap)
+    default_cap: float  # the passes MAX_EPOCHS unset stops at (launch.default_pass_cap)
     hours: float  # the hours those take
     checkpoint_bytes: int
     staged_rank_bytes: int  # the largest rank's share staged in pinned host memory (background saves)
@@ -78,7 +78,8 @@ def auto_depth(cfg: TrainConfig, make_config, gpu: Gpu, world_size: int, train_t
     return chosen.depth
 
 
-def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: int) -> GpuPlan | None:
+def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: int,
+             default_cap: float) -> GpuPlan | None:
     if gpu.peak is None:
         return None
     precision = checkpoint_precision(config, world_size, gpu.memory_bytes, cfg.precision)
@@ -89,7 +90,7 @@ def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: 
     epochs = min(budget_epochs, cfg.max_epochs or budget_epochs)
     ckpt = checkpoint_bytes(config, world_size, gpu.memory_bytes, cfg.precision)
     staged = max(staged_bytes_per_rank(config, world_size, precision, pinned=True))
-    return GpuPlan(config.depth, rate, budget_epochs, epochs, autosize.pass_cap(train_tokens, cfg.total_batch_size),
+    return GpuPlan(config.depth, rate, budget_epochs, epochs, default_cap,
                    epochs * train_tokens / rate / 3600, ckpt, staged,
                    (cfg.keep_last + EXTRA_CHECKPOINTS) * ckpt, ckpt / (DISK_WRITE_GBPS * 1e9))
 
@@ -145,7 +146,7 @@ def check(cfg: TrainConfig, p: GpuPlan | None, demo: bool, workspace: Path, run_
     if demo and "demo" not in allowed:
         errors.append(f"no *.txt in {workspace / 'data'}: this would train on the built-in demo data; put the "
                       "corpus there or set DATA_DIR (ALLOW=demo trains on the demo)")
-    if p is not None and p.epochs > p.default_cap + 1e-9 and "repeat" not in allowed:
+    if p is not None and p.default_cap and p.epochs > p.default_cap + 1e-9 and "repeat" not in allowed:
         errors.append(f"d{p.depth} would see the training data {p.epochs:.1f} times in the {cfg.training_hours:g}h "
                       f"budget (predicted), past {p.default_cap:g} (repeated data is worth less and less); leave "
                       f"MAX_EPOCHS unset (it then stops at {p.default_cap:g}), use DEPTH=auto, fewer TRAINING_HOURS, or "

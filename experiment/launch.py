@@ -163,18 +163,29 @@ def eval_prompt_ids(cfg: TrainConfig, prepared: Prepared) -> list[int]:
     return ids[-cfg.max_seq_len :]
 
 
-def fill_pass_cap(cfg: TrainConfig, prepared: Prepared, run_dir: Path, resume_step: int | None, log) -> None:
-    """MAX_EPOCHS unset: a resumed run keeps the cap it started with (its checkpoint's: a changed
-    TOTAL_BATCH_SIZE or a newer rule must not move a schedule already under way), a fresh one takes
-    the default cap, which follows the data (autosize.pass_cap). Set where the data and the resume
-    step are first known: the pre-flight, and rank 0 of the trainer, which hands it to the others."""
+def default_pass_cap(cfg: TrainConfig, prepared: Prepared, run_dir: Path, resume_step: int | None) -> tuple[float, bool]:
+    """(What MAX_EPOCHS unset means for this run, whether it is the checkpoint's): a resumed run keeps
+    the cap it started with (a changed TOTAL_BATCH_SIZE or a newer rule must not move a schedule
+    already under way; 0 stays no cap), a fresh one takes the cap that follows the data
+    (autosize.pass_cap)."""
+    if resume_step is not None:
+        kept = ckpt.read_meta(run_dir, resume_step)["train_config"].get("max_epochs")
+        if kept is not None:
+            return kept, True
+    return autosize.pass_cap(prepared.meta["split"]["train_tokens"], cfg.total_batch_size), False
+
+
+def fill_pass_cap(cfg: TrainConfig, prepared: Prepared, run_dir: Path, resume_step: int | None, log) -> float:
+    """MAX_EPOCHS unset: set it to default_pass_cap, where the data and the resume step are first
+    known (the pre-flight, and rank 0 of the trainer, which hands it to the others); a fresh cap
+    other than MAX_EPOCHS is logged. Returns the default cap (the pre-flight's repeat guard)."""
+    default, kept = default_pass_cap(cfg, prepared, run_dir, resume_step)
     if cfg.max_epochs is not None:
-        return
-    if resume_step is not None and (kept := ckpt.read_meta(run_dir, resume_step)["train_config"].get("max_epochs")):
-        cfg.max_epochs = kept
-        return
+        return default
+    cfg.max_epochs = default
+    if kept:
+        return default
     train_tokens = prepared.meta["split"]["train_tokens"]
-    cfg.max_epochs = autosize.pass_cap(train_tokens, cfg.total_batch_size)
     steps = cfg.max_epochs * train_tokens / cfg.total_batch_size
     if cfg.max_epochs != autosize.MAX_EPOCHS:
         log(f"data | MAX_EPOCHS unset: {cfg.max_epochs:g} passes, {steps:.0f} optimizer steps of "
@@ -185,6 +196,7 @@ def fill_pass_cap(cfg: TrainConfig, prepared: Prepared, run_dir: Path, resume_st
             f"TOTAL_BATCH_SIZE={cfg.total_batch_size}, too few to train well; a TOTAL_BATCH_SIZE of at most "
             f"{autosize.MAX_EPOCHS * train_tokens // autosize.MIN_STEPS:,} tokens (a multiple of MAX_SEQ_LEN) makes "
             f"{autosize.MIN_STEPS} in {autosize.MAX_EPOCHS} passes")
+    return default
 
 
 def model_config(cfg: TrainConfig, prepared: Prepared) -> GPTConfig:

@@ -130,7 +130,7 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
     prepared = prepare_data(cfg, workspace, log)
     weights = source_weights(prepared.meta, cfg.data_mix)
     resume_step = ckpt.pick_resume_step(run_dir, cfg.resume, log)
-    fill_pass_cap(cfg, prepared, run_dir, resume_step, log)
+    default_cap = fill_pass_cap(cfg, prepared, run_dir, resume_step, log)
     depth, train_tokens = depth_for(cfg, run_dir, resume_step), prepared.meta["split"]["train_tokens"]
     if depth is None and gpu is not None:
         depth = guards.auto_depth(cfg, make_config(cfg, prepared), gpu, world_size, train_tokens)
@@ -142,7 +142,7 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
     if rewind is not None:
         log(f"preflight | the settings extend the annealed run: it goes back to step {rewind:06d}, its newest "
             "checkpoint from before the warmdown, and trains on to a new one")
-    gpu_plan = guards.gpu_plan(cfg, config, gpu, world_size, train_tokens) if gpu and config else None
+    gpu_plan = guards.gpu_plan(cfg, config, gpu, world_size, train_tokens, default_cap) if gpu and config else None
     if gpu_plan:
         log(guards.plan_line(cfg, gpu_plan, world_size, gpu))
         log(guards.staging_line(cfg, gpu_plan, world_size, nproc_per_node or world_size, host_available_bytes()))

@@ -303,3 +303,5 @@ def test_an_unset_max_epochs_takes_the_datas_cap_and_a_resume_keeps_the_one_it_s
     ckpt.meta_path(tmp_path, 40).write_text(json.dumps({"train_config": {"max_epochs": 8.0}}))
     assert filled(19_001, resume_step=40) == (8.0, [])
     assert filled(19_001, resume_step=40, total_batch_size=1024)[0] == 8.0
+    ckpt.meta_path(tmp_path, 41).write_text(json.dumps({"train_config": {"max_epochs": 0.0}}))
+    assert filled(19_001, resume_step=41) == (0.0, [])  # started with no cap: still none
