@@ -170,6 +170,22 @@ def pass_cap(train_tokens: int, tokens_per_step: int) -> float:
     return float(min(MAX_PASS_CAP, max(MAX_EPOCHS, steps)))
 
 
+def cap_lines(cap: float, train_tokens: int, tokens_per_step: int) -> list[str]:
+    """The default cap in words where it is not MAX_EPOCHS, and a warning where even it makes fewer
+    than half MIN_STEPS steps (the grid's smallest runs had their val minimum after 38 or more)."""
+    steps = cap * train_tokens / tokens_per_step
+    lines = [] if cap == MAX_EPOCHS else [
+        f"data | MAX_EPOCHS unset: {cap:g} passes, {steps:.0f} optimizer steps of {tokens_per_step:,} tokens "
+        f"({MAX_EPOCHS} passes would make {MAX_EPOCHS * train_tokens / tokens_per_step:.0f}; "
+        "experiment/autosize.py, pass_cap)"]
+    if steps < MIN_STEPS / 2:
+        lines.append(f"warning: the data make only {steps:.0f} optimizer steps in {cap:g} passes at "
+                     f"TOTAL_BATCH_SIZE={tokens_per_step}, too few to train well; a TOTAL_BATCH_SIZE of at most "
+                     f"{MAX_EPOCHS * train_tokens // MIN_STEPS:,} tokens (a multiple of MAX_SEQ_LEN) makes "
+                     f"{MIN_STEPS} in {MAX_EPOCHS} passes")
+    return lines
+
+
 def data_floor(train_tokens: int) -> float:
     """Tokens per parameter that a depth completing its passes needs: MIN_TOKENS_PER_PARAM from
     FLOOR_TOKENS training tokens up, falling as a power of the data below."""

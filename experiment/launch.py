@@ -178,24 +178,13 @@ def default_pass_cap(cfg: TrainConfig, prepared: Prepared, run_dir: Path, resume
 def fill_pass_cap(cfg: TrainConfig, prepared: Prepared, run_dir: Path, resume_step: int | None, log) -> float:
     """MAX_EPOCHS unset: set it to default_pass_cap, where the data and the resume step are first
     known (the pre-flight, and rank 0 of the trainer, which hands it to the others); a fresh cap
-    other than MAX_EPOCHS is logged. Returns the default cap (the pre-flight's repeat guard)."""
+    is said (autosize.cap_lines). Returns the default cap (the pre-flight's repeat guard)."""
     default, kept = default_pass_cap(cfg, prepared, run_dir, resume_step)
-    if cfg.max_epochs is not None:
-        return default
-    cfg.max_epochs = default
-    if kept:
-        return default
-    train_tokens = prepared.meta["split"]["train_tokens"]
-    steps = cfg.max_epochs * train_tokens / cfg.total_batch_size
-    if cfg.max_epochs != autosize.MAX_EPOCHS:
-        log(f"data | MAX_EPOCHS unset: {cfg.max_epochs:g} passes, {steps:.0f} optimizer steps of "
-            f"{cfg.total_batch_size:,} tokens ({autosize.MAX_EPOCHS} passes would make "
-            f"{autosize.MAX_EPOCHS * train_tokens / cfg.total_batch_size:.0f}; experiment/autosize.py, pass_cap)")
-    if steps < autosize.MIN_STEPS / 2:  # the grid's smallest runs had their val minimum after 38 steps or more
-        log(f"warning: the data make only {steps:.0f} optimizer steps in {cfg.max_epochs:g} passes at "
-            f"TOTAL_BATCH_SIZE={cfg.total_batch_size}, too few to train well; a TOTAL_BATCH_SIZE of at most "
-            f"{autosize.MAX_EPOCHS * train_tokens // autosize.MIN_STEPS:,} tokens (a multiple of MAX_SEQ_LEN) makes "
-            f"{autosize.MIN_STEPS} in {autosize.MAX_EPOCHS} passes")
+    if cfg.max_epochs is None:
+        cfg.max_epochs = default
+        for line in [] if kept else autosize.cap_lines(default, prepared.meta["split"]["train_tokens"],
+                                                       cfg.total_batch_size):
+            log(line)
     return default
 
 

@@ -131,7 +131,9 @@ def tok_per_s(config: GPTConfig, gpus: Gpus, count: int) -> tuple[float, float] 
             autosize.comm_seconds(config, count, gpus.link_gbps, weight_bytes))
 
 
-def rung(depth: int, cfg: PlanConfig, gpus: Gpus, train_tokens: int, budget_s: float, vocab: int) -> dict:
+def rung(depth: int, cfg: PlanConfig, gpus: Gpus, train_tokens: int, budget_s: float,
+         vocab: int) -> tuple[dict, autosize.Candidate]:
+    """One depth's row of the table and its DEPTH=auto candidate."""
     config = model_config(depth, cfg, vocab)
     predicted = tok_per_s(config, gpus, gpus.count)
     fits = predicted is not None
@@ -142,9 +144,9 @@ def rung(depth: int, cfg: PlanConfig, gpus: Gpus, train_tokens: int, budget_s: f
     return {"depth": depth, "params": c.params, "tok_per_s": c.tok_per_s, "fits": fits,
             "hours_per_pass": train_tokens / c.tok_per_s / 3600, "useful_hours": c.seconds / 3600,
             "tokens": c.tokens, "tokens_per_param": c.tokens_per_param, "epochs": c.epochs,
-            "budget_epochs": c.budget_epochs, "cap": c.cap, "floor": c.floor,
+            "budget_epochs": c.budget_epochs,
             "checkpoint_gb": ckpt / 1e9, "disk_peak_gb": (cfg.keep_last + EXTRA_CHECKPOINTS) * ckpt / 1e9,
-            "save_minutes": ckpt / (cfg.disk_write_gbps * 1e9) / 60}
+            "save_minutes": ckpt / (cfg.disk_write_gbps * 1e9) / 60}, c
 
 
 def gpu_rows(cfg: PlanConfig, gpus: Gpus, config: GPTConfig, tokens: float, budget_usd: float) -> list[dict]:
@@ -193,13 +195,10 @@ def plan(cfg: PlanConfig) -> dict:
         cfg.training_hours or CUDA_DEFAULTS["training_hours"]
     vocab = VOCAB_CHAR if cfg.tokenizer == "char" else VOCAB_TIKTOKEN
     ladder = autosize.ladder(CUDA_DEFAULTS["aspect_ratio"], CUDA_DEFAULTS["head_dim"])
-    rungs = [rung(d, cfg, gpus, train_tokens, hours * 3600, vocab) for d in ladder]
-    fitting = [r for r in rungs if r["fits"]]
-    candidates = [autosize.Candidate(r["depth"], r["depth"] * CUDA_DEFAULTS["aspect_ratio"], r["params"],
-                                     r["tok_per_s"], r["tokens"], r["epochs"], r["budget_epochs"], r["cap"], r["floor"])
-                  for r in fitting]
-    best = autosize.choose(candidates)
-    chosen = next(r for r in fitting if r["depth"] == best.depth)
+    pairs = [rung(d, cfg, gpus, train_tokens, hours * 3600, vocab) for d in ladder]
+    rungs = [r for r, _ in pairs]
+    best = autosize.choose([c for r, c in pairs if r["fits"]])
+    chosen = next(r for r in rungs if r["depth"] == best.depth)
     per_hour = cfg.gpu_hourly_usd * gpus.count
     by_depth, mfu_source, measured_on = autosize.mfu_table(gpus.name)
     rows = gpu_rows(cfg, gpus, model_config(best.depth, cfg, vocab), chosen["tokens"], hours * per_hour)

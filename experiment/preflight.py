@@ -87,6 +87,18 @@ def plan_lines(cfg: TrainConfig, prepared: Prepared, config: GPTConfig | None, w
     ]
 
 
+def source_lines(cfg: TrainConfig, prepared: Prepared, weights: list[float] | None) -> list[str]:
+    """Each source's weight and tokens, with a warning when there are many of them."""
+    lines = [] if len(weights or []) <= MANY_SOURCES else [
+        f"warning: {len(weights)} sources (each *.txt at the top of DATA_DIR is one): each is evaluated at "
+        "every eval and needs a DATA_MIX weight; group files into sub-directories (one source each)"]
+    for source, w in zip(prepared.meta.get("source_splits", []), weights or []):
+        lines.append(f"preflight | source {source['name']} | weight {w:.3f}"
+                     f"{' (DATA_MIX)' if cfg.data_mix else ' (by size)'} | {source['train'][1] - source['train'][0]:,} "
+                     f"train, {source['val'][1] - source['val'][0]:,} val tokens")
+    return lines
+
+
 def wait_for_node0(plan_file: Path, started: float, wait_minutes: float, log) -> dict:
     """A node other than 0: wait until node 0's pre-flight has written a fresh plan."""
     deadline = started + wait_minutes * 60
@@ -152,12 +164,8 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
             cfg, gpu_plan.checkpoint_bytes if gpu_plan else checkpoint_bytes(config, world_size, 1 << 62, cfg.precision),
             run_dir)):
         log(warning)
-    if len(weights or []) > MANY_SOURCES:
-        log(f"warning: {len(weights)} sources (each *.txt at the top of DATA_DIR is one): each is evaluated at "
-            "every eval and needs a DATA_MIX weight; group files into sub-directories (one source each)")
-    for source, w in zip(prepared.meta.get("source_splits", []), weights or []):
-        log(f"preflight | source {source['name']} | weight {w:.3f}{' (DATA_MIX)' if cfg.data_mix else ' (by size)'} | "
-            f"{source['train'][1] - source['train'][0]:,} train, {source['val'][1] - source['val'][0]:,} val tokens")
+    for line in source_lines(cfg, prepared, weights):
+        log(line)
     plan = {"prepared": str(prepared.dir), "resume_step": resume_step, "world_size": world_size,
             "run_dir": str(run_dir), "shutdown_timeout": guards.shutdown_timeout(shutdown_given, gpu_plan, log),
             "written_at": time.time()}
