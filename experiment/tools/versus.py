@@ -64,20 +64,29 @@ class Result:
     summary: str
     val_tokens: int  # predicted tokens in the final loss
     best_loss: float | None = None  # ours: the same loss for the best-val step, the one the run serves
+    tokens: int = 0  # training tokens seen
+    depth: int | None = None  # ours: the depth trained
 
 
 # ------------------------------------------------------------------------------------------ ours
 
 
 def run_ours(data: Path, seconds: float, val_fraction: float, workspace: Path, train_args: list[str],
-             eval_every_seconds: float | None = None) -> Result:
+             eval_every_seconds: float | None = None, steps: int | None = None) -> Result:
     """Train from scratch for `seconds` of budget with the trainer's defaults (plus train_args) and
-    evaluate the final model and the best-val step on the whole val split."""
+    evaluate the final model and the best-val step on the whole val split. With `steps`, the budget is
+    tokens instead: that many optimizer steps (the schedule follows them; MAX_STEPS), the clock out of
+    the way, evals every sixth of them; train_args must then name the depth (DEPTH=auto sizes to a
+    clock)."""
+    if steps:
+        budget = ["--training_hours", "1000", "--max_steps", str(steps), "--eval_every_steps", str(max(1, steps // 6)),
+                  "--eval_every_minutes", "1e9"]
+    else:
+        budget = ["--training_hours", str(seconds / 3600),
+                  "--eval_every_minutes", str((eval_every_seconds or seconds / 6) / 60)]
     cmd = [sys.executable, "-m", "experiment.train", "--data_dir", str(data), "--workspace", str(workspace),
-           "--training_hours", str(seconds / 3600), "--val_fraction", str(val_fraction),
-           "--model_tag", "speedrun", "--resume", "never", "--sample_tokens", "0",
-           "--eval_every_minutes", str((eval_every_seconds or seconds / 6) / 60), "--save_every_minutes", "1e9",
-           "--log_every_steps", "50", *train_args]
+           *budget, "--val_fraction", str(val_fraction), "--model_tag", "speedrun", "--resume", "never",
+           "--sample_tokens", "0", "--save_every_minutes", "1e9", "--log_every_steps", "50", *train_args]
     print(f"speedrun | {' '.join(cmd[1:])}", flush=True)
     proc = subprocess.run(cmd, cwd=REPO_ROOT)
     if proc.returncode != 0:
@@ -96,7 +105,8 @@ def run_ours(data: Path, seconds: float, val_fraction: float, workspace: Path, t
     auto = (meta.get("auto") or {}).get("reason")
     summary = (f"d{c['depth']} w{c['depth'] * c['aspect_ratio']} seq {c['max_seq_len']}, {step} steps x "
                f"{tokens_per_step} tokens" + (f" ({auto})" if auto else ""))
-    return Result(loss, curve, meta["state"]["used_seconds"], summary, val_tokens, best_loss)
+    return Result(loss, curve, meta["state"]["used_seconds"], summary, val_tokens, best_loss,
+                  tokens=meta["state"]["tokens_seen"], depth=c["depth"])
 
 
 def _full_val_loss(model_file: Path) -> tuple[float, dict, int]:
