@@ -37,6 +37,11 @@ MAX_EPOCHS = 8  # the default cap on passes over the data, at any depth (experim
 EVAL_EVERY_EPOCHS = 0.25
 PLATEAU_EVALS = 4
 PLATEAU_MARGIN = 0.002
+# Recipe schedules that won at equal tokens on both corpora (docs/performance.md, "A better model per
+# token"): short contexts, half batches and a lower Muon momentum early in the run.
+SEQ_WARMUP_FRAC = 0.3
+BATCH_WARMUP_FRAC = 0.3
+MUON_MOMENTUM_WARMUP_STEPS = 300  # nanochat's and modded-nanogpt's
 GUARDS = ("demo", "repeat", "disk")  # the pre-flight's guards on CUDA, which ALLOW passes (preflight.py)
 
 
@@ -136,6 +141,13 @@ class TrainConfig:
     warmdown_frac: float | None = opt("final fraction of the budget with linear LR warmdown "
                                        "(default 0.2 with CUDA, 0.4 without)")
     final_lr_frac: float = opt("LR multiplier at the end of warmdown", 0.0)
+    seq_warmup_frac: float = opt("short contexts first: over the first half of this fraction of the schedule each "
+                                 "sequence is cut into four of max_seq_len/4, over the second half into two (the "
+                                 "same tokens per step; 0: off)", SEQ_WARMUP_FRAC)
+    batch_warmup_frac: float = opt("small batches first: over this fraction of the schedule each step's batch makes "
+                                   "two optimizer steps of half the tokens each (0: off)", BATCH_WARMUP_FRAC)
+    muon_momentum_warmup_steps: int = opt("Muon's momentum rises linearly from 0.85 to 0.95 over this many steps "
+                                          "(0: 0.95 from the start)", MUON_MOMENTUM_WARMUP_STEPS)
     seed: int = opt("init and data-order seed", 1337)
     compile: str = opt("torch.compile: auto (on with CUDA), on, off", "auto")
     ddp_graph_split: int = opt("1: a compiled DDP step is split into one graph per gradient bucket, so each bucket's "
@@ -240,6 +252,14 @@ def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
             f"{cfg.device_batch_size} x max_seq_len {cfg.max_seq_len} x world size {world_size}")
     if not 0 <= cfg.warmup_frac + cfg.warmdown_frac <= 1:
         raise ConfigError("--warmup_frac + --warmdown_frac must lie in [0, 1]")
+    for name in ("seq_warmup_frac", "batch_warmup_frac"):
+        if not 0 <= getattr(cfg, name) <= 1:
+            raise ConfigError(f"--{name} must lie in [0, 1], got {getattr(cfg, name)}")
+    if cfg.seq_warmup_frac and cfg.max_seq_len % 4:
+        raise ConfigError(f"--seq_warmup_frac {cfg.seq_warmup_frac} cuts sequences into quarters: max_seq_len "
+                          f"{cfg.max_seq_len} must be a multiple of 4 (or set --seq_warmup_frac 0)")
+    if cfg.muon_momentum_warmup_steps < 0:
+        raise ConfigError(f"--muon_momentum_warmup_steps must be >= 0, got {cfg.muon_momentum_warmup_steps}")
     return cfg
 
 

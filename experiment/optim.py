@@ -124,6 +124,12 @@ class ShardedOptimizer:
             for group in opt.param_groups:
                 group["lr"] = group["initial_lr"] * mult
 
+    def set_muon_momentum(self, momentum: float) -> None:
+        for opt in self.optimizers:
+            if isinstance(opt, torch.optim.Muon):
+                for group in opt.param_groups:
+                    group["momentum"] = momentum
+
     def matrix_lr(self) -> float:
         for opt in self.optimizers:
             if isinstance(opt, torch.optim.Muon):
@@ -215,6 +221,12 @@ def lr_multiplier(progress: float, warmup_frac: float, warmdown_frac: float, fin
     if warmdown_frac > 0 and p > 1 - warmdown_frac:
         return final_lr_frac + (1 - final_lr_frac) * (1 - p) / warmdown_frac
     return 1.0
+
+
+def muon_momentum(step: int, warmup_steps: int, start: float = 0.85, end: float = 0.95) -> float:
+    """Muon's momentum at a step: from `start` up to `end` over the first warmup_steps (nanochat,
+    modded-nanogpt): early gradients change fast, and a long average of them points the wrong way."""
+    return end if warmup_steps <= 0 else start + (end - start) * min(step / warmup_steps, 1.0)
 
 
 def gradients_finite(model: torch.nn.Module) -> bool:

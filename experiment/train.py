@@ -40,7 +40,7 @@ from experiment.memory import (checkpoint_bytes_per_rank, choose_memory_mode, fi
                                staged_bytes_per_rank)
 from experiment.mixture import MixedBatches, source_weights
 from experiment.model import DTYPES, GPT, GPTConfig, build_model
-from experiment.optim import ShardedOptimizer, lr_multiplier
+from experiment.optim import ShardedOptimizer, lr_multiplier, muon_momentum
 from experiment.onexit import last_words
 from experiment.report import NullReport, RunReport
 from experiment.saver import HOST_STAGING_FRACTION, Saver
@@ -230,7 +230,9 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     grad_accum = cfg.total_batch_size // (cfg.device_batch_size * cfg.max_seq_len * d.world_size)
     t = Trainer(
         cfg=cfg, d=d, log=log, run_dir=run_dir, prepared=prepared, model=model, opt=opt, ddp=ddp,
-        train_model=torch.compile(ddp) if use_compile else ddp,
+        # Static shapes: the context warmup's shorter sequences get graphs of their own, and the
+        # full-length one stays specialized (an automatic dynamic dimension would follow it all run).
+        train_model=torch.compile(ddp, dynamic=False) if use_compile else ddp,
         batches=make_batches(cfg, d, prepared, weights, st.data_state, log), weights=weights, writer=writer, st=st,
         resume_step=resume_step, rewind_step=rewind_step,
         grad_accum=grad_accum,
@@ -774,8 +776,9 @@ def repair_best(run_dir: Path, st: RunState, log: RunLog) -> None:
 
 
 def train_step(t: Trainer, loop: Loop) -> tuple[torch.Tensor, float]:
-    """One optimizer step: grad_accum micro-batches, the gradient all-reduce on the last only.
-    Returns (the summed loss, on the device; the LR multiplier); a diverging run stops the loop."""
+    """One step: grad_accum micro-batches, the gradient all-reduce on the last only, and the update;
+    early in the schedule in shorter sequences (seq_warmup_frac) and as two updates of half the
+    tokens each (batch_warmup_frac). Returns (the summed loss, on the device; the LR multiplier); a diverging run stops the loop."""
     cfg, d, st = t.cfg, t.d, t.st
     loop.progress = progress = schedule_progress(t, loop)
     mult = lr_multiplier(progress, cfg.warmup_frac, cfg.warmdown_frac, cfg.final_lr_frac)
@@ -783,16 +786,53 @@ def train_step(t: Trainer, loop: Loop) -> tuple[torch.Tensor, float]:
         done = (st.tokens_seen - st.anneal_start_tokens) / max(st.anneal_tokens, 1)
         mult = min(mult, lr_multiplier(done, 0.0, 1.0, cfg.final_lr_frac))
     t.opt.set_lr_multiplier(mult)
-    loss_sum = torch.zeros((), device=d.device)
-    for micro in range(t.grad_accum):
-        defer = t.ddp if d.world_size > 1 and micro < t.grad_accum - 1 else None
-        loss_sum += forward_backward(t.train_model, loop.x, loop.y, t.grad_accum, defer_sync=defer)
-        loop.data_state = t.batches.state()
-        # Prefetch: on GPU the kernels queued above still run while the CPU slices the next batch.
-        loop.x, loop.y = (v.to(d.device, non_blocking=True) for v in next(t.batches))
+    t.opt.set_muon_momentum(muon_momentum(st.step, cfg.muon_momentum_warmup_steps))
+    rows = loop.x.size(0) * context_split(progress, cfg.seq_warmup_frac)  # the same tokens, shorter sequences
+    if progress < cfg.batch_warmup_frac and rows > 1:
+        loss_sum = half_batch_steps(t, loop, rows)
+    else:
+        loss_sum = torch.zeros((), device=d.device)
+        for micro in range(t.grad_accum):
+            defer = t.ddp if d.world_size > 1 and micro < t.grad_accum - 1 else None
+            x, y = (v.reshape(rows, -1) for v in (loop.x, loop.y))
+            loss_sum += forward_backward(t.train_model, x, y, t.grad_accum, defer_sync=defer)
+            next_micro_batch(t, loop)
     apply_update(t, loop)
     st.tokens_seen += cfg.total_batch_size
     return loss_sum, mult
+
+
+def next_micro_batch(t: Trainer, loop: Loop) -> None:
+    loop.data_state = t.batches.state()
+    # Prefetch: on GPU the kernels queued above still run while the CPU slices the next batch.
+    loop.x, loop.y = (v.to(t.d.device, non_blocking=True) for v in next(t.batches))
+
+
+def half_batch_steps(t: Trainer, loop: Loop, rows: int) -> torch.Tensor:
+    """The step's tokens as two optimizer steps (the batch warmup): the first half of the rows of
+    every micro-batch, then the second half. Halving rows, not micro-batches, keeps the two updates'
+    data the same on any world size (with the same device batch), so elastic resumes stay exact.
+    Returns the step's mean loss, summed on the device."""
+    micro_batches = []
+    for _ in range(t.grad_accum):
+        micro_batches.append(tuple(v.reshape(rows, -1) for v in (loop.x, loop.y)))
+        next_micro_batch(t, loop)
+    loss_sum = torch.zeros((), device=t.d.device)
+    for half in (slice(0, rows // 2), slice(rows // 2, rows)):
+        if half.start:  # the first half's update; the second's is the step's own (train_step)
+            apply_update(t, loop)
+        for micro, (x, y) in enumerate(micro_batches):
+            defer = t.ddp if t.d.world_size > 1 and micro < t.grad_accum - 1 else None
+            loss_sum += forward_backward(t.train_model, x[half], y[half], t.grad_accum, defer_sync=defer) / 2
+    return loss_sum
+
+
+def context_split(progress: float, seq_warmup_frac: float) -> int:
+    """Into how many shorter sequences each max_seq_len one is cut at this point of the schedule:
+    4 over the first half of seq_warmup_frac, 2 over its second half, then 1 (docs/training.md)."""
+    if progress >= seq_warmup_frac:
+        return 1
+    return 4 if progress < seq_warmup_frac / 2 else 2
 
 
 def schedule_progress(t: Trainer, loop: Loop) -> float:

@@ -469,7 +469,7 @@ def test_nonfinite_losses_skip_updates_and_a_streak_stops_the_run(tmp_path, corp
 
     forward = GPT.forward
     calls = {"n": 0}
-    poisoned = {3, 4}  # micro-steps (one per step here) whose loss is NaN
+    poisoned = {3, 4}  # micro-steps (one per step here: no half-batch steps) whose loss is NaN
 
     def maybe_nan(self, idx, targets=None, **kw):
         out = forward(self, idx, targets, **kw)
@@ -481,7 +481,7 @@ def test_nonfinite_losses_skip_updates_and_a_streak_stops_the_run(tmp_path, corp
 
     monkeypatch.setattr(GPT, "forward", maybe_nan)
     base = [*map(str, TINY), "--data_dir", str(corpus), "--workspace", str(tmp_path), "--total_batch_size", "128",
-            "--save_every_steps", "1"]
+            "--save_every_steps", "1", "--batch_warmup_frac", "0"]
     code = train.main([*base, "--max_steps", "6"])
     out = capsys.readouterr().out
     assert code == 0 and "update skipped (2 in a row, 2 in all)" in out

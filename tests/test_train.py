@@ -412,3 +412,57 @@ def test_the_launch_keeps_each_workers_stderr_in_the_run_directory(tmp_path, cor
     logs = sorted(run_dir.glob("workers/*/attempt_0/*/stderr.log"))
     assert [p.parent.name for p in logs] == ["0", "1"]
     assert "--log-dir" in proc.stdout and "--redirects=2 --tee=2" in proc.stdout  # the launcher line says so
+
+
+def test_the_warmup_schedules_by_progress_and_step():
+    from experiment.optim import muon_momentum
+    from experiment.train import context_split
+    assert [context_split(p, 0.3) for p in (0.0, 0.149, 0.15, 0.299, 0.3, 0.9)] == [4, 4, 2, 2, 1, 1]
+    assert context_split(0.0, 0.0) == 1  # off
+    assert [muon_momentum(s, 300) for s in (0, 150, 300, 10_000)] == pytest.approx([0.85, 0.90, 0.95, 0.95])
+    assert muon_momentum(0, 0) == 0.95  # off
+
+
+def test_early_steps_train_shorter_sequences_in_two_half_batch_updates_at_a_rising_momentum(tmp_path, corpus,
+                                                                                             monkeypatch):
+    from experiment import train
+    from experiment.model import GPT
+    from experiment.optim import ShardedOptimizer
+
+    shapes, momenta = [], []
+    forward, step = GPT.forward, ShardedOptimizer.step
+
+    def record_forward(self, idx, targets=None, **kw):
+        if self.training:
+            shapes.append(tuple(idx.shape))
+        return forward(self, idx, targets, **kw)
+
+    def record_step(self):
+        momenta.append(self.optimizers[0].param_groups[0]["momentum"])
+        return step(self)
+
+    monkeypatch.setattr(GPT, "forward", record_forward)
+    monkeypatch.setattr(ShardedOptimizer, "step", record_step)
+    # 4 steps of 4 sequences of 32 (one micro-batch each): the schedule's progress is step / 4
+    code = train.main([*map(str, TINY), "--data_dir", str(corpus), "--workspace", str(tmp_path), "--max_steps", "4",
+                       "--total_batch_size", "128", "--seq_warmup_frac", "1", "--batch_warmup_frac", "0.5",
+                       "--muon_momentum_warmup_steps", "2"])
+    assert code == 0
+    # steps 0-1 (progress < 0.5): 16 sequences of 8, as two updates of 8; steps 2-3: 8 of 16, one update
+    assert shapes == [(8, 8)] * 4 + [(8, 16)] * 2
+    assert momenta == pytest.approx([0.85, 0.85, 0.90, 0.90, 0.95, 0.95])
+    meta = run_meta(tmp_path, 4)
+    assert meta["state"]["tokens_seen"] == 4 * 128  # the same tokens as without the warmups
+    adam = [s for s in ckpt.load_tensors(ckpt.optim_path(tmp_path / "checkpoints/d2", 4, 0))["state"].values()
+            if "step" in s]
+    assert adam and all(float(s["step"]) == 6 for s in adam)  # every update reached the optimizer
+
+
+def test_the_warmups_settings_are_checked():
+    for settings, message in ((dict(seq_warmup_frac=1.5), "--seq_warmup_frac must lie in [0, 1]"),
+                              (dict(batch_warmup_frac=-0.1), "--batch_warmup_frac must lie in [0, 1]"),
+                              (dict(max_seq_len=30, total_batch_size=3840), "max_seq_len 30 must be a multiple of 4"),
+                              (dict(muon_momentum_warmup_steps=-1), "--muon_momentum_warmup_steps must be >= 0")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            resolve(TrainConfig(**settings), cuda=False, world_size=1)
+    resolve(TrainConfig(max_seq_len=30, total_batch_size=3840, seq_warmup_frac=0), cuda=False, world_size=1)

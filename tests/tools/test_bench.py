@@ -145,6 +145,38 @@ def test_versus_runs_both_sides_and_compares_them(tmp_path):
     assert 1.0 < float(short.group(1)) and (float(short.group(1)) < 4.5 or ladder_steps < 20), proc.stdout[-3000:]
     assert re.search(r"median of 1 \| ladder 2x: ours with a 4.0s budget [\d.]+, nanoGPT's 8s [\d.]+: (met|MISSED)",
                      proc.stdout)
+    # per token: ours again at its run's depth on nanoGPT's token count (whole steps of ours' 4096)
+    tok = re.search(r"per token \| nanoGPT ([\d.]+) on ([\d,]+) tokens \| ours ([\d.]+) on ([\d,]+) \(d(\d+) .*\) \| "
+                    r"ours - nanoGPT ([-+][\d.]+)", proc.stdout)
+    assert tok, proc.stdout[-3000:]
+    nano_tokens, ours_tokens = (int(tok.group(i).replace(",", "")) for i in (2, 4))
+    assert float(tok.group(1)) == nano and nano_tokens == iters * 768
+    assert nano_tokens <= ours_tokens < nano_tokens + 4096
+    assert f"d{tok.group(5)} " in m.group(0)  # the depth the budget run chose
+    assert float(tok.group(6)) == pytest.approx(float(tok.group(3)) - nano, abs=1e-4)
+    assert re.search(r"median of 1 \| per token: ours - nanoGPT at nanoGPT's tokens [-+][\d.]+", proc.stdout)
+
+
+def test_ablate_at_equal_tokens_gives_every_variant_the_same_tokens_and_tables_them(tmp_path):
+    data = tmp_path / "sums.txt"
+    data.write_text("".join(demo_lines(2000, seed=4)))
+    results = tmp_path / "r.jsonl"
+    tiny = "--depth 2 --aspect_ratio 32 --head_dim 32 --max_seq_len 64 --total_batch_size 512"
+    cmd = [sys.executable, "-m", "experiment.tools.bench", "ablate", "--results", results, "--data", data,
+           "--steps", "12", "--variant", "base:", "--variant", "lowlr:--matrix_lr 0.002"]
+    no_depth = subprocess.run([*cmd, "--common", "--max_seq_len 64"], cwd=REPO, env=ENV, capture_output=True,
+                              text=True, timeout=60)
+    assert no_depth.returncode != 0 and "--steps needs --common '--depth N'" in no_depth.stderr
+    assert not results.exists()
+    proc = subprocess.run([*cmd, "--common", tiny], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["variant"] for r in rows] == ["base", "lowlr"]
+    assert all(r["steps"] == 12 and r["tokens"] == 12 * 512 and "seconds" not in r for r in rows)
+    assert rows[0]["loss"] != rows[1]["loss"]  # the variant's flag reached the run
+    line = re.search(r"\| sums \| 12 steps \| lowlr \| 1 \| ([\d.]+) \| ([-+][\d.]+) \| ([\d.]+) \|", proc.stdout)
+    assert line, proc.stdout[-2000:]
+    assert float(line.group(2)) == pytest.approx(rows[1]["loss"] - rows[0]["loss"], abs=1e-4)
 
 
 def test_save_benchmark_prints_blocking_and_background_figures(tmp_path):
