@@ -369,6 +369,9 @@ class RunState:
     # back to it (experiment/extend.py).
     warmdown_begun: bool = False
     warmdown_step: int = -1
+    # The furthest schedule progress the early-schedule warmups (train.warmup_phase) have reached, rank
+    # 0's: monotone, so an extended run (a longer budget lowers the progress) does not go back to them.
+    warmup_progress: float = 0.0
     data_state: dict | None = None  # the data position of the step's next batch (every rank reads the same)
     # Measured durations (longest eval, longest save, recent step): the reserve kept for the final
     # eval + save. Persisted, so a resumed run still knows what its ending costs.

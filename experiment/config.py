@@ -15,13 +15,21 @@ from dataclasses import dataclass, field
 from experiment.dataloader import Prepared
 from experiment.optim import LRS
 
+# Recipe schedules that won at equal tokens on both CPU corpora (docs/performance.md, "A better model
+# per token"): short contexts, half batches and a lower Muon momentum early in the run. The first two
+# are off on CUDA until measured there: each context length is a torch.compile graph of its own.
+SEQ_WARMUP_FRAC = 0.3
+BATCH_WARMUP_FRAC = 0.3
+MUON_MOMENTUM_WARMUP_STEPS = 300  # nanochat's and modded-nanogpt's
 # DEPTH=auto on both (experiment/autosize.py). CPU defaults are the recommended small-budget settings
 # (docs/performance.md, Tiny Shakespeare on 2 cores): the depth by the auto rule and a narrow shape
 # (width 32 per layer) that sees many tokens. The learning rates depend on the depth: cpu_lrs.
-CUDA_DEFAULTS = dict(depth="auto", aspect_ratio=64, head_dim=128, warmdown_frac=0.2,
+CUDA_DEFAULTS = dict(depth="auto", aspect_ratio=64, head_dim=128, warmdown_frac=0.2, seq_warmup_frac=0.0,
+                     batch_warmup_frac=0.0,
                      max_seq_len=2048, total_batch_size=524288, training_hours=31.0,
                      save_every_minutes=60.0, eval_every_minutes=30.0, eval_tokens=1 << 20)
-CPU_DEFAULTS = dict(depth="auto", aspect_ratio=32, head_dim=64, warmdown_frac=0.4,
+CPU_DEFAULTS = dict(depth="auto", aspect_ratio=32, head_dim=64, warmdown_frac=0.4, seq_warmup_frac=SEQ_WARMUP_FRAC,
+                    batch_warmup_frac=BATCH_WARMUP_FRAC,
                     max_seq_len=256, total_batch_size=4096, training_hours=0.05,
                     save_every_minutes=1.0, eval_every_minutes=0.5, eval_tokens=1 << 16)
 # CPU learning rates by depth (docs/performance.md, "The learning rate across depth"): an LR sweep at
@@ -37,11 +45,6 @@ MAX_EPOCHS = 8  # the default cap on passes over the data, at any depth (experim
 EVAL_EVERY_EPOCHS = 0.25
 PLATEAU_EVALS = 4
 PLATEAU_MARGIN = 0.002
-# Recipe schedules that won at equal tokens on both corpora (docs/performance.md, "A better model per
-# token"): short contexts, half batches and a lower Muon momentum early in the run.
-SEQ_WARMUP_FRAC = 0.3
-BATCH_WARMUP_FRAC = 0.3
-MUON_MOMENTUM_WARMUP_STEPS = 300  # nanochat's and modded-nanogpt's
 GUARDS = ("demo", "repeat", "disk")  # the pre-flight's guards on CUDA, which ALLOW passes (preflight.py)
 
 
@@ -141,11 +144,12 @@ class TrainConfig:
     warmdown_frac: float | None = opt("final fraction of the budget with linear LR warmdown "
                                        "(default 0.2 with CUDA, 0.4 without)")
     final_lr_frac: float = opt("LR multiplier at the end of warmdown", 0.0)
-    seq_warmup_frac: float = opt("short contexts first: over the first half of this fraction of the schedule each "
-                                 "sequence is cut into four of max_seq_len/4, over the second half into two (the "
-                                 "same tokens per step; 0: off)", SEQ_WARMUP_FRAC)
-    batch_warmup_frac: float = opt("small batches first: over this fraction of the schedule each step's batch makes "
-                                   "two optimizer steps of half the tokens each (0: off)", BATCH_WARMUP_FRAC)
+    seq_warmup_frac: float | None = opt("short contexts first: over the first half of this fraction of the schedule "
+                                        "each sequence is cut into four of max_seq_len/4, over the second half into "
+                                        "two (the same tokens per step; 0: off; default 0.3 without CUDA, 0 with)")
+    batch_warmup_frac: float | None = opt("small batches first: over this fraction of the schedule each step's batch "
+                                          "makes two optimizer steps of half the tokens each (0: off; default 0.3 "
+                                          "without CUDA, 0 with)")
     muon_momentum_warmup_steps: int = opt("Muon's momentum rises linearly from 0.85 to 0.95 over this many steps "
                                           "(0: 0.95 from the start)", MUON_MOMENTUM_WARMUP_STEPS)
     seed: int = opt("init and data-order seed", 1337)

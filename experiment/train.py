@@ -111,6 +111,8 @@ class Loop:
     # eval's own "before" could name a step whose background save is still in flight, then fails).
     saved_best: tuple = (math.inf, -1)
     progress: float = 0.0  # the fraction of the LR schedule done at the latest step (this rank's clock)
+    split: int = 1  # the step's early-schedule phase, rank 0's (decide): sequences cut into this many
+    halve: int = 0  # 1: the step's tokens in two updates of half the rows each
     measured_tokens: int = 0
     measured_time: float = 0.0
     planned: bool = False
@@ -451,8 +453,8 @@ def train_loop(t: Trainer) -> int:
             t.st.step, t.st.used_seconds = step, loop.used()
             # The final eval, save and step (the LR schedule ends where they begin)
             loop.reserve_seconds = t.st.eval_seconds + save_seconds(t) + t.st.step_seconds
-            last_step, eval_due, save_due, signum, writing, warmdown = decide(t, loop, stop_signal.signum,
-                                                                              t.saver.writing())
+            last_step, eval_due, save_due, signum, writing, warmdown, loop.split, loop.halve = decide(
+                t, loop, stop_signal.signum, t.saver.writing())
             if t.saver.pending is not None and not writing:  # every rank's writer is done
                 finish_save(t, loop)
             if last_step:
@@ -534,9 +536,22 @@ def decide(t: Trainer, loop: Loop, signum: int, writing: bool = False) -> tuple[
     last = (step >= t.max_steps or st.tokens_seen >= t.max_tokens or stopped_at_minimum(t)
             or st.used_seconds + loop.reserve_seconds + in_flight + due_now >= t.budget_seconds)
     warmdown = not st.warmdown_begun and schedule_progress(t, loop) > 1 - cfg.warmdown_frac and not last
+    # The phase decides how many updates (and collectives) the step makes: every rank takes rank 0's.
+    split, halve = warmup_phase(t, loop) if d.master else (0, 0)
     flags = torch.tensor([d.master and last, d.master and eval_due, d.master and save_due, signum, writing,
-                          d.master and warmdown], dtype=torch.int32, device=d.device)
+                          d.master and warmdown, split, halve], dtype=torch.int32, device=d.device)
     return tuple(int(v) for v in d.all_reduce(flags, "max").tolist())
+
+
+def warmup_phase(t: Trainer, loop: Loop) -> tuple[int, int]:
+    """(the context split, halved batch: 0 or 1) of the early-schedule warmups at this step. They follow
+    the furthest schedule progress reached (st.warmup_progress: an extension does not return to them)
+    and end when a warmdown begins: the val minimum's anneal trains whole sequences and batches."""
+    cfg, st = t.cfg, t.st
+    if st.warmdown_begun or st.anneal_start_tokens >= 0:
+        return 1, 0
+    st.warmup_progress = max(st.warmup_progress, schedule_progress(t, loop))
+    return context_split(st.warmup_progress, cfg.seq_warmup_frac), int(st.warmup_progress < cfg.batch_warmup_frac)
 
 
 def stopped_at_minimum(t: Trainer) -> bool:
@@ -777,19 +792,22 @@ def repair_best(run_dir: Path, st: RunState, log: RunLog) -> None:
 
 def train_step(t: Trainer, loop: Loop) -> tuple[torch.Tensor, float]:
     """One step: grad_accum micro-batches, the gradient all-reduce on the last only, and the update;
-    early in the schedule in shorter sequences (seq_warmup_frac) and as two updates of half the
-    tokens each (batch_warmup_frac). Returns (the summed loss, on the device; the LR multiplier); a diverging run stops the loop."""
+    early in the schedule (loop.split, loop.halve: decide) in shorter sequences and as two updates of
+    half the tokens each. Returns (the summed loss, on the device; the LR multiplier); a diverging
+    run stops the loop."""
     cfg, d, st = t.cfg, t.d, t.st
-    loop.progress = progress = schedule_progress(t, loop)
-    mult = lr_multiplier(progress, cfg.warmup_frac, cfg.warmdown_frac, cfg.final_lr_frac)
+    loop.progress = schedule_progress(t, loop)
+    mult = lr_multiplier(loop.progress, cfg.warmup_frac, cfg.warmdown_frac, cfg.final_lr_frac)
     if st.anneal_start_tokens >= 0 and cfg.plateau_evals:  # the warmdown the val minimum started, or the schedule's
         done = (st.tokens_seen - st.anneal_start_tokens) / max(st.anneal_tokens, 1)
         mult = min(mult, lr_multiplier(done, 0.0, 1.0, cfg.final_lr_frac))
     t.opt.set_lr_multiplier(mult)
     t.opt.set_muon_momentum(muon_momentum(st.step, cfg.muon_momentum_warmup_steps))
-    rows = loop.x.size(0) * context_split(progress, cfg.seq_warmup_frac)  # the same tokens, shorter sequences
-    if progress < cfg.batch_warmup_frac and rows > 1:
+    rows = loop.x.size(0) * loop.split  # the same tokens, shorter sequences
+    if loop.halve and rows > 1:
         loss_sum = half_batch_steps(t, loop, rows)
+        if loop.end is not None:  # the first half's skipped update ended the run (a diverging loss)
+            return loss_sum, mult
     else:
         loss_sum = torch.zeros((), device=d.device)
         for micro in range(t.grad_accum):
@@ -821,6 +839,8 @@ def half_batch_steps(t: Trainer, loop: Loop, rows: int) -> torch.Tensor:
     for half in (slice(0, rows // 2), slice(rows // 2, rows)):
         if half.start:  # the first half's update; the second's is the step's own (train_step)
             apply_update(t, loop)
+            if loop.end is not None:
+                break
         for micro, (x, y) in enumerate(micro_batches):
             defer = t.ddp if t.d.world_size > 1 and micro < t.grad_accum - 1 else None
             loss_sum += forward_backward(t.train_model, x[half], y[half], t.grad_accum, defer_sync=defer) / 2

@@ -496,8 +496,8 @@ def test_nonfinite_losses_skip_updates_and_a_streak_stops_the_run(tmp_path, corp
 
 
 def test_a_new_best_during_skipped_updates_is_saved_so_best_json_can_name_it(tmp_path, corpus, monkeypatch):
-    """Steps 2 and 3 skip their updates; step 3's eval (the first since step 0) is a new best. Broken
-    before: no save during a streak, so the run ended with best_step naming step 3, which no file held."""
+    """Steps 2 and 3 skip their updates (one forward per update: no half-batch steps); step 3's eval
+    (the first since step 0) is a new best. Broken before: no save during a streak, so the run ended with best_step naming step 3, which no file held."""
     from experiment import train
     from experiment.model import GPT
 
@@ -513,7 +513,7 @@ def test_a_new_best_during_skipped_updates_is_saved_so_best_json_can_name_it(tmp
 
     monkeypatch.setattr(GPT, "forward", nan_at_steps_2_and_3)
     code = train.main([*map(str, TINY), "--data_dir", str(corpus), "--workspace", str(tmp_path), "--total_batch_size",
-                       "128", "--eval_every_steps", "3", "--max_steps", "4"])
+                       "128", "--eval_every_steps", "3", "--max_steps", "4", "--batch_warmup_frac", "0"])
     run_dir = tmp_path / "checkpoints/d2"
     assert code == 0 and run_meta(tmp_path, 4)["state"]["best_step"] == 3
     assert 3 in ckpt.complete_steps(run_dir) and ckpt.read_best(run_dir)["step"] == 3

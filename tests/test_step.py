@@ -13,38 +13,45 @@ from experiment.runlog import RunLog
 from experiment.step import forward_backward, optimizer_step
 
 
-def _one_trainer_step(tmp_path, corpus):
+# The plain step: none of the early-schedule warmups (their step: test_the_first_step_is_two_updates...)
+PLAIN = ["--seq_warmup_frac", "0", "--batch_warmup_frac", "0", "--muon_momentum_warmup_steps", "0"]
+
+
+def _one_trainer_step(tmp_path, corpus, flags=PLAIN, updates=1):
     """The trainer set up on TINY with 2 micro-batches a step, and one train_step run with a copy of
     its model and optimizer taken before it: (cfg, trainer, copy, copy's optimizer, the micro-batches
-    it fed its model, the gradients it handed its optimizer, its loss, its LR multiplier)."""
+    it fed its model, the gradients it handed its optimizer at each update, its loss, its LR
+    multiplier). Also returns the step's first micro-batch as the loop held it."""
     cfg = resolve(parse_args([*map(str, TINY), "--data_dir", str(corpus), "--workspace", str(tmp_path),
-                              "--total_batch_size", "256", "--device", "cpu"]), cuda=False, world_size=1)
+                              "--total_batch_size", "256", "--device", "cpu", *flags]), cuda=False, world_size=1)
     t = train.setup(cfg, Dist(0, 0, 1, torch.device("cpu")), tmp_path, tmp_path / "checkpoints" / cfg.model_tag,
                     RunLog(None))
     loop = train.start_loop(t)
     assert t.grad_accum == 2
+    *_, loop.split, loop.halve = train.decide(t, loop, 0)
+    first = loop.x.clone()
     copy = build_model(t.model.config)
     copy.load_state_dict(t.model.state_dict())
     copy_opt = ShardedOptimizer(copy, matrix_lr=cfg.matrix_lr, embedding_lr=cfg.embedding_lr,
                                 unembedding_lr=cfg.unembedding_lr)
-    inputs, handed = [], {}
+    inputs, handed = [], []
     t.model.register_forward_pre_hook(lambda module, args: inputs.append((args[0].clone(), args[1].clone())))
     step = t.opt.step
 
     def capture():
-        handed.update({n: p.grad.clone() for n, p in t.model.named_parameters()})
+        handed.append({n: p.grad.clone() for n, p in t.model.named_parameters()})
         step()
 
     t.opt.step = capture
     loss_sum, mult = train.train_step(t, loop)
     t.writer.close()
-    assert len(inputs) == 2 and handed
-    return t, copy, copy_opt, inputs, handed, loss_sum, mult
+    assert len(inputs) == 2 * updates and len(handed) == updates
+    return t, copy, copy_opt, inputs, handed if updates > 1 else handed[0], loss_sum, mult, first
 
 
 def test_the_tools_step_gives_the_trainers_loss_gradients_and_update(tmp_path, corpus):
     # 256 tokens per step in micro-batches of 4 x 32: two micro-batches accumulate per step.
-    t, tool_model, tool_opt, inputs, handed, loss_sum, mult = _one_trainer_step(tmp_path, corpus)
+    t, tool_model, tool_opt, inputs, handed, loss_sum, mult, _ = _one_trainer_step(tmp_path, corpus)
 
     # A tool's step on the same micro-batches: forward_backward per micro-batch, then optimizer_step.
     tool_loss = sum(forward_backward(tool_model, x, y, grad_accum=2) for x, y in inputs)
@@ -76,7 +83,7 @@ def test_the_accumulated_step_equals_one_plain_backward_over_the_whole_batch(tmp
     accumulated micro-batches gives the loss, the gradients and the update of one plain
     loss.backward() over both micro-batches at once. Caught: forward_backward without its
     `/ grad_accum` (loss and gradients doubled), an optimizer step before the last micro-batch."""
-    t, reference, reference_opt, inputs, handed, loss_sum, mult = _one_trainer_step(tmp_path, corpus)
+    t, reference, reference_opt, inputs, handed, loss_sum, mult, _ = _one_trainer_step(tmp_path, corpus)
     x, y = torch.cat([a for a, _ in inputs]), torch.cat([b for _, b in inputs])
     loss = reference(x, y)  # the mean over all 256 tokens of the step
     loss.backward()
@@ -88,3 +95,24 @@ def test_the_accumulated_step_equals_one_plain_backward_over_the_whole_batch(tmp
     trained = t.model.state_dict()
     for n, v in reference.state_dict().items():
         assert torch.allclose(trained[n], v, rtol=1e-4, atol=1e-6), n
+
+
+def test_the_first_step_is_two_updates_on_quartered_sequences_each_from_half_of_every_micro_batch(tmp_path, corpus):
+    """The CPU defaults' first step (the warmups: quarter contexts, half batches, momentum 0.85): the
+    first update reads the first half of the rows of both micro-batches, the second update the other
+    half; the tools' step on the same inputs, update by update, gives the same weights bit for bit."""
+    t, tool_model, tool_opt, inputs, handed, loss_sum, mult, first = _one_trainer_step(tmp_path, corpus, [], 2)
+    assert all(x.shape == (8, 8) for x, _ in inputs)  # 4 sequences of 32 -> 16 of 8, 8 per update
+    assert torch.equal(torch.cat([inputs[0][0], inputs[2][0]]).reshape(4, 32), first)  # micro-batch 1's halves
+    assert not torch.equal(inputs[1][0], inputs[0][0])  # micro-batch 2, not micro-batch 1 again
+    tool_opt.set_lr_multiplier(mult)
+    tool_opt.set_muon_momentum(0.85)
+    total = torch.zeros(())
+    for update in range(2):
+        for x, y in inputs[2 * update: 2 * update + 2]:
+            total += forward_backward(tool_model, x, y, grad_accum=2) / 2
+        assert all(torch.equal(p.grad, handed[update][n]) for n, p in tool_model.named_parameters())
+        assert optimizer_step(tool_model, tool_opt)
+    assert torch.equal(total, loss_sum)
+    trained = t.model.state_dict()
+    assert all(torch.equal(v, trained[n]) for n, v in tool_model.state_dict().items())

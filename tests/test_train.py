@@ -353,7 +353,7 @@ def test_an_eval_due_when_the_budget_has_no_room_for_another_makes_this_step_the
     from experiment.distributed import Dist
 
     cfg = SimpleNamespace(eval_every_minutes=1.0, eval_every_steps=0, save_every_minutes=60.0, save_every_steps=0,
-                          plateau_evals=4, max_steps=0, warmdown_frac=0.4)
+                          plateau_evals=4, max_steps=0, warmdown_frac=0.4, seq_warmup_frac=0.3, batch_warmup_frac=0.3)
     now = time.time()
     for eval_ago, used, writing, last in ((120, 95.0, 0, 1), (10, 95.0, 0, 0), (120, 92.0, 0, 0), (10, 95.0, 2, 1)):
         # reserve 4 s (eval 2 + save 1 + step 1) of a 100 s budget; an eval due now costs 3 s more,
@@ -367,6 +367,7 @@ def test_an_eval_due_when_the_budget_has_no_room_for_another_makes_this_step_the
         assert train.decide(t, loop, 0)[:2] == (last, int(eval_ago > 60)), (eval_ago, used)
         # 92-95 s of 96 s (the budget less the reserve): past 60%, the warmdown begins here, unless the run ends
         assert train.decide(t, loop, 0)[5] == 1 - last
+        assert train.decide(t, loop, 0)[6:] == (1, 0)  # past the early-schedule warmups
     # Before the first save its estimate stands in: 92.5 + 4 + an eval (2) and a save (1.5) due now
     # reach the budget; counting the save as free would not.
     st.used_seconds, st.save_seconds, t.saver = 92.5, 0.0, SimpleNamespace(seconds_left=lambda save_seconds: 0.0)
@@ -380,6 +381,18 @@ def test_an_eval_due_when_the_budget_has_no_room_for_another_makes_this_step_the
     assert train.decide(t, loop, 0)[:2] == (0, 0)
     loop.last_eval_tokens = 4000
     assert train.decide(t, loop, 0)[:2] == (0, 1)
+    # the warmups' phase by the furthest progress reached: 9.6 s of 96 is 10% (quarter contexts, half
+    # batches), 19.2 s 20% (half contexts, half batches); a longer budget (an extension) goes back to none
+    fresh = RunState(step=5, used_seconds=9.6, eval_seconds=2.0, save_seconds=1.0, step_seconds=1.0)
+    t.st, loop.last_eval_time = fresh, now
+    assert train.decide(t, loop, 0)[6:] == (4, 1)
+    fresh.used_seconds = 19.2
+    assert train.decide(t, loop, 0)[6:] == (2, 1) and fresh.warmup_progress == pytest.approx(0.2)
+    t.budget_seconds = 1000.0
+    assert train.decide(t, loop, 0)[6:] == (2, 1)  # 2% of the longer budget, but 20% was reached
+    fresh.anneal_start_tokens = 0
+    assert train.decide(t, loop, 0)[6:] == (1, 0)  # the val minimum's anneal trains whole batches
+    t.st, t.budget_seconds = st, 100.0
     # a warmdown the stop at the val minimum started ends the run when it is done; PLATEAU_EVALS=0 overrules it
     st.anneal_start_tokens, st.anneal_tokens = 3000, 2000
     assert train.decide(t, loop, 0)[0] == 1

@@ -19,6 +19,7 @@ prints the medians from it without training. Measure on an idle machine: nothing
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 import statistics
@@ -77,13 +78,14 @@ def table(results: Path, baseline: str) -> str:
     same seconds; a steps budget what it makes of the same tokens, with the seconds it took beside."""
     rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
     groups: dict[tuple, list[dict]] = {}
-    for row in rows:
-        groups.setdefault((row["corpus"], label(row), row["variant"]), []).append(row)
+    for row in rows:  # keyed so that budgets sort by kind, then by amount
+        kind = "steps" if row.get("steps") else "seconds"
+        groups.setdefault((row["corpus"], kind, row[kind], row["variant"]), []).append(row)
     lines = ["| corpus | budget | variant | runs | median loss | vs " + baseline + " | median seconds |",
              "|---|---|---|---|---|---|---|"]
-    for (corpus, budget, variant), group in sorted(groups.items()):
+    for (corpus, kind, amount, variant), group in sorted(groups.items()):
         med = statistics.median(r["loss"] for r in group)
-        base = groups.get((corpus, budget, baseline))
+        base, budget = groups.get((corpus, kind, amount, baseline)), label(group[0])
         delta = f"{med - statistics.median(r['loss'] for r in base):+.4f}" if base and variant != baseline else ""
         used = statistics.median(r["used"] for r in group)
         lines.append(f"| {corpus} | {budget} | {variant} | {len(group)} | {med:.4f} | {delta} | {used:.1f} |")
@@ -106,7 +108,9 @@ def add_arguments(p) -> None:
 
 def main(args) -> int:
     if not args.table:
-        if args.steps and "--depth" not in args.common:
+        if not args.seconds and not args.steps:
+            raise SystemExit("ablate: give --seconds S ... and/or --steps N ...")
+        if args.steps and not re.search(r"--depth[ =]\d+", args.common):
             raise SystemExit("ablate: --steps needs --common '--depth N' (DEPTH=auto sizes the model to a clock)")
         variants = [parse_variant(v) for v in args.variant]
         peak = cpu_matmul_peak()

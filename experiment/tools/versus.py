@@ -51,9 +51,10 @@ from experiment.files import REPO_ROOT
 from experiment.report import read_records
 from experiment.tools.probes import cpu_matmul_peak
 
-BABY_GPT = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
-            "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--dropout=0.0"]
-NANO_TOKENS_PER_ITER = 12 * 64  # BABY_GPT's batch x block: the targets of one iteration
+NANO_BLOCK, NANO_BATCH = 64, 12
+BABY_GPT = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", f"--block_size={NANO_BLOCK}",
+            f"--batch_size={NANO_BATCH}", "--n_layer=4", "--n_head=4", "--n_embd=128", "--dropout=0.0"]
+NANO_TOKENS_PER_ITER = NANO_BATCH * NANO_BLOCK  # the targets of one iteration
 NANO_EVAL_INTERVAL = 250  # config/train_shakespeare_char.py
 CALIBRATION_ITERS = 60
 LOOP_TOLERANCE = 0.05  # nanoGPT's loop must fill the budget within 5%
@@ -81,11 +82,11 @@ def run_ours(data: Path, seconds: float, val_fraction: float, workspace: Path, t
     """Train from scratch for `seconds` of budget with the trainer's defaults (plus train_args) and
     evaluate the final model and the best-val step on the whole val split. With `steps`, the budget is
     tokens instead: that many optimizer steps (the schedule follows them; MAX_STEPS), the clock out of
-    the way, evals every sixth of them; train_args must then name the depth (DEPTH=auto sizes to a
-    clock)."""
-    if steps:
+    the way, the stop at the val minimum and the pass cap off, evals every sixth of them; train_args
+    must then name the depth (DEPTH=auto sizes to a clock)."""
+    if steps:  # neither the stop at the val minimum nor the pass cap may end it short of its tokens
         budget = ["--training_hours", "1000", "--max_steps", str(steps), "--eval_every_steps", str(max(1, steps // 6)),
-                  "--eval_every_minutes", "1e9"]
+                  "--eval_every_minutes", "1e9", "--plateau_evals", "0", "--max_epochs", "0"]
     else:
         budget = ["--training_hours", str(seconds / 3600),
                   "--eval_every_minutes", str((eval_every_seconds or seconds / 6) / 60)]
@@ -285,6 +286,8 @@ def per_token(nano: Result, ours: Result, data: Path, ws: Path, args) -> float:
     run = run_ours(data, 0.0, 0.1, ws / "ours-tokens", [*WHOLE_VAL, *args.train_args, "--depth", str(ours.depth)],
                    steps=steps)
     gap = run.loss - nano.loss
+    if run.tokens < nano.tokens:  # train_args ended it early (a MAX_STEPS or budget of their own)
+        print(f"versus | per token | warning: ours stopped at {run.tokens:,} tokens, short of nanoGPT's", flush=True)
     print(f"versus | per token | nanoGPT {nano.loss:.4f} on {nano.tokens:,} tokens | ours {run.loss:.4f} on "
           f"{run.tokens:,} ({run.summary}, {run.seconds:.1f}s) | ours - nanoGPT {gap:+.4f}; ours' {args.seconds:g}s "
           f"run saw {ours.tokens:,}", flush=True)

@@ -153,7 +153,7 @@ def test_versus_runs_both_sides_and_compares_them(tmp_path):
     assert float(tok.group(1)) == nano and nano_tokens == iters * 768
     assert nano_tokens <= ours_tokens < nano_tokens + 4096
     assert f"d{tok.group(5)} " in m.group(0)  # the depth the budget run chose
-    assert float(tok.group(6)) == pytest.approx(float(tok.group(3)) - nano, abs=1e-4)
+    assert float(tok.group(6)) == pytest.approx(float(tok.group(3)) - nano, abs=2e-4)  # three roundings
     assert re.search(r"median of 1 \| per token: ours - nanoGPT at nanoGPT's tokens [-+][\d.]+", proc.stdout)
 
 
