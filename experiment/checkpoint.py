@@ -391,6 +391,10 @@ def run_state(meta: dict) -> RunState:
         if "warmdown_window" not in meta["state"] and st.warmdown_seen and not st.plateau_stopped:
             # Written before the warmdown had its own window: its reference meant a new best; start afresh.
             st.plateau_ref, st.evals_without_gain = math.inf, 0
+        if "warmup_progress" not in meta["state"]:
+            # Written before the early-schedule warmups (or without their progress): a resume of a run
+            # under way must not switch to them in its middle.
+            st.warmup_progress = 1.0
         return st
     # Metas written before the state was one dict hold its fields at the top level.
     flat = {f.name: meta[f.name] for f in fields(RunState) if f.name in meta}

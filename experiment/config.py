@@ -17,7 +17,8 @@ from experiment.optim import LRS
 
 # Recipe schedules that won at equal tokens on both CPU corpora (docs/performance.md, "A better model
 # per token"): short contexts, half batches and a lower Muon momentum early in the run. The first two
-# are off on CUDA until measured there: each context length is a torch.compile graph of its own.
+# are off on CUDA until measured there: each context length and the half batch is a torch.compile
+# graph of its own.
 SEQ_WARMUP_FRAC = 0.3
 BATCH_WARMUP_FRAC = 0.3
 MUON_MOMENTUM_WARMUP_STEPS = 300  # nanochat's and modded-nanogpt's

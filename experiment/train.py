@@ -515,9 +515,9 @@ def save_seconds(t: Trainer) -> float:
     return t.st.save_seconds or t.first_save_seconds
 
 
-def decide(t: Trainer, loop: Loop, signum: int, writing: bool = False) -> tuple[int, int, int, int, int, int]:
+def decide(t: Trainer, loop: Loop, signum: int, writing: bool = False) -> tuple[int, ...]:
     """(last step, eval due, save due, signal, a rank still writing a save, the schedule's warmdown
-    begins at this step). Rank 0 decides the clock-driven flags; a stop signal may reach any rank, and
+    begins at this step, the step's context split, its halved batch: 0 or 1). Rank 0 decides the clock-driven flags; a stop signal may reach any rank, and
     so may a writer still at work. One all-reduce (max) gives every rank the same decisions, so none
     is left waiting in a collective."""
     cfg, d, st, step = t.cfg, t.d, t.st, t.st.step
@@ -548,7 +548,9 @@ def warmup_phase(t: Trainer, loop: Loop) -> tuple[int, int]:
     the furthest schedule progress reached (st.warmup_progress: an extension does not return to them)
     and end when a warmdown begins: the val minimum's anneal trains whole sequences and batches."""
     cfg, st = t.cfg, t.st
-    if st.warmdown_begun or st.anneal_start_tokens >= 0:
+    # From the step after an anneal begins: the step that began it (its eval came after this
+    # decision) trained in the warmups, and so does its resume, whose checkpoint records the anneal.
+    if st.warmdown_begun or 0 <= st.anneal_start_tokens < st.tokens_seen:
         return 1, 0
     st.warmup_progress = max(st.warmup_progress, schedule_progress(t, loop))
     return context_split(st.warmup_progress, cfg.seq_warmup_frac), int(st.warmup_progress < cfg.batch_warmup_frac)
@@ -806,8 +808,6 @@ def train_step(t: Trainer, loop: Loop) -> tuple[torch.Tensor, float]:
     rows = loop.x.size(0) * loop.split  # the same tokens, shorter sequences
     if loop.halve and rows > 1:
         loss_sum = half_batch_steps(t, loop, rows)
-        if loop.end is not None:  # the first half's skipped update ended the run (a diverging loss)
-            return loss_sum, mult
     else:
         loss_sum = torch.zeros((), device=d.device)
         for micro in range(t.grad_accum):
@@ -815,7 +815,8 @@ def train_step(t: Trainer, loop: Loop) -> tuple[torch.Tensor, float]:
             x, y = (v.reshape(rows, -1) for v in (loop.x, loop.y))
             loss_sum += forward_backward(t.train_model, x, y, t.grad_accum, defer_sync=defer)
             next_micro_batch(t, loop)
-    apply_update(t, loop)
+    if loop.end is None:  # else a first half's skipped update ended the run (a diverging loss)
+        apply_update(t, loop)
     st.tokens_seen += cfg.total_batch_size
     return loss_sum, mult
 
@@ -878,9 +879,9 @@ def apply_update(t: Trainer, loop: Loop) -> None:
     t.log(f"step {t.st.step + 1:06d} | non-finite loss or gradients: update skipped "
           f"({loop.bad_in_a_row} in a row, {t.st.nonfinite_steps} in all)")
     if loop.bad_in_a_row >= MAX_NONFINITE_IN_A_ROW:
-        t.log(f"error: {loop.bad_in_a_row} non-finite steps in a row; stopping. The last good checkpoint is "
+        t.log(f"error: {loop.bad_in_a_row} non-finite updates in a row; stopping. The last good checkpoint is "
               f"step {max(loop.last_complete_step, 0):06d}; lower the learning rates or check the data")
-        loop.stop(1, f"failed: {loop.bad_in_a_row} non-finite steps in a row")
+        loop.stop(1, f"failed: {loop.bad_in_a_row} non-finite updates in a row")
 
 
 def updated_step_seconds(previous: float, dt: float, warm: bool) -> float:

@@ -414,3 +414,9 @@ def test_a_write_the_disk_refuses_is_an_os_error_and_leaves_the_previous_file(tm
     monkeypatch.undo()
     assert torch.equal(ckpt.load_tensors(path)["w"], torch.ones(2))
     assert [p.name for p in tmp_path.iterdir()] == ["model_000001.pt"]
+
+
+def test_a_checkpoint_without_the_warmups_progress_resumes_past_them():
+    # written before the early-schedule warmups: a resume under way must not switch to them mid-run
+    assert ckpt.run_state({"state": {"step": 40, "tokens_seen": 163840}}).warmup_progress == 1.0
+    assert ckpt.run_state({"state": {"step": 4, "warmup_progress": 0.12}}).warmup_progress == 0.12

@@ -491,8 +491,32 @@ def test_nonfinite_losses_skip_updates_and_a_streak_stops_the_run(tmp_path, corp
 
     code = train.main([*base, "--max_steps", "40"])  # from the 8th call on, every loss is NaN
     out = capsys.readouterr().out
-    assert code == 1 and "5 non-finite steps in a row; stopping" in out
+    assert code == 1 and "5 non-finite updates in a row; stopping" in out
     assert ckpt.complete_steps(tmp_path / "checkpoints/d2")[-1] == 7  # nothing saved after the streak began
+
+
+def test_in_half_batch_steps_each_update_counts_and_the_fifth_skip_ends_the_step(tmp_path, corpus, monkeypatch,
+                                                                                  capsys):
+    from experiment import train
+    from experiment.model import GPT
+
+    forward, calls = GPT.forward, {"n": 0}
+
+    def nan_from_the_third(self, idx, targets=None, **kw):
+        out = forward(self, idx, targets, **kw)
+        if targets is not None and self.training:
+            calls["n"] += 1
+            if calls["n"] >= 3:
+                return out * float("nan")
+        return out
+
+    monkeypatch.setattr(GPT, "forward", nan_from_the_third)
+    code = train.main([*map(str, TINY), "--data_dir", str(corpus), "--workspace", str(tmp_path), "--total_batch_size",
+                       "128", "--batch_warmup_frac", "1", "--max_steps", "20", "--save_every_steps", "1"])
+    out = capsys.readouterr().out
+    # two forwards (updates) a step: step 1's two skip, step 2's two, step 3's first is the fifth
+    assert code == 1 and "5 non-finite updates in a row; stopping" in out
+    assert calls["n"] == 7  # no forward after the update that ended the run
 
 
 def test_a_new_best_during_skipped_updates_is_saved_so_best_json_can_name_it(tmp_path, corpus, monkeypatch):

@@ -29,7 +29,7 @@ def _one_trainer_step(tmp_path, corpus, flags=PLAIN, updates=1):
     loop = train.start_loop(t)
     assert t.grad_accum == 2
     *_, loop.split, loop.halve = train.decide(t, loop, 0)
-    first = loop.x.clone()
+    first = (loop.x.clone(), loop.y.clone())
     copy = build_model(t.model.config)
     copy.load_state_dict(t.model.state_dict())
     copy_opt = ShardedOptimizer(copy, matrix_lr=cfg.matrix_lr, embedding_lr=cfg.embedding_lr,
@@ -103,7 +103,8 @@ def test_the_first_step_is_two_updates_on_quartered_sequences_each_from_half_of_
     half; the tools' step on the same inputs, update by update, gives the same weights bit for bit."""
     t, tool_model, tool_opt, inputs, handed, loss_sum, mult, first = _one_trainer_step(tmp_path, corpus, [], 2)
     assert all(x.shape == (8, 8) for x, _ in inputs)  # 4 sequences of 32 -> 16 of 8, 8 per update
-    assert torch.equal(torch.cat([inputs[0][0], inputs[2][0]]).reshape(4, 32), first)  # micro-batch 1's halves
+    for i in range(2):  # micro-batch 1's halves, inputs and their targets
+        assert torch.equal(torch.cat([inputs[0][i], inputs[2][i]]).reshape(4, 32), first[i])
     assert not torch.equal(inputs[1][0], inputs[0][0])  # micro-batch 2, not micro-batch 1 again
     tool_opt.set_lr_multiplier(mult)
     tool_opt.set_muon_momentum(0.85)

@@ -390,8 +390,10 @@ def test_an_eval_due_when_the_budget_has_no_room_for_another_makes_this_step_the
     assert train.decide(t, loop, 0)[6:] == (2, 1) and fresh.warmup_progress == pytest.approx(0.2)
     t.budget_seconds = 1000.0
     assert train.decide(t, loop, 0)[6:] == (2, 1)  # 2% of the longer budget, but 20% was reached
-    fresh.anneal_start_tokens = 0
-    assert train.decide(t, loop, 0)[6:] == (1, 0)  # the val minimum's anneal trains whole batches
+    fresh.anneal_start_tokens = 0  # the val minimum's anneal began at this step: this step and its resume
+    assert train.decide(t, loop, 0)[6:] == (2, 1)  # are in the warmups still, the next ones are not
+    fresh.tokens_seen = 4096
+    assert train.decide(t, loop, 0)[6:] == (1, 0)
     t.st, t.budget_seconds = st, 100.0
     # a warmdown the stop at the val minimum started ends the run when it is done; PLATEAU_EVALS=0 overrules it
     st.anneal_start_tokens, st.anneal_tokens = 3000, 2000
