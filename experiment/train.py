@@ -517,9 +517,9 @@ def save_seconds(t: Trainer) -> float:
 
 def decide(t: Trainer, loop: Loop, signum: int, writing: bool = False) -> tuple[int, ...]:
     """(last step, eval due, save due, signal, a rank still writing a save, the schedule's warmdown
-    begins at this step, the step's context split, its halved batch: 0 or 1). Rank 0 decides the clock-driven flags; a stop signal may reach any rank, and
-    so may a writer still at work. One all-reduce (max) gives every rank the same decisions, so none
-    is left waiting in a collective."""
+    begins at this step, the step's context split, its halved batch: 0 or 1). Rank 0 decides the
+    clock-driven flags; a stop signal may reach any rank, and so may a writer still at work. One
+    all-reduce (max) gives every rank the same decisions, so none is left waiting in a collective."""
     cfg, d, st, step = t.cfg, t.d, t.st, t.st.step
     eval_due = (time.time() - loop.last_eval_time >= cfg.eval_every_minutes * 60
                 or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0) or step == 0
