@@ -257,6 +257,12 @@ def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
             f"{cfg.device_batch_size} x max_seq_len {cfg.max_seq_len} x world size {world_size}")
     if not 0 <= cfg.warmup_frac + cfg.warmdown_frac <= 1:
         raise ConfigError("--warmup_frac + --warmdown_frac must lie in [0, 1]")
+    check_warmups(cfg)
+    return cfg
+
+
+def check_warmups(cfg: TrainConfig) -> None:
+    """The early-schedule warmups' settings (train.warmup_phase), once their device defaults are in."""
     for name in ("seq_warmup_frac", "batch_warmup_frac"):
         if not 0 <= getattr(cfg, name) <= 1:
             raise ConfigError(f"--{name} must lie in [0, 1], got {getattr(cfg, name)}")
@@ -265,7 +271,6 @@ def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
                           f"{cfg.max_seq_len} must be a multiple of 4 (or set --seq_warmup_frac 0)")
     if cfg.muon_momentum_warmup_steps < 0:
         raise ConfigError(f"--muon_momentum_warmup_steps must be >= 0, got {cfg.muon_momentum_warmup_steps}")
-    return cfg
 
 
 def checkpoint_meta(cfg: TrainConfig, prepared: Prepared, budget_seconds: float, auto: dict | None = None) -> dict:

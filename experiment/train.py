@@ -196,6 +196,13 @@ def build_model_and_optimizer(cfg: TrainConfig, d: Dist, model_config: GPTConfig
     return model, opt
 
 
+def compiled(ddp: torch.nn.Module) -> torch.nn.Module:
+    """The step's model under torch.compile with static shapes: the warmups' shorter sequences and half
+    batches get graphs of their own, and the whole step's stays specialized (an automatic dynamic
+    dimension would follow it for the rest of the run)."""
+    return torch.compile(ddp, dynamic=False)
+
+
 def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) -> Trainer:
     cuda = d.device.type == "cuda"
     gpu = guards.local_gpu(d.device) if cuda else None
@@ -232,9 +239,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     grad_accum = cfg.total_batch_size // (cfg.device_batch_size * cfg.max_seq_len * d.world_size)
     t = Trainer(
         cfg=cfg, d=d, log=log, run_dir=run_dir, prepared=prepared, model=model, opt=opt, ddp=ddp,
-        # Static shapes: the context warmup's shorter sequences get graphs of their own, and the
-        # full-length one stays specialized (an automatic dynamic dimension would follow it all run).
-        train_model=torch.compile(ddp, dynamic=False) if use_compile else ddp,
+        train_model=compiled(ddp) if use_compile else ddp,
         batches=make_batches(cfg, d, prepared, weights, st.data_state, log), weights=weights, writer=writer, st=st,
         resume_step=resume_step, rewind_step=rewind_step,
         grad_accum=grad_accum,
@@ -535,24 +540,24 @@ def decide(t: Trainer, loop: Loop, signum: int, writing: bool = False) -> tuple[
     in_flight = t.saver.seconds_left(save)
     last = (step >= t.max_steps or st.tokens_seen >= t.max_tokens or stopped_at_minimum(t)
             or st.used_seconds + loop.reserve_seconds + in_flight + due_now >= t.budget_seconds)
-    warmdown = not st.warmdown_begun and schedule_progress(t, loop) > 1 - cfg.warmdown_frac and not last
+    progress = schedule_progress(t, loop)
+    warmdown = not st.warmdown_begun and progress > 1 - cfg.warmdown_frac and not last
     # The phase decides how many updates (and collectives) the step makes: every rank takes rank 0's.
-    split, halve = warmup_phase(t, loop) if d.master else (0, 0)
+    split, halve = warmup_phase(cfg, st, progress) if d.master else (0, 0)
     flags = torch.tensor([d.master and last, d.master and eval_due, d.master and save_due, signum, writing,
                           d.master and warmdown, split, halve], dtype=torch.int32, device=d.device)
     return tuple(int(v) for v in d.all_reduce(flags, "max").tolist())
 
 
-def warmup_phase(t: Trainer, loop: Loop) -> tuple[int, int]:
+def warmup_phase(cfg: TrainConfig, st: RunState, progress: float) -> tuple[int, int]:
     """(the context split, halved batch: 0 or 1) of the early-schedule warmups at this step. They follow
     the furthest schedule progress reached (st.warmup_progress: an extension does not return to them)
     and end when a warmdown begins: the val minimum's anneal trains whole sequences and batches."""
-    cfg, st = t.cfg, t.st
     # From the step after an anneal begins: the step that began it (its eval came after this
     # decision) trained in the warmups, and so does its resume, whose checkpoint records the anneal.
     if st.warmdown_begun or 0 <= st.anneal_start_tokens < st.tokens_seen:
         return 1, 0
-    st.warmup_progress = max(st.warmup_progress, schedule_progress(t, loop))
+    st.warmup_progress = max(st.warmup_progress, progress)
     return context_split(st.warmup_progress, cfg.seq_warmup_frac), int(st.warmup_progress < cfg.batch_warmup_frac)
 
 
@@ -811,14 +816,18 @@ def train_step(t: Trainer, loop: Loop) -> tuple[torch.Tensor, float]:
     else:
         loss_sum = torch.zeros((), device=d.device)
         for micro in range(t.grad_accum):
-            defer = t.ddp if d.world_size > 1 and micro < t.grad_accum - 1 else None
-            x, y = (v.reshape(rows, -1) for v in (loop.x, loop.y))
-            loss_sum += forward_backward(t.train_model, x, y, t.grad_accum, defer_sync=defer)
+            loss_sum += micro_backward(t, micro, *(v.reshape(rows, -1) for v in (loop.x, loop.y)))
             next_micro_batch(t, loop)
     if loop.end is None:  # else a first half's skipped update ended the run (a diverging loss)
         apply_update(t, loop)
     st.tokens_seen += cfg.total_batch_size
     return loss_sum, mult
+
+
+def micro_backward(t: Trainer, micro: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One of the update's grad_accum micro-batches; the gradient all-reduce waits for the last."""
+    defer = t.ddp if t.d.world_size > 1 and micro < t.grad_accum - 1 else None
+    return forward_backward(t.train_model, x, y, t.grad_accum, defer_sync=defer)
 
 
 def next_micro_batch(t: Trainer, loop: Loop) -> None:
@@ -843,8 +852,7 @@ def half_batch_steps(t: Trainer, loop: Loop, rows: int) -> torch.Tensor:
             if loop.end is not None:
                 break
         for micro, (x, y) in enumerate(micro_batches):
-            defer = t.ddp if t.d.world_size > 1 and micro < t.grad_accum - 1 else None
-            loss_sum += forward_backward(t.train_model, x[half], y[half], t.grad_accum, defer_sync=defer) / 2
+            loss_sum += micro_backward(t, micro, x[half], y[half]) / 2
     return loss_sum
 
 

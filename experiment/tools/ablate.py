@@ -68,9 +68,15 @@ def run_all(args, variants: list[tuple[str, list[str]]], peak: float) -> None:
                         f.write(json.dumps(row) + "\n")
 
 
+def budget_of(row: dict) -> tuple[str, float]:
+    """A row's budget: ("steps", N) for the tokens, else ("seconds", S) for the clock."""
+    return ("steps", row["steps"]) if row.get("steps") else ("seconds", row["seconds"])
+
+
 def label(row: dict) -> str:
-    """A row's budget: "180 s" (the clock) or "600 steps" (the tokens)."""
-    return f"{row['steps']:g} steps" if row.get("steps") else f"{row['seconds']:g} s"
+    """A row's budget in words: "180 s" or "600 steps"."""
+    kind, amount = budget_of(row)
+    return f"{amount:g} steps" if kind == "steps" else f"{amount:g} s"
 
 
 def table(results: Path, baseline: str) -> str:
@@ -79,8 +85,7 @@ def table(results: Path, baseline: str) -> str:
     rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
     groups: dict[tuple, list[dict]] = {}
     for row in rows:  # keyed so that budgets sort by kind, then by amount
-        kind = "steps" if row.get("steps") else "seconds"
-        groups.setdefault((row["corpus"], kind, row[kind], row["variant"]), []).append(row)
+        groups.setdefault((row["corpus"], *budget_of(row), row["variant"]), []).append(row)
     lines = ["| corpus | budget | variant | runs | median loss | vs " + baseline + " | median seconds |",
              "|---|---|---|---|---|---|---|"]
     for (corpus, kind, amount, variant), group in sorted(groups.items()):
