@@ -353,9 +353,9 @@ class RunState:
     used_seconds: float = 0.0
     best_val: float = math.inf
     best_step: int = -1
-    # The stop at the val minimum (train.py, plateau_check): the level of the last eval that gained
+    # The stop at the val minimum (plateau.py, plateau_check): the level of the last eval that gained
     # (at the peak LR its val loss, PLATEAU_MARGIN below the one before; in a warmdown the mean of the
-    # warmdown's last train.WARMDOWN_WINDOW val losses, held in warmdown_window, below its best so far), the
+    # warmdown's last plateau.WARMDOWN_WINDOW val losses, held in warmdown_window, below its best so far), the
     # evals since, whether a warmdown has been seen, the anneal it started, and whether it ended the run.
     plateau_ref: float = math.inf
     warmdown_window: list[float] = field(default_factory=list)
@@ -369,7 +369,7 @@ class RunState:
     # back to it (experiment/extend.py).
     warmdown_begun: bool = False
     warmdown_step: int = -1
-    # The furthest schedule progress the early-schedule warmups (train.warmup_phase) have reached, rank
+    # The furthest schedule progress the early-schedule warmups (schedule.warmup_phase) have reached, rank
     # 0's: monotone, so an extended run (a longer budget lowers the progress) does not go back to them.
     warmup_progress: float = 0.0
     data_state: dict | None = None  # the data position of the step's next batch (every rank reads the same)

@@ -41,7 +41,7 @@ CPU_LR_SCALES = ((4, dict(matrix_lr=1.0, embedding_lr=0.5, unembedding_lr=0.5)),
                  (math.inf, dict(matrix_lr=0.5, embedding_lr=0.25, unembedding_lr=0.25)))
 CPU_DEVICE_BATCH = 16
 MAX_EPOCHS = 8  # the default cap on passes over the data, at any depth (experiment/autosize.py says why)
-# The stop at the val minimum (train.py, maybe_eval; docs/training.md, "The stop at the val minimum"
+# The stop at the val minimum (plateau.py; docs/training.md, "The stop at the val minimum"
 # says how these were measured): evals every quarter pass, patience 4 evals (a pass), margin 0.2%.
 EVAL_EVERY_EPOCHS = 0.25
 PLATEAU_EVALS = 4
@@ -262,7 +262,7 @@ def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
 
 
 def check_warmups(cfg: TrainConfig) -> None:
-    """The early-schedule warmups' settings (train.warmup_phase), once their device defaults are in."""
+    """The early-schedule warmups' settings (schedule.warmup_phase), once their device defaults are in."""
     for name in ("seq_warmup_frac", "batch_warmup_frac"):
         if not 0 <= getattr(cfg, name) <= 1:
             raise ConfigError(f"--{name} must lie in [0, 1], got {getattr(cfg, name)}")

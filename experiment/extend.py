@@ -62,7 +62,7 @@ def extends(cfg: TrainConfig, old: dict, old_budget: float, st: RunState, train_
 
 def too_short(cfg: TrainConfig, st: RunState, step: int, start_tokens: int, train_tokens: int) -> str | None:
     """Why the extended run would train nothing new, if so: its schedule is already in its warmdown at
-    the rewound start (the same fractions as train.schedule_progress), or the pass cap that ended the
+    the rewound start (the same fractions as schedule.schedule_progress), or the pass cap that ended the
     run ends the extended one where it ended (it would repeat the same warmdown on the same data)."""
     peak_end = 1 - cfg.warmdown_frac
     if peak_end <= 0:

@@ -1,6 +1,6 @@
 """The training step, written once: a micro-batch's forward and backward, then the optimizer step.
 
-The trainer (experiment/train.py) runs grad_accum forward_backward calls and one optimizer_step per
+The trainer (experiment/trainstep.py) runs grad_accum forward_backward calls and one optimizer_step per
 step (early in a CPU run's schedule two of each per micro-batch's halves, on shorter sequences: the
 warmups in docs/training.md); DEPTH=auto's probe, the device-batch probe and every measurement tool
 call the same two functions on the whole step, so what they time or size is the trainer's step

@@ -16,7 +16,7 @@ from experiment.checkpoint import Retention, RunState
 from experiment.distributed import Dist
 from experiment.config import TrainConfig, checkpoint_meta
 from experiment.runlog import RunLog
-from experiment.train import restore_checkpoint, write_checkpoint
+from experiment.saving import restore_checkpoint, write_checkpoint
 
 
 def _fake_step(run_dir, step, complete=True, world=1):

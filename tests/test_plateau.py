@@ -161,7 +161,7 @@ def _replay(curve: list[tuple[int, float]], last_step: int, warmdown_frac: float
     it ran to the end)."""
     from types import SimpleNamespace
 
-    from experiment import train
+    from experiment import plateau
     from experiment.checkpoint import RunState
     from experiment.distributed import Dist
 
@@ -179,7 +179,7 @@ def _replay(curve: list[tuple[int, float]], last_step: int, warmdown_frac: float
         if val < t.st.best_val:
             t.st.best_val, t.st.best_step = val, step
         loop.val_loss, loop.progress = val, step / last_step
-        train.plateau_check(t, loop)
+        plateau.plateau_check(t, loop)
         if stopped:
             return step
     return None

@@ -21,7 +21,7 @@ from experiment import onexit
 from experiment.model import GPT, GPTConfig
 from experiment.optim import LRS, ShardedOptimizer
 from experiment.distributed import Dist, ParentWatch
-from experiment.train import restore_checkpoint
+from experiment.saving import restore_checkpoint
 
 def _state(ws, step, tag="d2"):
     return ckpt.load_model_state(ws / "checkpoints" / tag, step)

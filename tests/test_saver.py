@@ -19,16 +19,16 @@ def _meta(step, best_step=-1):
 
 
 def _trainer(run_dir, st, log):
-    """What train.finish_save reads of a trainer, with a real Saver into `run_dir`, and a fresh Loop."""
+    """What saving.finish_save reads of a trainer, with a real Saver into `run_dir`, and a fresh Loop."""
     from types import SimpleNamespace
 
-    from experiment import train
+    from experiment import trainer
     from experiment.distributed import Dist
 
     t = SimpleNamespace(st=st, saver=_saver(run_dir), d=Dist(0, 0, 1, torch.device("cpu")), run_dir=run_dir,
                         report=SimpleNamespace(add=lambda record: None), log=log,
                         cfg=SimpleNamespace(keep_last=3, keep_best_optimizer=0))
-    loop = train.Loop(x=None, y=None, data_state={}, started=0.0, used_at_start=0.0, last_eval_time=0.0,
+    loop = trainer.Loop(x=None, y=None, data_state={}, started=0.0, used_at_start=0.0, last_eval_time=0.0,
                       last_save_time=0.0, last_eval_step=0, last_eval_tokens=0, last_saved_step=0,
                       last_complete_step=0)
     return t, loop
@@ -91,19 +91,19 @@ def test_the_trainer_saves_blocking_when_host_memory_cannot_hold_the_staged_shar
     from types import SimpleNamespace
 
     from conftest import tiny_config
-    from experiment import train
+    from experiment import saving
     from experiment.distributed import Dist
     from experiment.model import build_model
 
     model, lines = build_model(tiny_config()), []
     cfg = SimpleNamespace(async_save=1, save_write_mbps=0.0)
     d = Dist(0, 0, 1, torch.device("cpu"))
-    assert train.make_saver(cfg, d, model, tmp_path, lines.append).background
-    monkeypatch.setattr(train, "host_available_bytes", lambda: 1000)
-    assert not train.make_saver(cfg, d, model, tmp_path, lines.append).background
+    assert saving.make_saver(cfg, d, model, tmp_path, lines.append).background
+    monkeypatch.setattr(saving, "host_available_bytes", lambda: 1000)
+    assert not saving.make_saver(cfg, d, model, tmp_path, lines.append).background
     assert lines[-1].startswith("warning: this node's ranks would stage") and "every save blocks training" in lines[-1]
     cfg.async_save = 0
-    assert not train.make_saver(cfg, d, model, tmp_path, lines.append).background
+    assert not saving.make_saver(cfg, d, model, tmp_path, lines.append).background
 
 
 def test_a_failed_best_save_falls_back_to_the_best_of_a_completed_save(tmp_path):
@@ -111,7 +111,7 @@ def test_a_failed_best_save_falls_back_to_the_best_of_a_completed_save(tmp_path)
     while step 3's write was in flight): the best goes back to step 2, whose save completed, not to
     step 3, the best before step 4's eval."""
 
-    from experiment import train
+    from experiment import saving
     from experiment.checkpoint import RunState
 
     st, lines = RunState(), []
@@ -126,12 +126,12 @@ def test_a_failed_best_save_falls_back_to_the_best_of_a_completed_save(tmp_path)
         t.saver.begin(step, {"w": torch.ones(10)}, {}, meta, background=True, context={"final": False})
 
     save(2, 2.0, fails=False)
-    train.finish_save(t, loop, wait=True)
+    saving.finish_save(t, loop, wait=True)
     save(3, 1.5, fails=True)
     st.best_val, st.best_step = 1.4, 4  # step 4's eval, while step 3's write is in flight
-    train.finish_save(t, loop, wait=True)  # step 4's save first completes step 3's: failed
+    saving.finish_save(t, loop, wait=True)  # step 4's save first completes step 3's: failed
     save(4, 1.4, fails=True)
-    train.finish_save(t, loop, wait=True)
+    saving.finish_save(t, loop, wait=True)
     assert (st.best_val, st.best_step) == (2.0, 2)
     assert ckpt.complete_steps(tmp_path) == [2] and ckpt.read_best(tmp_path)["step"] == 2
     assert sum("not saved" in line for line in lines) == 2
@@ -181,7 +181,7 @@ def test_a_best_eval_made_while_a_failed_best_save_was_in_flight_becomes_the_bes
     (step 2, 2.0) and its save makes it the best. Broken before: the best went back to step 2 and
     stayed there although step 4's own save completed."""
 
-    from experiment import train
+    from experiment import saving
     from experiment.checkpoint import RunState
 
     st, lines = RunState(), []
@@ -197,15 +197,15 @@ def test_a_best_eval_made_while_a_failed_best_save_was_in_flight_becomes_the_bes
     st.step, loop.last_eval_step, loop.val_loss = 2, 2, 2.0
     st.best_val, st.best_step = 2.0, 2
     save(2, fails=False)
-    train.finish_save(t, loop, wait=True)
+    saving.finish_save(t, loop, wait=True)
     st.step, loop.last_eval_step, loop.val_loss = 3, 3, 1.5
     st.best_val, st.best_step = 1.5, 3
     save(3, fails=True)
     st.step, loop.last_eval_step, loop.val_loss = 4, 4, 1.8  # step 4's eval: no new best while step 3 stands
-    train.finish_save(t, loop, wait=True)  # step 4's save first completes step 3's: failed
+    saving.finish_save(t, loop, wait=True)  # step 4's save first completes step 3's: failed
     assert (st.best_val, st.best_step) == (1.8, 4)
     save(4, fails=False)
-    train.finish_save(t, loop, wait=True)
+    saving.finish_save(t, loop, wait=True)
     assert ckpt.complete_steps(tmp_path) == [2, 4] and ckpt.read_best(tmp_path) == {"step": 4, "val_loss": 1.8}
 
 
@@ -213,7 +213,7 @@ def test_a_best_steps_own_failed_blocking_save_leaves_the_best_that_stands(tmp_p
     """Saves block (ASYNC_SAVE=0, or after a failure); step 4's eval is a new best and its own save
     fails: the best goes back to step 2 and stays there (step 4 has no checkpoint)."""
 
-    from experiment import train
+    from experiment import saving
     from experiment.checkpoint import RunState
 
     st = RunState()
@@ -228,7 +228,7 @@ def test_a_best_steps_own_failed_blocking_save_leaves_the_best_that_stands(tmp_p
                 "model_parts": 1}
         t.saver.begin(step, {"w": torch.ones(10)}, {}, meta, background=True, context={"final": False})
         assert not t.saver.pending.background
-        train.finish_save(t, loop, wait=True)
+        saving.finish_save(t, loop, wait=True)
     assert (st.best_val, st.best_step) == (2.0, 2) and ckpt.read_best(tmp_path)["step"] == 2
 
 
@@ -250,7 +250,7 @@ def test_staging_is_counted_as_the_pinned_allocator_takes_it(tmp_path, monkeypat
     buffers take exactly their bytes, measured here from a real staged share."""
     from types import SimpleNamespace
 
-    from experiment import train
+    from experiment import saving
     from experiment.distributed import Dist
     from experiment.memory import pinned_block_bytes, staged_bytes_per_rank
     from experiment.model import GPTConfig, build_model
@@ -274,11 +274,11 @@ def test_staging_is_counted_as_the_pinned_allocator_takes_it(tmp_path, monkeypat
     exact = staged_bytes_per_rank(model.config, 1, "fp32", pinned=False)[0]
     pinned = staged_bytes_per_rank(model.config, 1, "fp32", pinned=True)[0]
     assert pinned > 1.5 * exact  # 96 x 96 fp32 matrices take 1.78x
-    monkeypatch.setattr(train, "host_available_bytes", lambda: exact + pinned)  # half of it: >= exact, < pinned
+    monkeypatch.setattr(saving, "host_available_bytes", lambda: exact + pinned)  # half of it: >= exact, < pinned
     cfg, lines = SimpleNamespace(async_save=1, save_write_mbps=0.0), []
-    assert train.make_saver(cfg, d, model, tmp_path, lines.append).background
+    assert saving.make_saver(cfg, d, model, tmp_path, lines.append).background
     cuda = Dist(0, 0, 1, torch.device("cuda", 0))  # only the saver's accounting: nothing is allocated here
-    assert not train.make_saver(cfg, cuda, model, tmp_path, lines.append).background
+    assert not saving.make_saver(cfg, cuda, model, tmp_path, lines.append).background
     assert "every save blocks training" in lines[-1]
 
 

@@ -4,7 +4,7 @@ import torch
 
 from conftest import TINY
 
-from experiment import train
+from experiment import stopping, train, trainstep
 from experiment.config import parse_args, resolve
 from experiment.distributed import Dist
 from experiment.model import GPTConfig, build_model
@@ -28,7 +28,7 @@ def _one_trainer_step(tmp_path, corpus, flags=PLAIN, updates=1):
                     RunLog(None))
     loop = train.start_loop(t)
     assert t.grad_accum == 2
-    *_, loop.split, loop.halve = train.decide(t, loop, 0)
+    *_, loop.split, loop.halve = stopping.decide(t, loop, 0)
     first = (loop.x.clone(), loop.y.clone())
     copy = build_model(t.model.config)
     copy.load_state_dict(t.model.state_dict())
@@ -43,7 +43,7 @@ def _one_trainer_step(tmp_path, corpus, flags=PLAIN, updates=1):
         step()
 
     t.opt.step = capture
-    loss_sum, mult = train.train_step(t, loop)
+    loss_sum, mult = trainstep.train_step(t, loop)
     t.writer.close()
     assert len(inputs) == 2 * updates and len(handed) == updates
     return t, copy, copy_opt, inputs, handed if updates > 1 else handed[0], loss_sum, mult, first

@@ -348,7 +348,7 @@ def test_an_eval_due_when_the_budget_has_no_room_for_another_makes_this_step_the
 
     import torch
 
-    from experiment import train
+    from experiment import saving, stopping
     from experiment.checkpoint import RunState
     from experiment.distributed import Dist
 
@@ -364,42 +364,42 @@ def test_an_eval_due_when_the_budget_has_no_room_for_another_makes_this_step_the
                             max_tokens=math.inf, saver=saver, first_save_seconds=1.0, eval_every_tokens=math.inf)
         loop = SimpleNamespace(last_eval_time=now - eval_ago, last_save_time=now, reserve_seconds=4.0,
                                last_eval_tokens=0)
-        assert train.decide(t, loop, 0)[:2] == (last, int(eval_ago > 60)), (eval_ago, used)
+        assert stopping.decide(t, loop, 0)[:2] == (last, int(eval_ago > 60)), (eval_ago, used)
         # 92-95 s of 96 s (the budget less the reserve): past 60%, the warmdown begins here, unless the run ends
-        assert train.decide(t, loop, 0)[5] == 1 - last
-        assert train.decide(t, loop, 0)[6:] == (1, 0)  # past the early-schedule warmups
+        assert stopping.decide(t, loop, 0)[5] == 1 - last
+        assert stopping.decide(t, loop, 0)[6:] == (1, 0)  # past the early-schedule warmups
     # Before the first save its estimate stands in: 92.5 + 4 + an eval (2) and a save (1.5) due now
     # reach the budget; counting the save as free would not.
     st.used_seconds, st.save_seconds, t.saver = 92.5, 0.0, SimpleNamespace(seconds_left=lambda save_seconds: 0.0)
     loop.last_eval_time, t.first_save_seconds = now - 120, 1.5
-    assert train.decide(t, loop, 0)[:2] == (1, 1) and train.save_seconds(t) == 1.5
+    assert stopping.decide(t, loop, 0)[:2] == (1, 1) and saving.save_seconds(t) == 1.5
     t.first_save_seconds = 0.0
-    assert train.decide(t, loop, 0)[:2] == (0, 1)
+    assert stopping.decide(t, loop, 0)[:2] == (0, 1)
     # EVAL_EVERY_EPOCHS: an eval is due once a quarter pass of tokens has gone by since the last
     loop.last_eval_time, st.used_seconds, t.eval_every_tokens = now, 50.0, 1000.0
     st.tokens_seen, loop.last_eval_tokens = 5000, 4001
-    assert train.decide(t, loop, 0)[:2] == (0, 0)
+    assert stopping.decide(t, loop, 0)[:2] == (0, 0)
     loop.last_eval_tokens = 4000
-    assert train.decide(t, loop, 0)[:2] == (0, 1)
+    assert stopping.decide(t, loop, 0)[:2] == (0, 1)
     # the warmups' phase by the furthest progress reached: 9.6 s of 96 is 10% (quarter contexts, half
     # batches), 19.2 s 20% (half contexts, half batches); a longer budget (an extension) goes back to none
     fresh = RunState(step=5, used_seconds=9.6, eval_seconds=2.0, save_seconds=1.0, step_seconds=1.0)
     t.st, loop.last_eval_time = fresh, now
-    assert train.decide(t, loop, 0)[6:] == (4, 1)
+    assert stopping.decide(t, loop, 0)[6:] == (4, 1)
     fresh.used_seconds = 19.2
-    assert train.decide(t, loop, 0)[6:] == (2, 1) and fresh.warmup_progress == pytest.approx(0.2)
+    assert stopping.decide(t, loop, 0)[6:] == (2, 1) and fresh.warmup_progress == pytest.approx(0.2)
     t.budget_seconds = 1000.0
-    assert train.decide(t, loop, 0)[6:] == (2, 1)  # 2% of the longer budget, but 20% was reached
+    assert stopping.decide(t, loop, 0)[6:] == (2, 1)  # 2% of the longer budget, but 20% was reached
     fresh.anneal_start_tokens = 0  # the val minimum's anneal began at this step: this step and its resume
-    assert train.decide(t, loop, 0)[6:] == (2, 1)  # are in the warmups still, the next ones are not
+    assert stopping.decide(t, loop, 0)[6:] == (2, 1)  # are in the warmups still, the next ones are not
     fresh.tokens_seen = 4096
-    assert train.decide(t, loop, 0)[6:] == (1, 0)
+    assert stopping.decide(t, loop, 0)[6:] == (1, 0)
     t.st, t.budget_seconds = st, 100.0
     # a warmdown the stop at the val minimum started ends the run when it is done; PLATEAU_EVALS=0 overrules it
     st.anneal_start_tokens, st.anneal_tokens = 3000, 2000
-    assert train.decide(t, loop, 0)[0] == 1
+    assert stopping.decide(t, loop, 0)[0] == 1
     cfg.plateau_evals = 0
-    assert train.decide(t, loop, 0)[0] == 0
+    assert stopping.decide(t, loop, 0)[0] == 0
 
 
 def test_a_damaged_newest_step_is_found_by_the_preflight_and_the_run_resumes_the_one_before(tmp_path, corpus):
@@ -431,7 +431,7 @@ def test_the_launch_keeps_each_workers_stderr_in_the_run_directory(tmp_path, cor
 
 def test_the_warmup_schedules_by_progress_and_step():
     from experiment.optim import muon_momentum
-    from experiment.train import context_split
+    from experiment.schedule import context_split
     assert [context_split(p, 0.3) for p in (0.0, 0.149, 0.15, 0.299, 0.3, 0.9)] == [4, 4, 2, 2, 1, 1]
     assert context_split(0.0, 0.0) == 1  # off
     assert [muon_momentum(s, 300) for s in (0, 150, 300, 10_000)] == pytest.approx([0.85, 0.90, 0.95, 0.95])

@@ -32,7 +32,7 @@ from experiment.optim import LRS, ShardedOptimizer
 from experiment.step import forward_backward, optimizer_step
 from experiment.tools.probes import cpu_matmul_peak, measure_speed, probe_peak_memory, profile_step
 from experiment.saver import Saver
-from experiment.train import checkpoint_share, restore_checkpoint, write_checkpoint
+from experiment.saving import checkpoint_share, restore_checkpoint, write_checkpoint
 
 ITEMS = ("env", "correctness", "ddp", "speed", "memory", "checkpoints", "e2e")
 # Items whose verdicts rest on no speed target (pytest, compiled-vs-eager losses, a run's budget against

@@ -12,7 +12,7 @@ from experiment.tools.bench import main as bench_main
 from experiment.tools.gpucheck_items import ITEMS
 from experiment.memory import checkpoint_bytes_per_rank
 from experiment.model import GPT, GPTConfig
-from experiment.train import updated_step_seconds
+from experiment.progress import updated_step_seconds
 
 
 def test_warmup_steps_stay_out_of_the_end_of_run_reserve():

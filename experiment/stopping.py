@@ -1,0 +1,105 @@
+"""When the loop stops: each step's decisions (decide: the last step, evals and saves due, the
+schedule's warmdown and the warmups' phase, rank 0's for every rank), why a run ended, the
+projected end, and how long a stopping rank may take."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from experiment.saving import save_seconds
+from experiment.schedule import schedule_progress, warmup_phase
+from experiment.trainer import Loop, Trainer
+
+
+def decide(t: Trainer, loop: Loop, signum: int, writing: bool = False) -> tuple[int, ...]:
+    """(last step, eval due, save due, signal, a rank still writing a save, the schedule's warmdown
+    begins at this step, the step's context split, its halved batch: 0 or 1). Rank 0 decides the
+    clock-driven flags; a stop signal may reach any rank, and so may a writer still at work. One
+    all-reduce (max) gives every rank the same decisions, so none is left waiting in a collective."""
+    cfg, d, st, step = t.cfg, t.d, t.st, t.st.step
+    eval_due = (time.time() - loop.last_eval_time >= cfg.eval_every_minutes * 60
+                or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0) or step == 0
+                or st.tokens_seen - loop.last_eval_tokens >= t.eval_every_tokens)
+    save_due = (time.time() - loop.last_save_time >= cfg.save_every_minutes * 60
+                or (cfg.save_every_steps > 0 and step % cfg.save_every_steps == 0 and step > 0))
+    # An eval (and the save a new best brings) or a save due now is paid for on top of the reserve
+    # for the final ones: when both no longer fit, this step is the last, and its eval the final one.
+    save = save_seconds(t)
+    due_now = (st.eval_seconds + save) * eval_due + save * (save_due and not eval_due)
+    # What a save in flight still needs: the final save waits for it. Not in the schedule's reserve,
+    # which would dip the LR during every background write.
+    in_flight = t.saver.seconds_left(save)
+    last = (step >= t.max_steps or st.tokens_seen >= t.max_tokens or stopped_at_minimum(t)
+            or st.used_seconds + loop.reserve_seconds + in_flight + due_now >= t.budget_seconds)
+    progress = schedule_progress(t, loop)
+    warmdown = not st.warmdown_begun and progress > 1 - cfg.warmdown_frac and not last
+    # The phase decides how many updates (and collectives) the step makes: every rank takes rank 0's.
+    split, halve = warmup_phase(cfg, st, progress) if d.master else (0, 0)
+    flags = torch.tensor([d.master and last, d.master and eval_due, d.master and save_due, signum, writing,
+                          d.master and warmdown, split, halve], dtype=torch.int32, device=d.device)
+    return tuple(int(v) for v in d.all_reduce(flags, "max").tolist())
+
+
+def stopped_at_minimum(t: Trainer) -> bool:
+    """The stop at the val minimum ended the run: a warmdown stopped gaining, or the one it started
+    is done. PLATEAU_EVALS=0 on a resume overrules it: the run goes back to its checkpoint from before
+    the warmdown and trains on (extend.py)."""
+    st = t.st
+    return bool(t.cfg.plateau_evals) and (st.plateau_stopped or st.anneal_start_tokens >= 0
+                                          and st.tokens_seen >= st.anneal_start_tokens + st.anneal_tokens)
+
+
+def last_outcome(t: Trainer) -> str:
+    if t.st.step >= t.max_steps:
+        return "finished: max_steps reached"
+    if stopped_at_minimum(t):
+        return plateau_outcome(t, t.st.used_seconds)
+    if t.st.tokens_seen >= t.max_tokens:
+        return f"finished: {t.cfg.max_epochs:g} passes over the training data (MAX_EPOCHS), before the budget"
+    return "finished: the budget is spent"
+
+
+def plateau_outcome(t: Trainer, used: float) -> str:
+    """Why a run that the stop at the val minimum ended stopped, and the budget it left."""
+    st, left = t.st, unspent_text(t, max(t.budget_seconds - used, 0))
+    if st.plateau_stopped:
+        return (f"finished: the val loss stopped improving during the warmdown (best {st.best_val:.4f} at step "
+                f"{st.best_step}); {left} of the budget unspent")
+    passes = st.anneal_start_tokens / t.prepared.meta["split"]["train_tokens"]
+    return (f"finished: the val loss stopped improving at {passes:.2f} passes and the warmdown started there is "
+            f"done; {left} of the budget unspent")
+
+
+def unspent_text(t: Trainer, seconds: float) -> str:
+    """Seconds, hours, and on GPUs the dollars at GPU_HOURLY_USD."""
+    usd = f", ${seconds / 3600 * t.cfg.gpu_hourly_usd * t.d.world_size:,.0f}" if t.d.device.type == "cuda" else ""
+    return f"{seconds:,.0f}s ({seconds / 3600:.2f}h{usd})"
+
+
+def projected_end(t: Trainer, used: float, rate: float) -> tuple[float, str]:
+    """Seconds to the run's end at `rate` tok/s, and what ends it: the first of the budget, the
+    MAX_EPOCHS passes, the warmdown that the val minimum started, and max_steps."""
+    st = t.st
+    ends = [(t.budget_seconds - used, "budget")]
+    if t.max_tokens < math.inf:
+        ends.append(((t.max_tokens - st.tokens_seen) / rate, f"{t.cfg.max_epochs:g} passes"))
+    if st.anneal_start_tokens >= 0 and t.cfg.plateau_evals:
+        ends.append(((st.anneal_start_tokens + st.anneal_tokens - st.tokens_seen) / rate,
+                     "the warmdown the val minimum started"))
+    if t.cfg.max_steps:
+        ends.append(((t.cfg.max_steps - st.step - 1) * t.cfg.total_batch_size / rate, "max_steps"))
+    seconds, cause = min(ends)
+    return max(seconds, 0.0), cause
+
+
+# After a stop signal, a rank that has not exited within the step, the save and this margin hangs
+# (a collective with a dead peer, a device sync): it exits at once (StopSignal's grace timer).
+STOP_MARGIN_SECONDS = 60.0
+
+
+def stop_grace(t: Trainer) -> float:
+    """Seconds a stopping rank gets: twice its step and its longest save plus a margin."""
+    return STOP_MARGIN_SECONDS + 2 * (t.st.step_seconds + save_seconds(t))
