@@ -7,7 +7,8 @@ import math
 
 import torch
 
-from experiment.dataloader import Prepared, demo_lines, val_batches, val_window_count
+from experiment.batches import val_batches, val_window_count
+from experiment.dataloader import Prepared, demo_lines
 from experiment.distributed import Dist, autocast_for
 from experiment.engine import generate
 from experiment.model import GPT

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from experiment.config import ConfigError
-from experiment.dataloader import window_batch, window_layout
+from experiment.batches import window_batch, window_layout
 
 CHUNK = 4096  # windows whose sources are drawn at once: the choice of window g depends on (seed, g // CHUNK)
 SOURCE_STREAM = 7919  # keeps the source draw's random stream apart from the per-source permutations'
@@ -109,7 +109,7 @@ class MixedWindows:
 
 
 class MixedBatches:
-    """(x, y) micro-batches drawn by source weight: the mixed counterpart of dataloader.TokenBatches.
+    """(x, y) micro-batches drawn by source weight: the mixed counterpart of batches.TokenBatches.
 
     Each micro-step takes the next world_size * batch_size windows of the global sequence and rank r
     reads block r of them, so the ranks never overlap and the state is the same on every rank.

@@ -18,7 +18,6 @@ alone. Requests beyond the batch wait in a bounded queue; beyond that they get 5
 from __future__ import annotations
 
 import dataclasses
-import html
 import json
 import math
 import os
@@ -46,6 +45,7 @@ from experiment.distributed import resolve_device
 from experiment.engine import Batch, KVSlots, prompt_ids
 from experiment.files import default_workspace
 from experiment.model import DTYPES
+from experiment.pages import prompt_page, report_page
 
 # Every request is bounded by these.
 MAX_BODY_BYTES = 64 * 1024
@@ -438,58 +438,9 @@ class Engine:
         return job
 
 
-PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>nanoGPT server</title>
-<style>
- body{font-family:system-ui,sans-serif;max-width:52rem;margin:2rem auto;padding:0 1rem;color:#222}
- textarea{width:100%;height:7rem;font-family:monospace}
- label{margin-right:1rem} input[type=number]{width:5rem}
- pre{background:#f4f4f4;padding:1rem;white-space:pre-wrap;min-height:4rem}
- #meta{color:#666;font-size:.9rem} #error{color:#b00}
-</style></head><body>
-<h1>nanoGPT</h1>
-<p id="meta">loading model info...</p>
-<p><a id="report" href="/report" hidden>the run's report: loss curve, evals, samples</a></p>
-<textarea id="prompt" placeholder="Prompt"></textarea>
-<p><label>max tokens <input id="max_tokens" type="number" min="1" max="MAX_NEW" value="200"></label>
-<label>temperature <input id="temperature" type="number" min="0" max="MAX_T" step="0.1" value="0.8"></label>
-<label>top-k <input id="top_k" type="number" min="1" placeholder="off"></label>
-<button id="generate">Generate</button></p>
-<p id="error"></p>
-<pre id="completion"></pre>
-<script>
-const $ = id => document.getElementById(id);
-fetch('/info').then(r => r.json()).then(i => {
-  const val = i.val_loss === null ? 'n/a' : i.val_loss.toFixed(4);
-  $('meta').textContent = `step ${i.step} | val loss ${val} | ${i.num_params.toLocaleString()} params | ${i.checkpoint}`;
-  $('report').hidden = !i.report;
-});
-$('generate').onclick = async () => {
-  $('error').textContent = ''; $('completion').textContent = '...';
-  const body = {prompt: $('prompt').value, max_tokens: +$('max_tokens').value,
-                temperature: +$('temperature').value, top_k: $('top_k').value ? +$('top_k').value : null};
-  const r = await fetch('/generate', {method: 'POST', headers: {'Content-Type': 'application/json'},
-                                      body: JSON.stringify(body)});
-  const j = await r.json();
-  if (!r.ok) { $('error').textContent = j.error; $('completion').textContent = ''; return; }
-  $('completion').textContent = j.text;
-  $('completion').dataset.done = '1';
-};
-</script></body></html>
-""".replace("MAX_NEW", str(MAX_NEW_TOKENS)).replace("MAX_T", str(MAX_TEMPERATURE))
-
 # The run report the trainer writes beside the checkpoints (experiment/report.py), by route.
 REPORT_FILES = {"/report": "report.md", "/loss.svg": "loss.svg"}
 MAX_REPORT_BYTES = 4 * 2**20
-REPORT_PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>run report</title>
-<style>body{font-family:system-ui,sans-serif;max-width:64rem;margin:2rem auto;padding:0 1rem}
-img{max-width:100%} pre{white-space:pre-wrap}</style></head><body>
-<p><a href="/">back to the prompt</a></p>
-<img id="loss" src="/loss.svg" alt="train and val loss">
-<pre>REPORT</pre>
-</body></html>
-"""
 
 GET_ROUTES = ("/", "/health", "/info", "/v1/models", *REPORT_FILES)
 POST_ROUTES = ("/generate", "/v1/completions")
@@ -557,7 +508,7 @@ class Handler(BaseHTTPRequestHandler):
             self._json(200, {"object": "list", "data": [{"id": self.engine.model_id, "object": "model",
                                                           "created": self.engine.created, "owned_by": "nanogpt"}]})
         elif self.route == "/":
-            self._send(200, PAGE.encode(), "text/html; charset=utf-8")
+            self._send(200, prompt_page(MAX_NEW_TOKENS, MAX_TEMPERATURE), "text/html; charset=utf-8")
         elif self.route in REPORT_FILES:
             self._report_file(REPORT_FILES[self.route])
         elif self.route in POST_ROUTES:
@@ -579,8 +530,7 @@ class Handler(BaseHTTPRequestHandler):
         if name == "loss.svg":
             self._send(200, data, "image/svg+xml")
         else:
-            text = html.escape(data.decode("utf-8", errors="replace"))
-            self._send(200, REPORT_PAGE.replace("REPORT", text).encode(), "text/html; charset=utf-8")
+            self._send(200, report_page(data), "text/html; charset=utf-8")
 
     def do_POST(self):
         if self.route not in POST_ROUTES:

@@ -32,7 +32,8 @@ from experiment import autosize, extend, finetune, guards, launch
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError, RunState, pick_resume_step
 from experiment.config import ConfigError, TrainConfig, checkpoint_meta, fill_lrs, parse_args, resolve
-from experiment.dataloader import DataError, Prepared, TokenBatches
+from experiment.batches import TokenBatches
+from experiment.dataloader import DataError, Prepared
 from experiment.distributed import (Dist, ParentWatch, StopSignal, all_ranks_ok, broadcast_object, local_backend,
                                     resolve_device, setup_distributed, wrap_ddp)
 from experiment.evaluation import eval_coverage, evaluate

@@ -15,7 +15,8 @@ import torch
 
 from experiment.checkpoint import RunState
 from experiment.config import TrainConfig
-from experiment.dataloader import Prepared, TokenBatches
+from experiment.batches import TokenBatches
+from experiment.dataloader import Prepared
 from experiment.distributed import PHASE_TIMEOUTS, Dist
 from experiment.mixture import MixedBatches
 from experiment.model import GPT

@@ -13,8 +13,8 @@ import torch
 
 from conftest import REPO, SHAKESPEARE
 from experiment import chunks, dataloader
-from experiment.dataloader import (CharTokenizer, DataError, TokenBatches, demo_lines, prepare, val_batches,
-                                   val_windows, write_demo_corpus)
+from experiment.batches import TokenBatches, val_batches, val_windows
+from experiment.dataloader import CharTokenizer, DataError, demo_lines, prepare, write_demo_corpus
 
 
 def _files(tmp_path, **files):

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from experiment.dataloader import TokenBatches
+from experiment.batches import TokenBatches
 from experiment.model import GPTConfig, build_model
 from experiment.optim import LRS, ShardedOptimizer
 from experiment.step import forward_backward, optimizer_step
