@@ -11,7 +11,7 @@ that would cycle through it many times. When none is eligible, the budget outrun
 the largest depth that completes the cap's passes within the budget with at least `data_floor`
 tokens per parameter (MIN_TOKENS_PER_PARAM at and above FLOOR_TOKENS training tokens, less on
 smaller data, where the grid's winners were larger models stopped at their val minimum), and train
-it for those passes only (else the smallest depth, for the budget or its passes, whichever ends first). The run stops there (train.py),
+it for those passes only (else the smallest depth, for the budget or its passes, whichever ends first). The run stops there (stopping.py),
 and the rest of the budget, which would only repeat the data, is left unspent.
 
 The tok/s: on CPU measured here, a few eager steps per depth (probe_and_choose); on CUDA predicted

@@ -190,7 +190,7 @@ def check_env(ctx: Ctx) -> Item:
                        nccl=".".join(map(str, torch.cuda.nccl.version())), peak_flops_table=peak,
                        bf16_matmul_tflops_measured=round(_bf16_matmul_tflops(ctx.device), 1))
         if peak is None:
-            warnings.append(f"{props.name} is not in the peak FLOP/s table (train.PEAK_FLOPS): no MFU is reported")
+            warnings.append(f"{props.name} is not in the peak FLOP/s table (hardware.PEAK_FLOPS): no MFU is reported")
         if figures["gpus"] < 2:
             warnings.append("one GPU: NCCL collectives are not exercised (the correctness tests run nccl world 2 "
                             "when there are 2 or more GPUs; on one, their two-rank test runs gloo on it)")
