@@ -34,7 +34,7 @@ MODEL_RE = re.compile(r"^model_(\d{6,})(?:_rank\d+)?\.pt$")  # the whole model o
 STEP_FILE_RE = re.compile(r"^(?:model|optim)_(\d{6,})(?:_rank\d+)?\.pt$")
 # _atomic_write's temp files of the trainer's own files (checkpoints, the report): .<name>.<random>.tmp
 CHECKPOINT_TMP_RE = re.compile(
-    r"^\.(?:(?:model|optim)_\d{6,}(?:_rank\d+)?\.pt|meta_\d{6,}\.json|best\.json|report\.md|loss\.svg)\..+\.tmp$")
+    r"^\.(?:(?:model|optim)_\d{6,}(?:_rank\d+)?\.pt|meta_\d{6,}\.json|best\.json|heartbeat\.json|report\.md|loss\.svg)\..+\.tmp$")
 # A step's files are checked against their recorded CRC-32 when they total at most this (a read of
 # seconds); larger steps are checked by size, which finds a truncated file, the common damage.
 CHECKSUM_MAX_BYTES = 2 * 10**9
@@ -378,6 +378,14 @@ class RunState:
     eval_seconds: float = 0.0
     save_seconds: float = 0.0
     step_seconds: float = 0.0
+    # The latest eval's step and tokens_seen (EVAL_EVERY_EPOCHS counts from there): a resume keeps the
+    # eval grid, and runs the eval a preemption's save skipped at its step.
+    last_eval_step: int = -1
+    last_eval_tokens: int = 0
+    # Wall seconds lost to restarts, counted in used_seconds: training past the newest complete
+    # checkpoint that a crash or a stop threw away (the run's heartbeat says how far it got), and each
+    # restart's setup and load (experiment/restarts.py).
+    restart_seconds: float = 0.0
     nonfinite_steps: int = 0  # updates skipped because the loss or gradients were not finite
     save_waits: int = 0  # saves that came due while the one before was still writing, and waited
     save_wait_seconds: float = 0.0
@@ -395,11 +403,14 @@ def run_state(meta: dict) -> RunState:
             # Written before the early-schedule warmups (or without their progress): a resume of a run
             # under way must not switch to them in its middle.
             st.warmup_progress = 1.0
+        if "last_eval_tokens" not in meta["state"]:
+            st.last_eval_step, st.last_eval_tokens = st.step, st.tokens_seen  # the eval grid from the resumed step
         return st
     # Metas written before the state was one dict hold its fields at the top level.
     flat = {f.name: meta[f.name] for f in fields(RunState) if f.name in meta}
     return RunState(**flat, best_val=meta["best_val_loss"] if meta["best_step"] >= 0 else math.inf,
-                    data_state=meta["data_positions"][0])
+                    data_state=meta["data_positions"][0], last_eval_step=meta["step"],
+                    last_eval_tokens=flat.get("tokens_seen", 0))
 
 
 @dataclass(frozen=True)

@@ -89,10 +89,25 @@ def rewound(start: RunState, latest: RunState) -> RunState:
     """The state an extended run starts from: the warmdown start's weights-side state (tokens seen,
     data position, the val minimum's reference) with the latest step's counters, no warmdown begun."""
     keep = ("step", "used_seconds", "best_val", "best_step", "eval_seconds", "save_seconds", "step_seconds",
-            "nonfinite_steps", "save_waits", "save_wait_seconds")
+            "nonfinite_steps", "save_waits", "save_wait_seconds", "restart_seconds")
+    # The eval grid counts from the rewound start's tokens; no eval at the resumed step number.
     return dataclasses.replace(start, **{k: getattr(latest, k) for k in keep}, warmdown_begun=False, warmdown_step=-1,
                                anneal_start_tokens=-1, anneal_tokens=0, plateau_stopped=False,
-                               warmdown_seen=False, evals_without_gain=0, warmdown_window=[])
+                               warmdown_seen=False, evals_without_gain=0, warmdown_window=[],
+                               last_eval_step=latest.step, last_eval_tokens=start.tokens_seen)
+
+
+def drop_anneal(st: RunState, cfg: TrainConfig) -> bool:
+    """A plain resume with PLATEAU_EVALS=0 of the step whose eval started the val minimum's warmdown
+    (saved before that warmdown's first update, so no warmdown had begun and rewind_step found nothing
+    to go back from): the anneal is not in effect and is dropped, with the count the warmdown kept, so
+    the run trains on at the peak LR and its own schedule's warmdown later records its checkpoint
+    from before it. True when dropped."""
+    if cfg.plateau_evals or st.anneal_start_tokens < 0 or st.warmdown_begun:
+        return False
+    st.anneal_start_tokens, st.anneal_tokens = -1, 0
+    st.warmdown_seen, st.evals_without_gain, st.warmdown_window, st.plateau_ref = False, 0, [], math.inf
+    return True
 
 
 def rewind_line(start: int, step: int, st: RunState, train_tokens: int) -> str:

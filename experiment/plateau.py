@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from experiment.checkpoint import RunState
 from experiment.config import TrainConfig
 from experiment.stopping import plateau_outcome
@@ -29,11 +27,9 @@ def plateau_check(t: Trainer, loop: Loop) -> None:
     once: the repetition of the data now outweighs the anneal, and the best step is saved already.
     docs/training.md, "The stop at the val minimum"."""
     cfg, st = t.cfg, t.st
-    # Rank 0's word on whether a warmdown has begun (the schedule's follows each rank's clock); once
-    # begun it stays begun, though the budget's fraction can dip when the measured reserve shrinks.
+    # Every rank agrees: loop.progress is rank 0's (decide). Once begun a warmdown stays begun, though
+    # the budget's fraction can dip when the measured reserve shrinks.
     in_warmdown = st.warmdown_seen or st.anneal_start_tokens >= 0 or loop.progress > 1 - cfg.warmdown_frac
-    flag = torch.tensor([int(t.d.master and in_warmdown)], dtype=torch.int32, device=t.d.device)
-    in_warmdown = bool(t.d.all_reduce(flag, "max").item())
     if in_warmdown and not st.warmdown_seen:  # a count from the peak LR does not carry over
         begin_warmdown_count(st)
     gained = plateau_gain(cfg, st, loop.val_loss, in_warmdown)

@@ -28,6 +28,16 @@ def updated_step_seconds(previous: float, dt: float, warm: bool) -> float:
     return 0.9 * previous + 0.1 * dt if previous else dt
 
 
+def begin_step(t: Trainer, loop: Loop) -> float:
+    """Before the step: a step whose phase changed (the warmups' shorter sequences or half batches
+    begin or end) runs new shapes, on CUDA a graph compiled mid-run, so it waits in collectives
+    under setup's timeout, not the step's (record_step goes back once a step is warm). Returns the
+    step's start time."""
+    if loop.reshaped:
+        loop.enter("setup", t.d)
+    return time.time()
+
+
 def record_step(t: Trainer, loop: Loop, loss_sum: torch.Tensor, mult: float, t0: float) -> None:
     """Step time and throughput; the step line every log_every_steps; once, the planner's projection."""
     cfg, d, st = t.cfg, t.d, t.st
@@ -35,7 +45,8 @@ def record_step(t: Trainer, loop: Loop, loss_sum: torch.Tensor, mult: float, t0:
     if logging:  # the mean over ranks, not rank 0's; .item() syncs the device, so only on logging steps
         train_loss = (d.all_reduce(loss_sum) / d.world_size).item()
     dt = time.time() - t0
-    warm = st.step - (t.resume_step or 0) >= WARMUP_STEPS
+    # A step whose phase changed (begin_step) is timed like a warm-up step.
+    warm = st.step - (t.resume_step or 0) >= WARMUP_STEPS and not loop.reshaped
     st.step_seconds = updated_step_seconds(st.step_seconds, dt, warm)
     if warm:
         loop.measured_tokens += cfg.total_batch_size

@@ -94,7 +94,9 @@ def markdown(report: RunReport, st, status: str) -> str:
     rows = [
         ("model", f"{f['model']}: {f['params']:,} parameters"),
         ("device", f["device"]), ("batch", f["batch"]), ("data", f["data"]),
-        ("budget", f"{_duration(used)} used of {_duration(budget)}, {_duration(max(budget - used, 0))} left"),
+        ("budget", f"{_duration(used)} used of {_duration(budget)}, {_duration(max(budget - used, 0))} left"
+                   + (f"; {_duration(st.restart_seconds)} of it lost to restarts (training a crash or a stop threw "
+                      "away, and the restarts' setup)" if st.restart_seconds else "")),
         ("tokens", f"{st.tokens_seen:,} seen: {st.tokens_seen / f['params']:.2f} tokens/param, "
                    f"{st.tokens_seen / f['train_tokens']:.2f} passes over the training data"),
         ("speed", "not measured yet" if speed is None else f"{speed['tok_s']:,.0f} tok/s, MFU "

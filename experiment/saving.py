@@ -110,6 +110,8 @@ def maybe_save(t: Trainer, loop: Loop, save_due: bool, preempted: bool, writing:
     at this step's start, and the wait is logged and counted); the final save is written here and
     completed before the run ends, and when it fails the run ends with 1."""
     st, step, final = t.st, t.st.step, loop.end is not None
+    if st.best_step == step == loop.last_complete_step and loop.saved_best[1] != step:
+        name_resumed_best(t, loop)
     # No periodic save during a streak of skipped updates: retention must not push the last
     # checkpoint from before the streak out. (Skipped updates leave the weights valid, so the final
     # save still happens, and so does a new best's: best.json must name a step that exists.)
@@ -143,6 +145,21 @@ def maybe_save(t: Trainer, loop: Loop, save_due: bool, preempted: bool, writing:
     loop.last_saved_step, loop.last_save_time = step, time.time()  # a failed save is retried when due again
     if not t.saver.pending.background:  # written already (the final save, or staging is off): on every rank
         finish_save(t, loop, wait=True)
+
+
+def name_resumed_best(t: Trainer, loop: Loop) -> None:
+    """The resumed step's own eval made it the best: a preemption saved the step before the eval it
+    skipped, and the resume ran that eval. Its checkpoint is complete and holds these weights, so
+    best.json names it (a second save of the step would rewrite a complete checkpoint in place)."""
+    st = t.st
+    loop.saved_best = (st.best_val, st.best_step)
+    if not t.d.master:
+        return
+    try:
+        ckpt.repair_best(t.run_dir, st.best_val, st.best_step)
+        t.log(f"best.json names step {st.best_step:06d}, the resumed checkpoint, whose eval is the best so far")
+    except (OSError, CheckpointError) as e:
+        t.log(f"warning: best.json could not be rewritten to name step {st.best_step:06d} ({e})")
 
 
 def finish_save(t: Trainer, loop: Loop, wait: bool = False) -> None:
@@ -187,7 +204,7 @@ def finish_save(t: Trainer, loop: Loop, wait: bool = False) -> None:
               "is given back")
     if st.best_step == p.step:  # best.json must name a checkpoint that exists; evals stay counted
         st.best_val, st.best_step = loop.saved_best
-        if p.step < loop.last_eval_step == st.step and loop.val_loss < st.best_val:
+        if p.step < st.last_eval_step == st.step and loop.val_loss < st.best_val:
             # this step's eval (made while that earlier write was in flight) beats the best that
             # stands: its save, begun next, makes it the best
             st.best_val, st.best_step = loop.val_loss, st.step

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from experiment.checkpoint import RunState
 from experiment.config import TrainConfig
+from experiment.optim import lr_multiplier
 from experiment.trainer import Loop, Trainer
 
 
@@ -18,6 +19,16 @@ def schedule_progress(t: Trainer, loop: Loop) -> float:
     if t.cfg.max_steps:
         progress = max(progress, st.step / t.cfg.max_steps)
     return max(progress, st.tokens_seen / t.max_tokens)
+
+
+def step_lr_multiplier(cfg: TrainConfig, st: RunState, progress: float) -> float:
+    """The LR multiplier of a step at `progress` (the schedule's: warmup, peak, warmdown), lowered
+    further by the warmdown the val minimum started, where there is one."""
+    mult = lr_multiplier(progress, cfg.warmup_frac, cfg.warmdown_frac, cfg.final_lr_frac)
+    if st.anneal_start_tokens >= 0 and cfg.plateau_evals:  # the warmdown the val minimum started, or the schedule's
+        done = (st.tokens_seen - st.anneal_start_tokens) / max(st.anneal_tokens, 1)
+        mult = min(mult, lr_multiplier(done, 0.0, 1.0, cfg.final_lr_frac))
+    return mult
 
 
 def warmup_phase(cfg: TrainConfig, st: RunState, progress: float) -> tuple[int, int]:

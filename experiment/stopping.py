@@ -16,13 +16,14 @@ from experiment.trainer import Loop, Trainer
 
 def decide(t: Trainer, loop: Loop, signum: int, writing: bool = False) -> tuple[int, ...]:
     """(last step, eval due, save due, signal, a rank still writing a save, the schedule's warmdown
-    begins at this step, the step's context split, its halved batch: 0 or 1). Rank 0 decides the
-    clock-driven flags; a stop signal may reach any rank, and so may a writer still at work. One
-    all-reduce (max) gives every rank the same decisions, so none is left waiting in a collective."""
+    begins at this step, the step's context split, its halved batch: 0 or 1); sets loop.progress, the
+    schedule's progress that the step's LR follows. Rank 0 decides the clock-driven flags and the
+    progress; a stop signal may reach any rank, and so may a writer still at work. One all-reduce
+    (max) gives every rank the same decisions, so none is left waiting in a collective."""
     cfg, d, st, step = t.cfg, t.d, t.st, t.st.step
     eval_due = (time.time() - loop.last_eval_time >= cfg.eval_every_minutes * 60
                 or (cfg.eval_every_steps > 0 and step % cfg.eval_every_steps == 0) or step == 0
-                or st.tokens_seen - loop.last_eval_tokens >= t.eval_every_tokens)
+                or st.tokens_seen - st.last_eval_tokens >= t.eval_every_tokens)
     save_due = (time.time() - loop.last_save_time >= cfg.save_every_minutes * 60
                 or (cfg.save_every_steps > 0 and step % cfg.save_every_steps == 0 and step > 0))
     # An eval (and the save a new best brings) or a save due now is paid for on top of the reserve
@@ -34,13 +35,16 @@ def decide(t: Trainer, loop: Loop, signum: int, writing: bool = False) -> tuple[
     in_flight = t.saver.seconds_left(save)
     last = (step >= t.max_steps or st.tokens_seen >= t.max_tokens or stopped_at_minimum(t)
             or st.used_seconds + loop.reserve_seconds + in_flight + due_now >= t.budget_seconds)
-    progress = schedule_progress(t, loop)
+    progress = schedule_progress(t, loop) if d.master else 0.0
     warmdown = not st.warmdown_begun and progress > 1 - cfg.warmdown_frac and not last
     # The phase decides how many updates (and collectives) the step makes: every rank takes rank 0's.
     split, halve = warmup_phase(cfg, st, progress) if d.master else (0, 0)
+    # float64: the flags exactly, and the schedule's progress, which sets the step's LR on every rank.
+    # Each rank's own clock and measured durations would give each ZeRO-1 shard an LR of its own.
     flags = torch.tensor([d.master and last, d.master and eval_due, d.master and save_due, signum, writing,
-                          d.master and warmdown, split, halve], dtype=torch.int32, device=d.device)
-    return tuple(int(v) for v in d.all_reduce(flags, "max").tolist())
+                          d.master and warmdown, split, halve, progress], dtype=torch.float64, device=d.device)
+    *decided, loop.progress = d.all_reduce(flags, "max").tolist()
+    return tuple(int(v) for v in decided)
 
 
 def stopped_at_minimum(t: Trainer) -> bool:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from experiment import autosize, extend, finetune, guards, launch
+from experiment import autosize, extend, finetune, guards, launch, restarts
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError, RunState, pick_resume_step
 from experiment.config import ConfigError, TrainConfig, checkpoint_meta, fill_lrs, parse_args, resolve
@@ -45,7 +45,7 @@ from experiment.model import DTYPES, GPT, GPTConfig, build_model
 from experiment.onexit import last_words
 from experiment.optim import ShardedOptimizer
 from experiment.plateau import WARMDOWN_WINDOW, plateau_check
-from experiment.progress import record_step
+from experiment.progress import begin_step, record_step
 from experiment.report import NullReport, RunReport
 from experiment.runlog import NullWriter, RunLog, log_crash, report_eval, report_sample
 from experiment.saving import (checkpoint_seconds, export_best, finish_save, make_saver, maybe_save, repair_best,
@@ -59,13 +59,14 @@ from experiment.trainstep import train_step
 
 
 def prepare_data(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path,
-                 log: RunLog) -> tuple[Prepared, int | None, int | None, object]:
+                 log: RunLog) -> tuple[Prepared, int | None, int | None, object, float]:
     """Rank 0 takes the run directory's trainer lock, opens the data and picks the resume step (and
     for settings that extend an annealed run, its newest checkpoint from before the warmdown: extend.py); a failure
     there reaches every rank. Under experiment/run.sh the data is the pre-flight's prepared
     directory (--prepared_dir), so no rank waits in this broadcast while another prepares; a bare
     torchrun prepares here. Returns (data, resume step, the step whose weights to load instead or None,
-    the lock: rank 0's open file, else None)."""
+    the lock: rank 0's open file, else None, the seconds the last launch trained past the resumed
+    checkpoint: restarts.lost_seconds)."""
     setup, lock = None, None
     if d.master:
         try:
@@ -75,6 +76,7 @@ def prepare_data(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path,
             launch.fill_pass_cap(cfg, prepared, run_dir, resume_step, log)
             train_tokens = prepared.meta["split"]["train_tokens"]
             setup = {"prepared": str(prepared.dir), "resume_step": resume_step, "max_epochs": cfg.max_epochs,
+                     "lost": restarts.lost_seconds(run_dir, resume_step, cfg),
                      "rewind_step": None if resume_step is None else extend.rewind_step(run_dir, resume_step, cfg,
                                                                                         train_tokens)}
         except (DataError, ConfigError, CheckpointError) as e:
@@ -83,7 +85,7 @@ def prepare_data(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path,
     if "error" in setup:
         raise ConfigError(setup["error"])
     cfg.max_epochs = setup["max_epochs"]  # rank 0's pass cap (launch.fill_pass_cap), on every rank
-    return Prepared.load(setup["prepared"]), setup["resume_step"], setup["rewind_step"], lock
+    return Prepared.load(setup["prepared"]), setup["resume_step"], setup["rewind_step"], lock, setup["lost"]
 
 
 def build_model_and_optimizer(cfg: TrainConfig, d: Dist, model_config: GPTConfig, log: RunLog,
@@ -121,11 +123,14 @@ def compiled(ddp: torch.nn.Module) -> torch.nn.Module:
     return torch.compile(ddp, dynamic=False)
 
 
-def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) -> Trainer:
+def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog,
+          launched: float | None = None) -> Trainer:
+    """`launched`: when this process's trainer began (a restart's setup is charged from there)."""
+    launched = time.time() if launched is None else launched
     cuda = d.device.type == "cuda"
     gpu = guards.local_gpu(d.device) if cuda else None
     log(f"world {d.world_size} x {gpu.name if gpu else 'cpu'} | torch {torch.__version__}")
-    prepared, resume_step, rewind_step, lock = prepare_data(cfg, d, workspace, run_dir, log)
+    prepared, resume_step, rewind_step, lock, lost = prepare_data(cfg, d, workspace, run_dir, log)
     assert cfg.max_epochs is not None, "the pass cap is set with the data (launch.fill_pass_cap)"
     auto, probe_seconds = (choose_depth(cfg, d, gpu, prepared, run_dir, resume_step, log) if cfg.depth == "auto"
                            else (None, 0))
@@ -171,7 +176,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         max_tokens=cfg.max_epochs * prepared.meta["split"]["train_tokens"] if cfg.max_epochs else math.inf,
         saver=make_saver(cfg, d, model, run_dir, log), first_save_seconds=checkpoint_seconds(model, d.world_size),
         eval_every_tokens=cfg.eval_every_epochs * prepared.meta["split"]["train_tokens"] or math.inf,
-        eval_coverage=coverage)
+        eval_coverage=coverage, launched=launched, lost_seconds=lost)
     log(f"model {model.num_params():,} params (d{cfg.depth}, width {model_config.n_embd}, "
         f"{model_config.n_head} heads) | {t.flops_per_token:.3e} FLOP/token | batch {cfg.device_batch_size} x "
         f"{cfg.max_seq_len} x {d.world_size} ranks x {t.grad_accum} accum = {cfg.total_batch_size:,} tokens/step | "
@@ -198,6 +203,9 @@ def start_state(cfg: TrainConfig, d: Dist, run_dir: Path, model_config: GPTConfi
     if rewind_step is not None:
         st = extend.rewound(st, ckpt.run_state(ckpt.read_meta(run_dir, resume_step)))
         log(extend.rewind_line(rewind_step, resume_step, st, prepared.meta["split"]["train_tokens"]))
+    elif extend.drop_anneal(st, cfg):
+        log(f"extend | PLATEAU_EVALS=0: the warmdown the val minimum started at step {st.step:06d} is dropped; "
+            "training on at the peak LR")
     log(f"resumed from {ckpt.model_path(run_dir, load)}: step {st.step}, {st.used_seconds / 3600:.3f}h used, "
         f"best {st.best_val:.4f} @ {st.best_step:06d}")
     return model, opt, st
@@ -288,18 +296,21 @@ def start_loop(t: Trainer) -> Loop:
     x, y = (v.to(t.d.device, non_blocking=True) for v in next(t.batches))
     first = t.st.step if t.resume_step is not None else -1
     now = time.time()
-    return Loop(x=x, y=y, data_state=data_state, started=now, used_at_start=t.st.used_seconds, last_eval_time=now,
-                last_save_time=now, last_eval_step=first, last_eval_tokens=t.st.tokens_seen, last_saved_step=first,
+    charged = restarts.charge(t, now) if t.resume_step is not None else 0.0
+    loop = Loop(x=x, y=y, data_state=data_state, started=now, used_at_start=t.st.used_seconds + charged,
+                last_eval_time=now, last_save_time=now, last_saved_step=first,
                 # An extended run's weights are the rewound step's, not those saved as step `first`.
                 last_complete_step=first if t.rewind_step is None else t.rewind_step,
                 saved_best=(t.st.best_val, t.st.best_step))  # a resume's best: its checkpoint is complete
+    restarts.beat(t, loop, force=True)  # a crash from here on is charged what this restart spent
+    return loop
 
 
 # ---------------------------------------------------------------- the loop
 
 
-def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog) -> int:
-    t = setup(cfg, d, workspace, run_dir, log)
+def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog, launched: float) -> int:
+    t = setup(cfg, d, workspace, run_dir, log, launched)
     try:
         return train_loop(t)
     finally:
@@ -315,8 +326,10 @@ def train_loop(t: Trainer) -> int:
             t.st.step, t.st.used_seconds = step, loop.used()
             # The final eval, save and step (the LR schedule ends where they begin)
             loop.reserve_seconds = t.st.eval_seconds + save_seconds(t) + t.st.step_seconds
-            last_step, eval_due, save_due, signum, writing, warmdown, loop.split, loop.halve = decide(
+            last_step, eval_due, save_due, signum, writing, warmdown, split, halve = decide(
                 t, loop, stop_signal.signum, t.saver.writing())
+            loop.reshaped = (split, halve) != (loop.split, loop.halve)
+            loop.split, loop.halve = split, halve
             if t.saver.pending is not None and not writing:  # every rank's writer is done
                 finish_save(t, loop)
             if last_step:
@@ -326,7 +339,7 @@ def train_loop(t: Trainer) -> int:
                 loop.stop(0, f"stopped: {name} at step {step}; the same command resumes it")
                 log(f"received {name}: " + (f"completing step {t.saver.pending.step:06d}'s save, in flight, and exiting"
                                              if writing else f"saving step {step:06d} and exiting"))
-            elif (eval_due or save_due or last_step) and step != loop.last_eval_step:
+            elif (eval_due or save_due or last_step) and step != t.st.last_eval_step:
                 maybe_eval(t, loop)
             maybe_save(t, loop, save_due, preempted=bool(signum), writing=bool(writing))
             if not t.st.warmdown_begun and (warmdown or t.st.anneal_start_tokens == t.st.tokens_seen) and not signum:
@@ -335,13 +348,15 @@ def train_loop(t: Trainer) -> int:
                 t.st.warmdown_begun, t.st.warmdown_step = True, loop.last_complete_step
             if loop.end is not None:
                 break
-            t0 = time.time()
+            t0 = begin_step(t, loop)
             loss_sum, mult = train_step(t, loop)
             if loop.end is not None:
                 break
             record_step(t, loop, loss_sum, mult, t0)
+            restarts.beat(t, loop)
     if t.saver.pending is not None:  # the loop broke off (a diverging run) with a save in flight
         finish_save(t, loop, wait=True)
+    restarts.beat(t, loop, force=True)  # what a stop on an earlier step's checkpoint leaves to train again
     if not loop.end:  # None: a resume at or past max_steps had no step left to run
         finish(t, loop)
     outcome = loop.outcome if loop.end is not None else "finished: no step was left to run"
@@ -359,7 +374,7 @@ def maybe_eval(t: Trainer, loop: Loop) -> None:
     t0 = time.time()
     loop.val_loss, val_bpc, by_source = evaluate(t.model, t.prepared, cfg.max_seq_len, cfg.device_batch_size,
                                                  cfg.eval_tokens, t.d, t.weights)
-    loop.last_eval_step, loop.last_eval_time, loop.last_eval_tokens = step, time.time(), st.tokens_seen
+    st.last_eval_step, st.last_eval_tokens, loop.last_eval_time = step, st.tokens_seen, time.time()
     new_best = step > 0 and loop.val_loss < st.best_val
     if new_best:
         st.best_val, st.best_step = loop.val_loss, step
@@ -388,15 +403,17 @@ def finish(t: Trainer, loop: Loop) -> None:
         unspent = (f" | the val loss stopped improving: {left} of the budget unspent" if stopped_at_minimum(t)
                    else f" | the data's {t.cfg.max_epochs:g} passes are done: {left} of the budget "
                    "unspent" if t.st.tokens_seen >= t.max_tokens else "")
+        lost = f", {t.st.restart_seconds:.1f}s of it lost to restarts" if t.st.restart_seconds else ""
         t.log(f"done: step {t.st.step:06d}, {spent / 3600:.3f}h of {t.cfg.training_hours:.3f}h used "
-              f"({spent:.1f}s of {t.budget_seconds:.1f}s) | best checkpoint {files} (val_loss {best['val_loss']:.4f})"
-              + unspent)
+              f"({spent:.1f}s of {t.budget_seconds:.1f}s{lost}) | best checkpoint {files} (val_loss "
+              f"{best['val_loss']:.4f})" + unspent)
 
 
 # ---------------------------------------------------------------- entry
 
 
 def train(cfg: TrainConfig, d: Dist) -> int:
+    launched = time.time()
     cfg = resolve(finetune.apply(cfg), d.device.type == "cuda", d.world_size)
     workspace = Path(cfg.workspace) if cfg.workspace else default_workspace()
     run_dir = workspace / "checkpoints" / cfg.model_tag
@@ -412,7 +429,7 @@ def train(cfg: TrainConfig, d: Dist) -> int:
     log = RunLog(run_dir / "training.log" if d.master else None)
     log(f"config {json.dumps(dataclasses.asdict(cfg))}")
     try:
-        return run(cfg, d, workspace, run_dir, log)
+        return run(cfg, d, workspace, run_dir, log, launched)
     except (ConfigError, DataError, CheckpointError):
         raise  # reported as a one-line error by main()
     except BaseException:

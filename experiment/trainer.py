@@ -57,6 +57,8 @@ class Trainer:
     first_save_seconds: float  # what a save is taken to cost until one is measured (checkpoint_seconds)
     eval_every_tokens: float  # EVAL_EVERY_EPOCHS passes over the training data; inf when off
     eval_coverage: tuple[int, int, bool]  # (tokens an eval predicts, tokens in the val split, all of it)
+    launched: float  # time.time() when this process's trainer began: a restart's setup counts from there
+    lost_seconds: float  # rank 0's: what the last launch trained past the resumed checkpoint (restarts.py)
 
     @property
     def max_steps(self) -> int:
@@ -73,8 +75,6 @@ class Loop:
     used_at_start: float  # budget seconds used by earlier runs of this model
     last_eval_time: float
     last_save_time: float
-    last_eval_step: int
-    last_eval_tokens: int  # tokens_seen at the latest eval: EVAL_EVERY_EPOCHS counts from there
     last_saved_step: int  # the latest save begun
     last_complete_step: int  # the latest save completed
     reserve_seconds: float = 0.0  # measured: the final eval + save + one step fit in what is left
@@ -82,9 +82,12 @@ class Loop:
     # The best of the latest completed save, (val, step): what a failed best save falls back to (an
     # eval's own "before" could name a step whose background save is still in flight, then fails).
     saved_best: tuple = (math.inf, -1)
-    progress: float = 0.0  # the fraction of the LR schedule done at the latest step (this rank's clock)
+    progress: float = 0.0  # the fraction of the LR schedule done at this step: rank 0's, from decide
     split: int = 1  # the step's early-schedule phase, rank 0's (decide): sequences cut into this many
     halve: int = 0  # 1: the step's tokens in two updates of half the rows each
+    last_beat: float = 0.0  # when rank 0 last wrote the heartbeat (restarts.beat)
+    beat_failed: bool = False
+    reshaped: bool = False  # the phase changed at this step: new shapes (on CUDA, a graph compiled now)
     measured_tokens: int = 0
     measured_time: float = 0.0
     planned: bool = False

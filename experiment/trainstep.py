@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from experiment.optim import lr_multiplier, muon_momentum
-from experiment.schedule import schedule_progress
+from experiment.optim import muon_momentum
+from experiment.schedule import step_lr_multiplier
 from experiment.step import forward_backward, optimizer_step
 from experiment.trainer import Loop, Trainer
 
@@ -20,11 +20,7 @@ def train_step(t: Trainer, loop: Loop) -> tuple[torch.Tensor, float]:
     half the tokens each. Returns (the summed loss, on the device; the LR multiplier); a diverging
     run stops the loop."""
     cfg, d, st = t.cfg, t.d, t.st
-    loop.progress = schedule_progress(t, loop)
-    mult = lr_multiplier(loop.progress, cfg.warmup_frac, cfg.warmdown_frac, cfg.final_lr_frac)
-    if st.anneal_start_tokens >= 0 and cfg.plateau_evals:  # the warmdown the val minimum started, or the schedule's
-        done = (st.tokens_seen - st.anneal_start_tokens) / max(st.anneal_tokens, 1)
-        mult = min(mult, lr_multiplier(done, 0.0, 1.0, cfg.final_lr_frac))
+    mult = step_lr_multiplier(cfg, st, loop.progress)  # rank 0's progress (decide): one LR for every shard
     t.opt.set_lr_multiplier(mult)
     t.opt.set_muon_momentum(muon_momentum(st.step, cfg.muon_momentum_warmup_steps))
     rows = loop.x.size(0) * loop.split  # the same tokens, shorter sequences

@@ -208,3 +208,26 @@ def test_gloo_on_cuda_needs_an_explicit_device_batch():
     assert resolve(TrainConfig(depth=2, dist_backend="gloo", device_batch_size=1), True, 2).device_batch_size == 1
     with pytest.raises(ConfigError, match="dist_backend must be one of auto, gloo"):
         resolve(TrainConfig(depth=2, dist_backend="nccl"), False, 1)
+
+
+def test_every_rank_applies_rank_0s_lr_whatever_its_own_clock(tmp_path, corpus):
+    """Rank 1's wall clock runs twice as fast as rank 0's (tests/faulty_train.py), so its own budget
+    fraction, eval and save durations all disagree with rank 0's. Each rank applies its LR to the
+    ZeRO-1 shard it owns: every step's multiplier must be the same on both, and follow the schedule
+    (it reaches the warmdown). Broken before: each rank computed its own from its own clock."""
+    import subprocess
+    import sys
+
+    from conftest import ENV, REPO, TINY
+
+    args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256,
+            "--training_hours", 0.003, "--plateau_evals", 0, "--save_every_steps", 10]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "tests/faulty_train.py"), *map(str, args)]
+    env = {**ENV, "FAULT_CLOCK_RANK": "1", "FAULT_CLOCK_RATE": "2", "RECORD_LR": str(tmp_path)}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lrs = [[float(v) for v in (tmp_path / f"lr_rank{r}.txt").read_text().split()] for r in range(2)]
+    assert len(lrs[0]) == len(lrs[1]) > 20
+    assert min(lrs[0]) < 0.5 and lrs[0][0] == 1.0  # the peak, then the warmdown (WARMDOWN_FRAC 0.4 on CPU)
+    assert lrs[0] == lrs[1]

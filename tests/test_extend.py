@@ -2,6 +2,7 @@
 kept; settings that extend an annealed run go back to it and anneal again at the new end, with no LR
 jump; settings that cannot are refused in one line that says what to do."""
 
+import json
 import math
 import shutil
 
@@ -68,6 +69,32 @@ def test_an_extended_run_goes_back_to_its_warmdown_start_and_anneals_again(tmp_p
     proc = run_train([*common, "--workspace", missing, "--max_steps", 20], check=False)
     assert proc.returncode == 2 and "step 000006, its newest checkpoint from before the warmdown, is gone" in proc.stderr
     assert f"INIT_FROM={missing / 'checkpoints/d2'}" in proc.stderr
+
+
+def test_a_resume_with_plateau_evals_0_of_the_step_that_started_the_anneal_trains_on_at_the_peak(tmp_path, corpus):
+    """The newest checkpoint is the one whose eval started the val minimum's warmdown: saved before
+    its first update, so it records the anneal but no warmdown begun (a background save of that step,
+    then Ctrl-C or kill -9). A relaunch with PLATEAU_EVALS=0, as the log suggests, trains on at the
+    peak LR, and its schedule's own warmdown records its checkpoint from before it (step 12 here: the
+    warmdown begins at 13 of 20). Broken before: the stale anneal marked the warmdown begun at the
+    resumed step, whose checkpoint retention then kept for good and a later extension rewound to."""
+    common = [*TINY, "--data_dir", corpus, "--total_batch_size", 256, "--save_every_steps", 3, "--async_save", 0,
+              "--keep_last", 1, "--workspace", tmp_path]
+    run_train([*common, "--max_steps", 6, "--plateau_evals", 0])
+    path = ckpt.meta_path(tmp_path / "checkpoints/d2", 6)
+    meta = ckpt.read_json(path)
+    st = meta["state"]  # as the step whose eval started the anneal saves it (maybe_eval, then maybe_save)
+    st.update(warmdown_begun=False, warmdown_step=-1, anneal_start_tokens=st["tokens_seen"], anneal_tokens=4 * 256,
+              warmdown_seen=True, plateau_ref=math.inf, warmdown_window=[])
+    meta["train_config"]["plateau_evals"] = 4
+    path.write_text(json.dumps(meta))
+    more = run_train([*common, "--max_steps", 20, "--plateau_evals", 0])
+    state = run_meta(tmp_path, 20)["state"]
+    assert state["warmdown_begun"] and state["warmdown_step"] == 12 and state["anneal_start_tokens"] == -1
+    assert 6 not in ckpt.complete_steps(tmp_path / "checkpoints/d2")  # nothing pins the resumed step
+    after = _lines(more, "| loss")
+    assert _field(after[7], "lr") == _field(after[12], "lr") > _field(after[14], "lr")  # the peak until 13
+    assert "the warmdown the val minimum started at step 000006 is dropped" in more.stdout
 
 
 def test_what_extends_a_run_and_what_leaves_no_time_at_the_peak_lr():

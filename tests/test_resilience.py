@@ -66,6 +66,39 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path, corpus):
     assert f"resumed from {ckpt.model_path(tmp_path / 'checkpoints/d2', steps[0])}" in again.stdout
 
 
+def test_a_preempted_run_keeps_the_eval_grid_of_the_uninterrupted_one(tmp_path, corpus):
+    """EVAL_EVERY_EPOCHS=0.05 evaluates every few steps of 256 tokens (a twentieth of a pass); a SIGTERM at
+    some step between two evals, then the same command. The resumed run evaluates at the uninterrupted
+    run's steps (the grid is in the checkpoint, and so is the step of the latest eval), with the same
+    losses, best step and outcome. Broken before: the grid restarted at the preempted step."""
+    args = [*TINY, "--data_dir", corpus, "--total_batch_size", 256, "--max_steps", 40, "--eval_every_epochs", 0.05,
+            "--eval_every_minutes", 60, "--plateau_evals", 0]
+    run_train([*args, "--workspace", tmp_path / "a"])
+    proc = _launch_until_logged([*args, "--workspace", tmp_path / "b"], 1, tmp_path / "b", "step 000011 | loss",
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "received SIGTERM" in out, err[-2000:]
+    stopped = ckpt.complete_steps(tmp_path / "b/checkpoints/d2")[-1]
+    assert 11 <= stopped < 40
+    run_train([*args, "--workspace", tmp_path / "b"])
+
+    def evals(ws):
+        return [(r["step"], r["val_loss"]) for r in _records(ws / "checkpoints/d2") if r["kind"] == "eval"]
+
+    def end(ws):
+        return [r["outcome"] for r in _records(ws / "checkpoints/d2") if r["kind"] == "end"][-1]
+
+    grid = [s for s, _ in evals(tmp_path / "a")]
+    every = grid[1]  # 1,800 tokens of 256 a step, rounded up; then the final eval
+    assert 1 < every < 11 and grid == sorted({*range(0, 40, every), 40})
+    assert evals(tmp_path / "b") == evals(tmp_path / "a"), stopped
+    assert end(tmp_path / "b") == end(tmp_path / "a") == "finished: max_steps reached"
+    assert ckpt.read_best(tmp_path / "b/checkpoints/d2") == ckpt.read_best(tmp_path / "a/checkpoints/d2")
+    state_a, state_b = run_meta(tmp_path / "a", 40)["state"], run_meta(tmp_path / "b", 40)["state"]
+    assert (state_b["best_step"], state_b["best_val"]) == (state_a["best_step"], state_a["best_val"])
+
+
 def test_signal_on_one_rank_stops_all_ranks_with_a_complete_checkpoint(tmp_path, corpus):
     args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256]
     agent = _launch_until_logged(args, 2, tmp_path, "step 000006 | loss", stdout=subprocess.PIPE,
@@ -338,6 +371,42 @@ def test_torchrun_restarts_a_dead_worker_and_the_run_resumes(tmp_path, corpus):
     assert "resumed from" in out
     ref, got = _state(tmp_path / "ref", 12), _state(ws, 12)
     assert all(torch.equal(ref[n], got[n]) for n in ref)
+
+
+def test_a_kill_9_past_the_last_save_charges_the_lost_time_to_the_budget(tmp_path, corpus):
+    """kill -9 a few seconds past the newest complete checkpoint, then the same command (to a near end).
+    The budget used counts the training the kill threw away (the heartbeat's, at most
+    HEARTBEAT_SECONDS old: 1 s here) and the restart's setup, and the done line and the report say
+    how much was lost. Broken before: the resumed run's budget went on from the checkpoint's."""
+    args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256, "--save_every_steps", 300,
+            "--async_save", 0, "--eval_every_minutes", 60, "--eval_every_epochs", 0, "--save_every_minutes", 60]
+    run_dir = tmp_path / "checkpoints/d2"
+    cmd = [sys.executable, str(REPO / "tests/faulty_train.py"), *map(str, args)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**ENV, "HEARTBEAT_SECONDS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    log = run_dir / "training.log"
+    _wait_for(lambda: log.exists() and "saved step 000300" in log.read_text(), what="the first save")
+    time.sleep(3)  # some 100 tiny steps of 300: no second save yet
+    proc.kill()
+    killed_at = time.time()
+    proc.wait(timeout=60)
+    step = ckpt.complete_steps(run_dir)[-1]
+    saved = run_meta(tmp_path, step)
+    expected = killed_at - saved["saved_at"]  # wall seconds since that save began: all of them lost
+    assert step == 300 and expected >= 3
+    again = subprocess.run([*cmd, "--max_steps", str(step + 3)], cwd=REPO, env={**ENV, "HEARTBEAT_SECONDS": "1"},
+                           capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    state = run_meta(tmp_path, step + 3)["state"]
+    assert state["used_seconds"] - saved["state"]["used_seconds"] >= expected - 1.5
+    line = again.stdout.split("restart | ")[1]
+    lost = float(line.split("s trained past the checkpoint were lost")[0])
+    setup = float(line.split(" and ")[1].split("s went to this restart's setup and load")[0])
+    assert expected - 1.5 <= lost <= expected + 0.5, (lost, expected)
+    assert setup > 0 and state["restart_seconds"] == pytest.approx(lost + setup, abs=0.1)
+    done = next(line for line in again.stdout.splitlines() if line.startswith("done: "))
+    assert f"{state['restart_seconds']:.1f}s of it lost to restarts" in done
+    assert "lost to restarts" in (run_dir / "report.md").read_text()
 
 
 def test_workers_exit_on_their_own_when_the_agent_is_killed(tmp_path, corpus):

@@ -29,8 +29,7 @@ def _trainer(run_dir, st, log):
                         report=SimpleNamespace(add=lambda record: None), log=log,
                         cfg=SimpleNamespace(keep_last=3, keep_best_optimizer=0))
     loop = trainer.Loop(x=None, y=None, data_state={}, started=0.0, used_at_start=0.0, last_eval_time=0.0,
-                      last_save_time=0.0, last_eval_step=0, last_eval_tokens=0, last_saved_step=0,
-                      last_complete_step=0)
+                        last_save_time=0.0, last_saved_step=0, last_complete_step=0)
     return t, loop
 
 
@@ -194,14 +193,14 @@ def test_a_best_eval_made_while_a_failed_best_save_was_in_flight_becomes_the_bes
                 "world_size": 1, "model_parts": 1}
         t.saver.begin(step, {"w": torch.ones(10)}, {}, meta, background=True, context={"final": False})
 
-    st.step, loop.last_eval_step, loop.val_loss = 2, 2, 2.0
+    st.step, st.last_eval_step, loop.val_loss = 2, 2, 2.0
     st.best_val, st.best_step = 2.0, 2
     save(2, fails=False)
     saving.finish_save(t, loop, wait=True)
-    st.step, loop.last_eval_step, loop.val_loss = 3, 3, 1.5
+    st.step, st.last_eval_step, loop.val_loss = 3, 3, 1.5
     st.best_val, st.best_step = 1.5, 3
     save(3, fails=True)
-    st.step, loop.last_eval_step, loop.val_loss = 4, 4, 1.8  # step 4's eval: no new best while step 3 stands
+    st.step, st.last_eval_step, loop.val_loss = 4, 4, 1.8  # step 4's eval: no new best while step 3 stands
     saving.finish_save(t, loop, wait=True)  # step 4's save first completes step 3's: failed
     assert (st.best_val, st.best_step) == (1.8, 4)
     save(4, fails=False)
@@ -220,7 +219,7 @@ def test_a_best_steps_own_failed_blocking_save_leaves_the_best_that_stands(tmp_p
     t, loop = _trainer(tmp_path, st, lambda line: None)
     t.saver.background = False
     for step, val, fails in ((2, 2.0, False), (4, 1.5, True)):
-        st.step, loop.last_eval_step, loop.val_loss = step, step, val
+        st.step, st.last_eval_step, loop.val_loss = step, step, val
         st.best_val, st.best_step = val, step  # a new best
         if fails:
             ckpt.optim_path(tmp_path, step, 0).mkdir()
@@ -230,6 +229,33 @@ def test_a_best_steps_own_failed_blocking_save_leaves_the_best_that_stands(tmp_p
         assert not t.saver.pending.background
         saving.finish_save(t, loop, wait=True)
     assert (st.best_val, st.best_step) == (2.0, 2) and ckpt.read_best(tmp_path)["step"] == 2
+
+
+def test_a_resumed_steps_own_eval_that_beats_the_best_names_its_checkpoint_best(tmp_path):
+    """A preemption saved step 4 before the eval it skipped; the resume runs that eval at step 4 and it
+    beats step 2's best. Step 4's checkpoint is complete and holds those weights: best.json names it,
+    and the step is not written a second time. An eval that does not beat the best leaves it."""
+    from experiment import saving
+    from experiment.checkpoint import RunState
+
+    for step, best in ((2, 2.0), (4, None)):  # step 2: an eval's best; step 4: a preemption's save
+        meta = {"step": step, "val_loss": best, "state": {"best_val": 2.0, "best_step": 2}, "world_size": 1,
+                "model_parts": 1}
+        assert ckpt.save_checkpoint(tmp_path, step, {"w": torch.ones(10)}, {}, meta) is None
+    assert ckpt.read_best(tmp_path) == {"step": 2, "val_loss": 2.0}
+    written = ckpt.meta_path(tmp_path, 4).stat().st_mtime_ns
+    for val, named in ((2.5, 2), (1.5, 4)):
+        st, lines = RunState(step=4, best_val=2.0, best_step=2, last_eval_step=4), []
+        t, loop = _trainer(tmp_path, st, lines.append)
+        loop.last_saved_step = loop.last_complete_step = 4  # the resumed step (train.start_loop)
+        loop.saved_best, loop.val_loss = (2.0, 2), val
+        if val < st.best_val:  # maybe_eval's best tracking
+            st.best_val, st.best_step = val, 4
+        saving.maybe_save(t, loop, save_due=False, preempted=False)
+        assert ckpt.read_best(tmp_path)["step"] == named and t.saver.pending is None
+        assert ckpt.meta_path(tmp_path, 4).stat().st_mtime_ns == written  # step 4 not written again
+    assert ckpt.read_best(tmp_path) == {"step": 4, "val_loss": 1.5} and loop.saved_best == (1.5, 4)
+    assert any("best.json names step 000004" in line for line in lines)
 
 
 def test_after_a_failed_save_every_later_save_blocks_and_the_host_buffers_are_freed(tmp_path):

@@ -4,6 +4,7 @@ import json
 import math
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -274,7 +275,6 @@ def test_a_resume_on_other_data_is_refused_by_the_preflight(tmp_path, corpus):
 
 def test_a_node_other_than_0_waits_for_node_0s_plan(tmp_path, capsys):
     import threading
-    import time
 
     from experiment import preflight
     from experiment.files import atomic_write_json
@@ -343,7 +343,6 @@ def test_each_source_gets_its_own_val_loss_and_the_total_is_weighted(tmp_path):
 
 
 def test_an_eval_due_when_the_budget_has_no_room_for_another_makes_this_step_the_last():
-    import time
     from types import SimpleNamespace
 
     import torch
@@ -362,9 +361,9 @@ def test_an_eval_due_when_the_budget_has_no_room_for_another_makes_this_step_the
         saver = SimpleNamespace(seconds_left=lambda save_seconds, left=writing: float(left))
         t = SimpleNamespace(cfg=cfg, d=Dist(0, 0, 1, torch.device("cpu")), st=st, max_steps=10**9, budget_seconds=100.0,
                             max_tokens=math.inf, saver=saver, first_save_seconds=1.0, eval_every_tokens=math.inf)
-        loop = SimpleNamespace(last_eval_time=now - eval_ago, last_save_time=now, reserve_seconds=4.0,
-                               last_eval_tokens=0)
+        loop = SimpleNamespace(last_eval_time=now - eval_ago, last_save_time=now, reserve_seconds=4.0)
         assert stopping.decide(t, loop, 0)[:2] == (last, int(eval_ago > 60)), (eval_ago, used)
+        assert loop.progress == used / 96.0  # the schedule's progress, rank 0's, rides with the decisions
         # 92-95 s of 96 s (the budget less the reserve): past 60%, the warmdown begins here, unless the run ends
         assert stopping.decide(t, loop, 0)[5] == 1 - last
         assert stopping.decide(t, loop, 0)[6:] == (1, 0)  # past the early-schedule warmups
@@ -377,9 +376,9 @@ def test_an_eval_due_when_the_budget_has_no_room_for_another_makes_this_step_the
     assert stopping.decide(t, loop, 0)[:2] == (0, 1)
     # EVAL_EVERY_EPOCHS: an eval is due once a quarter pass of tokens has gone by since the last
     loop.last_eval_time, st.used_seconds, t.eval_every_tokens = now, 50.0, 1000.0
-    st.tokens_seen, loop.last_eval_tokens = 5000, 4001
+    st.tokens_seen, st.last_eval_tokens = 5000, 4001
     assert stopping.decide(t, loop, 0)[:2] == (0, 0)
-    loop.last_eval_tokens = 4000
+    st.last_eval_tokens = 4000
     assert stopping.decide(t, loop, 0)[:2] == (0, 1)
     # the warmups' phase by the furthest progress reached: 9.6 s of 96 is 10% (quarter contexts, half
     # batches), 19.2 s 20% (half contexts, half batches); a longer budget (an extension) goes back to none
@@ -400,6 +399,35 @@ def test_an_eval_due_when_the_budget_has_no_room_for_another_makes_this_step_the
     assert stopping.decide(t, loop, 0)[0] == 1
     cfg.plateau_evals = 0
     assert stopping.decide(t, loop, 0)[0] == 0
+
+
+def test_a_step_whose_phase_changed_is_timed_like_a_warm_up_step():
+    """The warmups' phase changing (shorter sequences or half batches begin or end) runs new shapes: on
+    CUDA a graph compiled mid-run. Such a step stays out of the step-time average and the throughput,
+    and keeps setup's collective timeout; the next warm step goes back to the step's."""
+    from types import SimpleNamespace
+
+    from experiment import progress
+    from experiment.checkpoint import RunState
+    from experiment.distributed import Dist
+    from experiment.trainer import Loop
+
+    cfg = SimpleNamespace(log_every_steps=1000, total_batch_size=256)
+    t = SimpleNamespace(cfg=cfg, d=Dist(0, 0, 1, torch.device("cpu")), st=RunState(step=20, step_seconds=0.1),
+                        resume_step=None)
+    loop = Loop(x=None, y=None, data_state={}, started=0.0, used_at_start=0.0, last_eval_time=0.0,
+                last_save_time=0.0, last_saved_step=0, last_complete_step=0, planned=True, phase="step")
+    progress.begin_step(t, loop)
+    assert loop.phase == "step"  # the same shapes: the step's timeout
+    loop.reshaped = True
+    progress.begin_step(t, loop)
+    assert loop.phase == "setup"
+    progress.record_step(t, loop, torch.zeros(()), 1.0, time.time() - 30.0)  # a 30 s compile
+    assert t.st.step_seconds == 0.1 and loop.measured_time == 0 and loop.phase == "setup"
+    loop.reshaped = False
+    progress.record_step(t, loop, torch.zeros(()), 1.0, progress.begin_step(t, loop) - 0.2)
+    assert t.st.step_seconds == pytest.approx(0.9 * 0.1 + 0.1 * 0.2, abs=0.01) and loop.measured_time > 0
+    assert loop.phase == "step"
 
 
 def test_a_damaged_newest_step_is_found_by_the_preflight_and_the_run_resumes_the_one_before(tmp_path, corpus):
