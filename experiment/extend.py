@@ -103,7 +103,7 @@ def drop_anneal(st: RunState, cfg: TrainConfig) -> bool:
     to go back from): the anneal is not in effect and is dropped, with the count the warmdown kept, so
     the run trains on at the peak LR and its own schedule's warmdown later records its checkpoint
     from before it. True when dropped."""
-    if cfg.plateau_evals or st.anneal_start_tokens < 0 or st.warmdown_begun:
+    if cfg.plateau_evals or st.anneal_start_tokens != st.tokens_seen or st.warmdown_begun:
         return False
     st.anneal_start_tokens, st.anneal_tokens = -1, 0
     st.warmdown_seen, st.evals_without_gain, st.warmdown_window, st.plateau_ref = False, 0, [], math.inf

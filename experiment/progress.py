@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from experiment import autosize, launch
+from experiment import autosize, launch, restarts
 from experiment.hardware import memory_gib
 from experiment.runlog import log_step, planner_line, source_epoch_lines
 from experiment.stopping import projected_end, unspent_text
@@ -31,10 +31,13 @@ def updated_step_seconds(previous: float, dt: float, warm: bool) -> float:
 def begin_step(t: Trainer, loop: Loop) -> float:
     """Before the step: a step whose phase changed (the warmups' shorter sequences or half batches
     begin or end) runs new shapes, on CUDA a graph compiled mid-run, so it waits in collectives
-    under setup's timeout, not the step's (record_step goes back once a step is warm). Returns the
-    step's start time."""
+    under setup's timeout, not the step's (record_step goes back once a step is warm). A resume's
+    first step charges the restart's cost to the budget (restarts.charge). Returns the step's start
+    time."""
     if loop.reshaped:
         loop.enter("setup", t.d)
+    if t.restart_lost or t.restart_setup:
+        restarts.charge(t, loop)
     return time.time()
 
 

@@ -3,22 +3,23 @@
 A crash (kill -9, a lost node) or a stop on a save in flight throws away the training done since the
 newest complete checkpoint, and every restart spends its setup and load before the loop runs again.
 The user paid for both. Rank 0 writes a heartbeat (heartbeat.json: the budget used and the step)
-every HEARTBEAT_SECONDS and when the loop ends; a resume of the newest checkpoint charges the budget
-the heartbeat's seconds past that checkpoint plus its own seconds from the trainer's start to the
-loop. A resume of an older step (RESUME=<step>) starts a branch: what the abandoned one trained is
-not charged to it. docs/survival.md, "What a restart costs".
+every HEARTBEAT_SECONDS between steps and when the loop ends. A resume charges the budget, at its
+first step, its own seconds from the trainer's start to the loop and, when it resumes the newest
+checkpoint (RESUME=auto), the heartbeat's seconds past that checkpoint. A resume of an older step
+(RESUME=<step>) starts a branch: what the abandoned one trained is not charged to it.
+docs/survival.md, "What a restart costs".
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 from experiment import checkpoint as ckpt
 from experiment.config import TrainConfig
 from experiment.distributed import broadcast_object
-from experiment.files import atomic_write_json
 from experiment.trainer import Loop, Trainer
 
 HEARTBEAT = "heartbeat.json"
@@ -29,39 +30,59 @@ HEARTBEAT_SECONDS = 10.0
 
 def lost_seconds(run_dir: Path, resume_step: int | None, cfg: TrainConfig) -> float:
     """Rank 0 before a resume: the budget seconds the last launch used past the checkpoint it resumes
-    (0 on a fresh run, an explicit RESUME step, or without a readable heartbeat)."""
+    (0 on a fresh run, an explicit RESUME step, or without a readable heartbeat from that step on)."""
     if resume_step is None or cfg.resume != "auto":
         return 0.0
     try:
         beat = json.loads((run_dir / HEARTBEAT).read_text())
-        used = float(beat["used_seconds"])
+        used, step = float(beat["used_seconds"]), int(beat["step"])
     except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
+    if step < resume_step:  # written before this checkpoint (a heartbeat that failed since): nothing known
         return 0.0
     return max(used - ckpt.run_state(ckpt.read_meta(run_dir, resume_step)).used_seconds, 0.0)
 
 
-def charge(t: Trainer, now: float) -> float:
-    """On a resume, before the loop: rank 0's lost seconds and this restart's setup, on every rank;
-    added to the run state's restart_seconds and logged. Returns the seconds charged."""
+def restart_cost(t: Trainer, now: float) -> float:
+    """On a resume, before the loop (every rank: a broadcast): rank 0's lost seconds plus this
+    restart's setup, charged at the first step the resumed run trains (charge)."""
     lost, setup = broadcast_object((t.lost_seconds, now - t.launched), t.d)
-    t.st.restart_seconds += lost + setup
-    t.log(f"restart | {lost:.1f}s trained past the checkpoint were lost and {setup:.1f}s went to this restart's "
-          f"setup and load: both counted in the budget ({t.st.restart_seconds:.1f}s lost to restarts in all)")
+    t.restart_lost, t.restart_setup = lost, setup
     return lost + setup
 
 
+def charge(t: Trainer, loop: Loop) -> None:
+    """At the resumed run's first step: the restart's cost counts in the budget (used_at_start) and in
+    st.restart_seconds, logged, and the heartbeat says so at once. A relaunch of a finished run trains
+    no step and is charged nothing: its setup buys no training, and a later extension keeps its hours."""
+    lost, setup = t.restart_lost, t.restart_setup
+    loop.used_at_start += lost + setup
+    t.st.restart_seconds += lost + setup
+    t.restart_lost = t.restart_setup = 0.0
+    t.log(f"restart | {lost:.1f}s trained past the checkpoint were lost and {setup:.1f}s went to this restart's "
+          f"setup and load: both counted in the budget ({t.st.restart_seconds:.1f}s lost to restarts in all)")
+    beat(t, loop, force=True)
+
+
 def beat(t: Trainer, loop: Loop, force: bool = False) -> None:
-    """Rank 0: heartbeat.json, when HEARTBEAT_SECONDS have passed since the last (or `force`). A
-    failed write costs the accounting's precision, not the run: said once."""
+    """Rank 0: heartbeat.json, when HEARTBEAT_SECONDS have passed since the last (or `force`). Renamed
+    into place but not fsynced: an fsync on a network volume can wait behind a background save's
+    gigabytes, and every rank would wait at the next collective; a heartbeat a power cut tore is
+    read as none (an undercount, never a double count). A failed write costs the accounting's
+    precision, not the run: said once."""
     now = time.time()
     if not t.d.master or not force and now - loop.last_beat < HEARTBEAT_SECONDS:
         return
     loop.last_beat = now
+    path = t.run_dir / HEARTBEAT
+    tmp = path.with_name(f".{HEARTBEAT}.{os.getpid()}.tmp")
     try:
-        atomic_write_json(t.run_dir / HEARTBEAT, {"step": t.st.step, "used_seconds": loop.used(), "time": now})
+        tmp.write_text(json.dumps({"step": t.st.step, "used_seconds": loop.used(), "time": now}))
+        os.replace(tmp, path)
         loop.beat_failed = False
     except OSError as e:
+        tmp.unlink(missing_ok=True)
         if not loop.beat_failed:
-            t.log(f"warning: {t.run_dir / HEARTBEAT} could not be written ({e}); a crash now may leave some "
-                  "of the time it throws away out of the budget")
+            t.log(f"warning: {path} could not be written ({e}); a crash now may leave some of the time it "
+                  "throws away out of the budget")
         loop.beat_failed = True

@@ -156,8 +156,8 @@ def name_resumed_best(t: Trainer, loop: Loop) -> None:
     if not t.d.master:
         return
     try:
-        ckpt.repair_best(t.run_dir, st.best_val, st.best_step)
-        t.log(f"best.json names step {st.best_step:06d}, the resumed checkpoint, whose eval is the best so far")
+        if ckpt.repair_best(t.run_dir, st.best_val, st.best_step):
+            t.log(f"best.json names step {st.best_step:06d}, the resumed checkpoint, whose eval is the best so far")
     except (OSError, CheckpointError) as e:
         t.log(f"warning: best.json could not be rewritten to name step {st.best_step:06d} ({e})")
 

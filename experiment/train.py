@@ -296,13 +296,13 @@ def start_loop(t: Trainer) -> Loop:
     x, y = (v.to(t.d.device, non_blocking=True) for v in next(t.batches))
     first = t.st.step if t.resume_step is not None else -1
     now = time.time()
-    charged = restarts.charge(t, now) if t.resume_step is not None else 0.0
-    loop = Loop(x=x, y=y, data_state=data_state, started=now, used_at_start=t.st.used_seconds + charged,
+    if t.resume_step is not None:
+        restarts.restart_cost(t, now)  # charged at the first step this resume trains (begin_step)
+    loop = Loop(x=x, y=y, data_state=data_state, started=now, used_at_start=t.st.used_seconds,
                 last_eval_time=now, last_save_time=now, last_saved_step=first,
                 # An extended run's weights are the rewound step's, not those saved as step `first`.
                 last_complete_step=first if t.rewind_step is None else t.rewind_step,
                 saved_best=(t.st.best_val, t.st.best_step))  # a resume's best: its checkpoint is complete
-    restarts.beat(t, loop, force=True)  # a crash from here on is charged what this restart spent
     return loop
 
 
@@ -405,7 +405,7 @@ def finish(t: Trainer, loop: Loop) -> None:
                    "unspent" if t.st.tokens_seen >= t.max_tokens else "")
         lost = f", {t.st.restart_seconds:.1f}s of it lost to restarts" if t.st.restart_seconds else ""
         t.log(f"done: step {t.st.step:06d}, {spent / 3600:.3f}h of {t.cfg.training_hours:.3f}h used "
-              f"({spent:.1f}s of {t.budget_seconds:.1f}s{lost}) | best checkpoint {files} (val_loss "
+              f"({spent:.1f}s of {t.budget_seconds:.1f}s){lost} | best checkpoint {files} (val_loss "
               f"{best['val_loss']:.4f})" + unspent)
 
 

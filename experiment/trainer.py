@@ -59,6 +59,8 @@ class Trainer:
     eval_coverage: tuple[int, int, bool]  # (tokens an eval predicts, tokens in the val split, all of it)
     launched: float  # time.time() when this process's trainer began: a restart's setup counts from there
     lost_seconds: float  # rank 0's: what the last launch trained past the resumed checkpoint (restarts.py)
+    restart_lost: float = 0.0  # a resume's cost, charged at its first step (restarts.charge), rank 0's
+    restart_setup: float = 0.0
 
     @property
     def max_steps(self) -> int:

@@ -97,6 +97,20 @@ def test_a_resume_with_plateau_evals_0_of_the_step_that_started_the_anneal_train
     assert "the warmdown the val minimum started at step 000006 is dropped" in more.stdout
 
 
+def test_only_the_anneal_begun_at_the_resumed_step_itself_is_dropped():
+    from experiment.extend import drop_anneal
+
+    on = resolve(parse_args(["--plateau_evals", "4"]), cuda=False, world_size=1)
+    off = resolve(parse_args(["--plateau_evals", "0"]), cuda=False, world_size=1)
+    stale = dict(tokens_seen=800, anneal_start_tokens=800, anneal_tokens=400, warmdown_seen=True, evals_without_gain=1)
+    st = RunState(**stale)
+    assert drop_anneal(st, off) and (st.anneal_start_tokens, st.anneal_tokens, st.warmdown_seen) == (-1, 0, False)
+    assert not drop_anneal(RunState(**stale), on)  # the stop at the val minimum on: the anneal is in effect
+    assert not drop_anneal(RunState(**stale, warmdown_begun=True), off)  # extend.rewind_step's to go back from
+    under_way = RunState(**{**stale, "tokens_seen": 1000})  # a meta from before warmdown_begun was recorded
+    assert not drop_anneal(under_way, off) and under_way.anneal_start_tokens == 800
+
+
 def test_what_extends_a_run_and_what_leaves_no_time_at_the_peak_lr():
     cfg = resolve(parse_args(["--training_hours", "1", "--max_epochs", "8", "--plateau_evals", "4"]), cuda=False,
                   world_size=1)

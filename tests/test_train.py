@@ -137,12 +137,13 @@ def test_budget_stop_two_ranks_then_second_launch_resumes(tmp_path, corpus):
 
     again = run_train(args, nproc=2, timeout=180)  # budget spent: resumes, trains nothing more
     assert f"resumed from {ckpt.model_path(run_dir, final)}" in again.stdout
-    assert ckpt.complete_steps(run_dir)[-1] == final
-    # More budget: back to where the warmdown began (4 s of 10 leave the peak LR 2 s), on to a new one.
-    more = run_train([*args[:-6], "--training_hours", (budget + 6) / 3600, *args[-4:]], nproc=2, timeout=180)
+    assert ckpt.complete_steps(run_dir)[-1] == final and "restart | " not in again.stdout  # nothing trained, nothing charged
+    # More budget: back to where the warmdown began, on to a new one (4 s of 14, and the restart's setup
+    # now counts in the budget too: the relaunch above trained nothing and was charged nothing).
+    more = run_train([*args[:-6], "--training_hours", (budget + 10) / 3600, *args[-4:]], nproc=2, timeout=180)
     assert "extend | the settings extend the run: going back from step" in more.stdout
     assert "resumed from" in more.stdout and ckpt.complete_steps(run_dir)[-1] > final
-    assert run_meta(tmp_path, ckpt.complete_steps(run_dir)[-1])["state"]["used_seconds"] <= budget + 6
+    assert run_meta(tmp_path, ckpt.complete_steps(run_dir)[-1])["state"]["used_seconds"] <= budget + 10
 
 
 def test_a_run_that_stopped_gaining_in_its_warmdown_stops_and_a_second_launch_trains_no_more(tmp_path, corpus):
@@ -414,7 +415,7 @@ def test_a_step_whose_phase_changed_is_timed_like_a_warm_up_step():
 
     cfg = SimpleNamespace(log_every_steps=1000, total_batch_size=256)
     t = SimpleNamespace(cfg=cfg, d=Dist(0, 0, 1, torch.device("cpu")), st=RunState(step=20, step_seconds=0.1),
-                        resume_step=None)
+                        resume_step=None, restart_lost=0.0, restart_setup=0.0)
     loop = Loop(x=None, y=None, data_state={}, started=0.0, used_at_start=0.0, last_eval_time=0.0,
                 last_save_time=0.0, last_saved_step=0, last_complete_step=0, planned=True, phase="step")
     progress.begin_step(t, loop)
