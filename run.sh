@@ -7,17 +7,18 @@
 #   bash run.sh export   its best model as one bf16 file to download (--checkpoint RUN_DIR --out FILE)
 #   bash run.sh plan     what the data and budget support on the GPUs you would rent (--json); no GPU
 #   bash run.sh gpucheck prove a GPU box in minutes (experiment/tools/gpucheck.py); --quick for less
-# Extra arguments go to the command (pytest, experiment.server, .sample, .export, .plan, gpucheck).
+#   bash run.sh mutate   mutation-test a core module against its tests (tests/mutate.py; not part of test)
+# Extra arguments go to the command (pytest, experiment.server, .sample, .export, .plan, gpucheck, mutate).
 set -euo pipefail
 here=$PWD  # relative DATA_DIR and WORKSPACE mean relative to where the user stands
 if [[ "${PYTHON:-}" == */* && "$PYTHON" != /* ]]; then PYTHON=$here/$PYTHON; fi  # a path, not a name on PATH
 cd "$(dirname "$0")"
 
-usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; }
 # Usage first: a typo must not wait for a venv and an install to learn it is one.
 case "${1:-train}" in
     -h|--help|help) usage; exit 0 ;;
-    train|test|serve|sample|export|plan|gpucheck) ;;
+    train|test|serve|sample|export|plan|gpucheck|mutate) ;;
     *) echo "unknown command: $1" >&2; usage >&2; exit 2 ;;
 esac
 
@@ -30,6 +31,11 @@ cmd=${1:-train}
 [ $# -gt 0 ] && shift
 if [ "$cmd" = test ]; then
     exec "$PYTHON" -m pytest tests "$@"
+fi
+if [ "$cmd" = mutate ]; then  # its tester is a test-only dependency: installed here, never by a launch
+    "$PYTHON" -c "import cosmic_ray" 2>/dev/null \
+        || "$PYTHON" -m pip install --disable-pip-version-check -q -r requirements-dev.txt
+    exec "$PYTHON" tests/mutate.py "$@"
 fi
 # The other commands run where the user stands, so that paths they are given (DATA_DIR, --checkpoint,
 # --prompt_file) mean what they say; the code is found through PYTHONPATH.

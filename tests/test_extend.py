@@ -159,3 +159,34 @@ def test_with_background_saves_the_step_kept_is_the_newest_from_before_the_warmd
     start = run_meta(tmp_path, 10)["state"]["warmdown_step"]
     assert start in (6, 7) and start in ckpt.complete_steps(run_dir) and ckpt.is_resumable(run_dir, start)
     assert run_meta(tmp_path, start)["state"]["warmdown_begun"] is False  # saved before the warmdown's first update
+
+
+def test_a_stop_inside_the_schedules_warmdown_extends_only_with_plateau_evals_0():
+    """The stop at the val minimum can end a run inside the schedule's own warmdown (plateau_stopped,
+    no anneal of its own): more hours do not move that minimum, PLATEAU_EVALS=0 trains on."""
+    on = resolve(parse_args(["--training_hours", "2", "--plateau_evals", "4"]), cuda=False, world_size=1)
+    off = resolve(parse_args(["--training_hours", "1", "--plateau_evals", "0"]), cuda=False, world_size=1)
+    old = {"plateau_evals": 4, "max_epochs": 8.0, "max_steps": 0}
+    stopped = RunState(used_seconds=3000.0, plateau_stopped=True)
+    assert stopped.anneal_start_tokens == -1
+    assert not extends(on, old, 3600.0, stopped, 1000)
+    assert extends(off, old, 3600.0, stopped, 1000)
+
+
+def test_too_short_counts_the_reserve_for_the_final_eval_and_save():
+    """2,100 s used of a 3,600 s budget is 58% of it, short of the warmdown at 60%; less the 300 s
+    that the final eval, save and step take, it is 64%: no time at the peak LR is left."""
+    cfg = resolve(parse_args(["--training_hours", "1", "--max_epochs", "0"]), cuda=False, world_size=1)
+    st = RunState(used_seconds=2100.0, eval_seconds=100.0, save_seconds=100.0, step_seconds=100.0)
+    short = too_short(cfg, st, step=10, start_tokens=0, train_tokens=1000)
+    assert short and "TRAINING_HOURS=1 " in short and "give more than 1.056" in short
+    assert too_short(cfg, RunState(used_seconds=2100.0), step=10, start_tokens=0, train_tokens=1000) is None
+
+
+def test_an_extended_run_keeps_the_latest_steps_best_as_a_pair():
+    """The best that stands is the latest step's (its val loss and its step together), not the rewound
+    start's: best.json and the served model must name one step."""
+    start = RunState(step=6, tokens_seen=1536, best_val=2.0, best_step=3)
+    latest = RunState(step=10, tokens_seen=2560, best_val=1.5, best_step=9, used_seconds=50.0)
+    st = rewound(start, latest)
+    assert (st.best_val, st.best_step, st.step, st.tokens_seen, st.used_seconds) == (1.5, 9, 10, 1536, 50.0)

@@ -67,3 +67,21 @@ def test_settings_that_contradict_the_source_and_foreign_characters_exit_2(tmp_p
     assert "2 character(s) of the data are not in INIT_FROM's vocabulary: 'Z' (U+005A), 'é' (U+00E9)" in errors[0]
     assert f"in {new / 'a.txt'};" in errors[0] and "b.txt" not in errors[0] and "config {" not in proc.stdout
     assert json.loads((source / "best.json").read_text())["step"] in ckpt.complete_steps(source)
+
+
+def test_init_from_without_max_seq_len_takes_the_sources_context(tmp_path):
+    """The source's context is the fine-tune's unless MAX_SEQ_LEN is given (a model trained on 64
+    tokens of context, not the CPU default of 256)."""
+    from experiment import finetune
+    from experiment.config import parse_args
+
+    run = tmp_path / "checkpoints/src"
+    run.mkdir(parents=True)
+    (run / "model_000005.pt").write_bytes(b"")  # only the meta is read
+    model_config = {"depth": 2, "aspect_ratio": 32, "head_dim": 32, "bigram_vocab": 0, "max_seq_len": 64}
+    (run / "meta_000005.json").write_text(json.dumps({"step": 5, "model_config": model_config,
+                                                      "tokenizer": {"tokenizer": "char", "chars": "0123456789+="},
+                                                      "train_config": {"model_tag": "src"}}))
+    source = run / "model_000005.pt"
+    assert finetune.apply(parse_args(["--init_from", str(source)])).max_seq_len == 64
+    assert finetune.apply(parse_args(["--init_from", str(source), "--max_seq_len", "128"])).max_seq_len == 128

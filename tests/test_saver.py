@@ -1,5 +1,6 @@
 """The background saver: a snapshot of the moment a save began, completed only after its writer, one at a time."""
 
+import math
 import time
 
 import pytest
@@ -256,6 +257,34 @@ def test_a_resumed_steps_own_eval_that_beats_the_best_names_its_checkpoint_best(
         assert ckpt.meta_path(tmp_path, 4).stat().st_mtime_ns == written  # step 4 not written again
     assert ckpt.read_best(tmp_path) == {"step": 4, "val_loss": 1.5} and loop.saved_best == (1.5, 4)
     assert any("best.json names step 000004" in line for line in lines)
+
+
+def test_a_save_begun_before_the_warmdown_and_completed_in_it_is_the_one_to_go_back_to(tmp_path):
+    """The warmdown began at step 7 while step 6's background save was still writing: the newest
+    complete checkpoint then was step 3. Once step 6's save completes, it is the newest from before
+    the warmdown, and retention keeps it (KEEP_LAST 1). A save begun in the warmdown moves nothing."""
+    from experiment import saving
+    from experiment.checkpoint import RunState
+
+    st = RunState()
+    t, loop = _trainer(tmp_path, st, lambda line: None)
+    t.cfg.keep_last = 1
+
+    def save(step, begun):
+        meta = {"step": step, "val_loss": None, "state": {"best_val": math.inf, "best_step": -1,
+                                                          "warmdown_begun": begun}, "world_size": 1, "model_parts": 1}
+        t.saver.begin(step, {"w": torch.ones(10)}, {}, meta, background=True, context={"final": False})
+
+    save(3, begun=False)
+    saving.finish_save(t, loop, wait=True)
+    save(6, begun=False)
+    st.warmdown_begun, st.warmdown_step = True, loop.last_complete_step  # the loop at step 7
+    assert st.warmdown_step == 3
+    saving.finish_save(t, loop, wait=True)
+    assert st.warmdown_step == 6 and ckpt.complete_steps(tmp_path) == [6]
+    save(9, begun=True)
+    saving.finish_save(t, loop, wait=True)
+    assert st.warmdown_step == 6 and ckpt.complete_steps(tmp_path) == [6, 9]  # 6 kept past KEEP_LAST
 
 
 def test_after_a_failed_save_every_later_save_blocks_and_the_host_buffers_are_freed(tmp_path):

@@ -431,6 +431,30 @@ def test_a_step_whose_phase_changed_is_timed_like_a_warm_up_step():
     assert loop.phase == "step"
 
 
+def test_a_warmdown_once_begun_stays_begun_for_the_stop_at_the_val_minimum():
+    """The budget's fraction can dip below the warmdown's start when the measured reserve shrinks: an
+    eval there still belongs to the warmdown, whose test (the window's mean makes no new low for
+    PLATEAU_EVALS evals) ends the run. Taken for the peak LR's, it would start a second warmdown."""
+    from types import SimpleNamespace
+
+    from experiment import plateau
+    from experiment.checkpoint import RunState
+    from experiment.distributed import Dist
+
+    cfg = SimpleNamespace(plateau_evals=2, plateau_margin=0.002, warmdown_frac=0.4, total_batch_size=1,
+                          gpu_hourly_usd=4.0)
+    t = SimpleNamespace(cfg=cfg, st=RunState(), d=Dist(0, 0, 1, torch.device("cpu")), log=lambda line: None,
+                        budget_seconds=100.0, prepared=SimpleNamespace(meta={"split": {"train_tokens": 100}}))
+    stopped = []
+    loop = SimpleNamespace(used=lambda: 0.0, stop=lambda code, outcome: stopped.append(outcome))
+    for step, (progress, val) in enumerate([(0.65, 2.0), (0.55, 2.1), (0.55, 2.2), (0.55, 2.3)], start=1):
+        t.st.step = t.st.tokens_seen = step
+        loop.val_loss, loop.progress = val, progress
+        plateau.plateau_check(t, loop)
+    assert t.st.plateau_stopped and t.st.anneal_start_tokens == -1
+    assert stopped and "stopped improving during the warmdown" in stopped[0]
+
+
 def test_a_damaged_newest_step_is_found_by_the_preflight_and_the_run_resumes_the_one_before(tmp_path, corpus):
     first = _launch(tmp_path, DATA_DIR=str(corpus), MAX_STEPS="4", SAVE_EVERY_STEPS="2")
     assert first.returncode == 0, first.stderr[-2000:]

@@ -1,0 +1,194 @@
+"""Mutation testing: one core module against the tests that cover it, with cosmic-ray (a test-only
+dependency, requirements-dev.txt; `bash run.sh mutate` installs it on first use).
+
+    bash run.sh mutate experiment/extend.py [--tests "tests/test_extend.py -k unit"] [--timeout S]
+                                            [--out reports/mutation-extend.jsonl]
+
+cosmic-ray rewrites the module on disk for each mutant and runs the test command, so this runs in a
+copy of the repository's tracked files (with ../shared beside it when present): the working tree is
+never touched, and a run cut short leaves nothing mutated. A mutant counts as killed when the tests
+fail (or time out). Skipped, because they say nothing about behaviour: mutations inside log and
+message text (an f-string, the arguments of a log or print call, the message of a raised error) and
+on lines marked `# pragma: no mutate`. Prints the module's score (killed / tried) and every survivor
+with its line and diff; --out writes one JSON line per mutant. tests/README.md says what a survivor
+must get.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# The tests that cover each module, fast ones first (-x stops a killed mutant at its first failure).
+# A module not listed needs --tests.
+TESTS = {
+    "experiment/extend.py": "tests/test_extend.py",
+    "experiment/finetune.py": "tests/test_finetune.py",
+    "experiment/saver.py": "tests/test_saver.py",
+    "experiment/saving.py": "tests/test_saver.py tests/test_checkpoint.py",
+    "experiment/restarts.py": "tests/test_resilience.py -k lost",
+    "experiment/plan.py": "tests/test_plan.py",
+    "experiment/autosize.py": "tests/test_autosize.py",
+    "experiment/schedule.py": "tests/test_train.py -k 'warmup or decide or eval_due or lr'",
+}
+# Calls whose arguments are text for a person: the trainer's log (t.log, log), print, the report's
+# notes and the warnings a check returns.
+MESSAGE_CALLS = {"log", "print", "note", "warn", "warning", "append_line"}
+PRAGMA = "pragma: no mutate"
+
+
+def message_spans(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """((line, col), (end line, end col)) of every stretch of `source` that is text for a person:
+    f-strings, the arguments of MESSAGE_CALLS, and the arguments of an error raised (its type is
+    behaviour and stays mutable). Lines 1-based, columns 0-based, as cosmic-ray's positions."""
+    spans = []
+
+    def span(node):
+        spans.append(((node.lineno, node.col_offset), (node.end_lineno, node.end_col_offset)))
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.JoinedStr):
+            span(node)
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name in MESSAGE_CALLS:
+                for arg in [*node.args, *(k.value for k in node.keywords)]:
+                    span(arg)
+        elif isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+            for arg in [*node.exc.args, *(k.value for k in node.exc.keywords)]:
+                span(arg)
+    return spans
+
+
+def in_message(start: tuple[int, int], end: tuple[int, int], spans) -> bool:
+    return any(a <= start and end <= b for a, b in spans)
+
+
+def skip_reason(source_lines: list[str], spans, start: tuple[int, int], end: tuple[int, int]) -> str | None:
+    if in_message(start, end, spans):
+        return "message"
+    last = end[0] - (1 if end[1] == 0 else 0)  # a zone ending at a line's start ends on the line before
+    if any(PRAGMA in source_lines[i - 1] for i in range(start[0], last + 1)):
+        return "pragma"
+    return None
+
+
+def copy_repo(dest: Path) -> Path:
+    """The repository's tracked and untracked-not-ignored files under dest/repo, and ../shared beside
+    it as a link when present (tests that read it skip without it)."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
+                           capture_output=True).stdout.decode().split("\0")
+    repo = dest / "repo"
+    for name in filter(None, files):
+        src = REPO / name
+        if src.is_file():
+            (repo / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, repo / name)
+    if (REPO.parent / "shared").exists():
+        (dest / "shared").symlink_to(REPO.parent / "shared")
+    return repo
+
+
+def test_command(tests: str) -> str:
+    return f"{shlex.quote(sys.executable)} -m pytest -x -q -p no:cacheprovider {tests}"
+
+
+def mark_skips(session: Path, module: Path) -> dict[str, str]:
+    """Marks the message and pragma mutants of the session skipped; returns {job id: reason}."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    source = module.read_text()
+    lines, spans, skipped = source.splitlines(), message_spans(source), {}
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        for item in db.work_items:
+            reasons = {skip_reason(lines, spans, tuple(m.start_pos), tuple(m.end_pos)) for m in item.mutations}
+            if None not in reasons:
+                skipped[item.job_id] = reasons.pop()
+                db.set_result(item.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
+    return skipped
+
+
+def results(session: Path, skipped: dict[str, str]) -> list[dict]:
+    from cosmic_ray.work_db import WorkDB, use_db
+
+    rows = []
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        for item, result in db.completed_work_items:
+            m = item.mutations[0]
+            outcome = ("skipped: " + skipped.get(item.job_id, "?") if result.worker_outcome == "skipped"
+                       else "survived" if result.test_outcome == "survived"
+                       else "incompetent" if result.test_outcome == "incompetent" else "killed")
+            rows.append({"line": m.start_pos[0], "operator": m.operator_name, "occurrence": m.occurrence,
+                         "outcome": outcome, "diff": result.diff})
+    return sorted(rows, key=lambda r: (r["line"], r["operator"], r["occurrence"]))
+
+
+def summary(module: str, rows: list[dict], seconds: float) -> list[str]:
+    killed = sum(r["outcome"] == "killed" for r in rows)
+    survived = [r for r in rows if r["outcome"] == "survived"]
+    odd = sum(r["outcome"] == "incompetent" for r in rows)
+    skipped = sum(r["outcome"].startswith("skipped") for r in rows)
+    tried = killed + len(survived)
+    score = f"{100 * killed / tried:.1f}%" if tried else "n/a"
+    lines = [f"mutate | {module}: {killed} of {tried} mutants killed ({score}); {len(survived)} survived, "
+             f"{skipped} skipped (message text, pragma), {odd} incompetent | {seconds / 60:.1f} min"]
+    for r in survived:
+        diff = "\n".join(x for x in (r["diff"] or "").splitlines() if x[:1] in "+-" and x[:3] not in ("+++", "---"))
+        lines.append(f"survived | line {r['line']} | {r['operator']} #{r['occurrence']}\n{diff}")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("module", help="a core module, e.g. experiment/extend.py")
+    p.add_argument("--tests", help="pytest arguments (default: the module's entry in TESTS)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one mutant's tests may take")
+    p.add_argument("--out", help="write one JSON line per mutant here")
+    args = p.parse_args(argv)
+    module = Path(args.module).as_posix()
+    if not (REPO / module).is_file():
+        print(f"error: {module}: no such file in {REPO}", file=sys.stderr)
+        return 2
+    tests = args.tests or TESTS.get(module)
+    if not tests:
+        print(f"error: {module}: no tests known for it; name them with --tests", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="mutate-") as tmp:
+        repo = copy_repo(Path(tmp))
+        command = test_command(tests)
+        if subprocess.run(command, shell=True, cwd=repo, capture_output=True).returncode != 0:
+            print(f"error: the tests fail on the unmutated code: {command}", file=sys.stderr)
+            return 1
+        config = repo / "mutate.toml"
+        config.write_text(f'[cosmic-ray]\nmodule-path = "{module}"\ntimeout = {args.timeout}\n'
+                          f"excluded-modules = []\ntest-command = {json.dumps(command)}\n"
+                          '[cosmic-ray.distributor]\nname = "local"\n')
+        session = repo / "mutate.sqlite"
+        cr = [sys.executable, "-m", "cosmic_ray.cli"]
+        subprocess.run([*cr, "init", str(config), str(session)], cwd=repo, check=True)
+        skipped = mark_skips(session, repo / module)
+        subprocess.run([*cr, "exec", str(config), str(session)], cwd=repo, check=True)
+        rows = results(session, skipped)
+    print("\n".join(summary(module, rows, time.time() - t0)))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "w") as f:
+            f.writelines(json.dumps({"module": module, **r}) + "\n" for r in rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

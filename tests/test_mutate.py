@@ -1,0 +1,37 @@
+"""tests/mutate.py's choice of what to mutate: message text is skipped, logic is not."""
+
+import textwrap
+
+from mutate import message_spans, skip_reason
+
+SOURCE = textwrap.dedent('''\
+    def f(t, x, used):
+        if x > 3 and used < 2:
+            t.log(f"x {x / 3600:.3f} h and {used + 1} left")
+            raise ValueError(f"x={x}: more than " + str(3 * 2))
+        print("n", x * 2)
+        y = x + 1  # pragma: no mutate
+        return y - 1
+    ''')
+
+
+def _reason(line, start_col, end_col):
+    return skip_reason(SOURCE.splitlines(), message_spans(SOURCE), (line, start_col), (line, end_col))
+
+
+def test_message_text_and_pragma_lines_are_skipped_and_logic_is_not():
+    assert _reason(2, 7, 8) is None and _reason(2, 9, 10) is None  # x > 3: the condition is behaviour
+    assert _reason(2, 15, 24) is None  # the `and`
+    assert _reason(3, 21, 22) == "message"  # the / inside the f-string
+    assert _reason(3, 41, 42) == "message"  # used + 1, inside it too
+    assert _reason(4, 53, 54) == "message"  # 3 * 2 in the error's message
+    assert _reason(5, 17, 18) == "message"  # print's arguments
+    assert _reason(6, 10, 11) == "pragma"
+    assert _reason(7, 13, 14) is None  # y - 1
+
+
+def test_the_raise_itself_stays_mutable():
+    spans = message_spans(SOURCE)
+    raise_line = SOURCE.splitlines()[3]
+    start = raise_line.index("ValueError")
+    assert skip_reason(SOURCE.splitlines(), spans, (4, start), (4, start + len("ValueError"))) is None
