@@ -8,8 +8,8 @@ cosmic-ray rewrites the module on disk for each mutant and runs the test command
 copy of the repository's tracked files (with ../shared beside it when present): the working tree is
 never touched, and a run cut short leaves nothing mutated. A mutant counts as killed when the tests
 fail (or time out). Skipped, because they say nothing about behaviour: mutations inside log and
-message text (an f-string, the arguments of a log or print call, the message of a raised error) and
-on lines marked `# pragma: no mutate`. Prints the module's score (killed / tried) and every survivor
+message text (an f-string, the arguments of a log or print call, the message of a raised error),
+type annotations (never evaluated here) and lines marked `# pragma: no mutate`. Prints the module's score (killed / tried) and every survivor
 with its line and diff; --out writes one JSON line per mutant. tests/README.md says what a survivor
 must get.
 """
@@ -51,7 +51,17 @@ def message_spans(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """((line, col), (end line, end col)) of every stretch of `source` that is text for a person:
     f-strings, the arguments of MESSAGE_CALLS, and the arguments of an error raised (its type is
     behaviour and stays mutable). Lines 1-based, columns 0-based, as cosmic-ray's positions."""
-    spans = []
+    return _spans(source)[0]
+
+
+def annotation_spans(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """The type annotations: never evaluated under `from __future__ import annotations` (every core
+    module has it), so `int | None` made `int + None` changes nothing."""
+    return _spans(source)[1]
+
+
+def _spans(source: str):
+    spans, annotations = [], []
 
     def span(node):
         spans.append(((node.lineno, node.col_offset), (node.end_lineno, node.end_col_offset)))
@@ -68,16 +78,22 @@ def message_spans(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
         elif isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
             for arg in [*node.exc.args, *(k.value for k in node.exc.keywords)]:
                 span(arg)
-    return spans
+        for note in (getattr(node, "annotation", None), getattr(node, "returns", None)):
+            if note is not None:
+                annotations.append(((note.lineno, note.col_offset), (note.end_lineno, note.end_col_offset)))
+    return spans, annotations
 
 
 def in_message(start: tuple[int, int], end: tuple[int, int], spans) -> bool:
     return any(a <= start and end <= b for a, b in spans)
 
 
-def skip_reason(source_lines: list[str], spans, start: tuple[int, int], end: tuple[int, int]) -> str | None:
+def skip_reason(source_lines: list[str], spans, start: tuple[int, int], end: tuple[int, int],
+                annotations=()) -> str | None:
     if in_message(start, end, spans):
         return "message"
+    if in_message(start, end, annotations):
+        return "annotation"
     last = end[0] - (1 if end[1] == 0 else 0)  # a zone ending at a line's start ends on the line before
     if any(PRAGMA in source_lines[i - 1] for i in range(start[0], last + 1)):
         return "pragma"
@@ -110,10 +126,11 @@ def mark_skips(session: Path, module: Path) -> dict[str, str]:
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
     source = module.read_text()
-    lines, spans, skipped = source.splitlines(), message_spans(source), {}
+    lines, (spans, annotations), skipped = source.splitlines(), _spans(source), {}
     with use_db(str(session), WorkDB.Mode.open) as db:
         for item in db.work_items:
-            reasons = {skip_reason(lines, spans, tuple(m.start_pos), tuple(m.end_pos)) for m in item.mutations}
+            reasons = {skip_reason(lines, spans, tuple(m.start_pos), tuple(m.end_pos), annotations)
+                       for m in item.mutations}
             if None not in reasons:
                 skipped[item.job_id] = reasons.pop()
                 db.set_result(item.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
@@ -143,7 +160,7 @@ def summary(module: str, rows: list[dict], seconds: float) -> list[str]:
     tried = killed + len(survived)
     score = f"{100 * killed / tried:.1f}%" if tried else "n/a"
     lines = [f"mutate | {module}: {killed} of {tried} mutants killed ({score}); {len(survived)} survived, "
-             f"{skipped} skipped (message text, pragma), {odd} incompetent | {seconds / 60:.1f} min"]
+             f"{skipped} skipped (message text, annotations, pragma), {odd} incompetent | {seconds / 60:.1f} min"]
     for r in survived:
         diff = "\n".join(x for x in (r["diff"] or "").splitlines() if x[:1] in "+-" and x[:3] not in ("+++", "---"))
         lines.append(f"survived | line {r['line']} | {r['operator']} #{r['occurrence']}\n{diff}")

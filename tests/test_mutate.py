@@ -2,10 +2,10 @@
 
 import textwrap
 
-from mutate import message_spans, skip_reason
+from mutate import annotation_spans, message_spans, skip_reason
 
 SOURCE = textwrap.dedent('''\
-    def f(t, x, used):
+    def f(t, x: int | None, used) -> float | None:
         if x > 3 and used < 2:
             t.log(f"x {x / 3600:.3f} h and {used + 1} left")
             raise ValueError(f"x={x}: more than " + str(3 * 2))
@@ -28,6 +28,15 @@ def test_message_text_and_pragma_lines_are_skipped_and_logic_is_not():
     assert _reason(5, 17, 18) == "message"  # print's arguments
     assert _reason(6, 10, 11) == "pragma"
     assert _reason(7, 13, 14) is None  # y - 1
+
+
+def test_annotations_are_skipped():
+    lines, notes = SOURCE.splitlines(), annotation_spans(SOURCE)
+    bar = lines[0].index("|")
+    assert skip_reason(lines, message_spans(SOURCE), (1, bar), (1, bar + 1), notes) == "annotation"
+    ret = lines[0].rindex("|")
+    assert skip_reason(lines, message_spans(SOURCE), (1, ret), (1, ret + 1), notes) == "annotation"
+    assert skip_reason(lines, message_spans(SOURCE), (2, 9), (2, 10), notes) is None  # x > 3
 
 
 def test_the_raise_itself_stays_mutable():
