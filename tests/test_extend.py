@@ -190,3 +190,17 @@ def test_an_extended_run_keeps_the_latest_steps_best_as_a_pair():
     latest = RunState(step=10, tokens_seen=2560, best_val=1.5, best_step=9, used_seconds=50.0)
     st = rewound(start, latest)
     assert (st.best_val, st.best_step, st.step, st.tokens_seen, st.used_seconds) == (1.5, 9, 10, 1536, 50.0)
+
+
+def test_too_short_names_the_max_steps_that_would_leave_time_at_the_peak():
+    """MAX_STEPS ends the extended run where the resumed step already lies in its warmdown (step /
+    MAX_STEPS >= 1 - WARMDOWN_FRAC, 0.6 on CPU, the boundary included): it names the least that works."""
+    def short(max_steps, step):
+        cfg = resolve(parse_args(["--training_hours", "100", "--max_epochs", "0", "--max_steps", str(max_steps)]),
+                      cuda=False, world_size=1)
+        return too_short(cfg, RunState(), step=step, start_tokens=0, train_tokens=1000)
+
+    assert "MAX_STEPS=12 ends it: give at least 17" in short(12, 10)  # 10 / 0.6 = 16.7
+    assert short(17, 10) is None
+    assert "MAX_STEPS=10 ends it: give at least 11" in short(10, 6)  # 6 / 10 is 0.6 exactly
+    assert short(11, 6) is None
