@@ -41,15 +41,17 @@ def volume(path: Path) -> tuple[Path, int]:
     return mount, shutil.disk_usage(path).free
 
 
-def _atomic_write(path: Path, write):
-    """write(f) into a temp file beside path, fsync, rename; returns what write returned."""
+def _atomic_write(path: Path, write, durable: bool = True):
+    """write(f) into a temp file beside path, fsync (unless not `durable`), rename; returns what write
+    returned."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             result = write(f)
             f.flush()
-            os.fsync(f.fileno())  # the data must be on disk before the rename makes it visible
+            if durable:
+                os.fsync(f.fileno())  # the data must be on disk before the rename makes it visible
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -87,8 +89,8 @@ def file_sum(path: Path) -> dict:
     return {"bytes": n, "crc32": crc}
 
 
-def atomic_write_json(path: Path, obj) -> None:
-    _atomic_write(Path(path), lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode()))
+def atomic_write_json(path: Path, obj, durable: bool = True) -> None:
+    _atomic_write(Path(path), lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode()), durable)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -13,13 +13,13 @@ docs/survival.md, "What a restart costs".
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 from experiment import checkpoint as ckpt
 from experiment.config import TrainConfig
 from experiment.distributed import broadcast_object
+from experiment.files import atomic_write_json
 from experiment.trainer import Loop, Trainer
 
 HEARTBEAT = "heartbeat.json"
@@ -75,13 +75,10 @@ def beat(t: Trainer, loop: Loop, force: bool = False) -> None:
         return
     loop.last_beat = now
     path = t.run_dir / HEARTBEAT
-    tmp = path.with_name(f".{HEARTBEAT}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(json.dumps({"step": t.st.step, "used_seconds": loop.used(), "time": now}))
-        os.replace(tmp, path)
+        atomic_write_json(path, {"step": t.st.step, "used_seconds": loop.used(), "time": now}, durable=False)
         loop.beat_failed = False
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         if not loop.beat_failed:
             t.log(f"warning: {path} could not be written ({e}); a crash now may leave some of the time it "
                   "throws away out of the budget")

@@ -151,15 +151,9 @@ def name_resumed_best(t: Trainer, loop: Loop) -> None:
     """The resumed step's own eval made it the best: a preemption saved the step before the eval it
     skipped, and the resume ran that eval. Its checkpoint is complete and holds these weights, so
     best.json names it (a second save of the step would rewrite a complete checkpoint in place)."""
-    st = t.st
-    loop.saved_best = (st.best_val, st.best_step)
-    if not t.d.master:
-        return
-    try:
-        if ckpt.repair_best(t.run_dir, st.best_val, st.best_step):
-            t.log(f"best.json names step {st.best_step:06d}, the resumed checkpoint, whose eval is the best so far")
-    except (OSError, CheckpointError) as e:
-        t.log(f"warning: best.json could not be rewritten to name step {st.best_step:06d} ({e})")
+    loop.saved_best = (t.st.best_val, t.st.best_step)
+    if t.d.master:
+        repair_best(t.run_dir, t.st, t.log, "the resumed checkpoint, whose eval is the best so far")
 
 
 def finish_save(t: Trainer, loop: Loop, wait: bool = False) -> None:
@@ -218,12 +212,12 @@ def volume_text(run_dir: Path) -> str:
     return f"the volume {mount} has {free / 1e6:,.1f} MB free"
 
 
-def repair_best(run_dir: Path, st: RunState, log: RunLog) -> None:
-    """Rank 0 on a resume: best.json names the best step the resumed checkpoint records (a kill
-    between a step's meta and its best.json leaves it naming an older one)."""
+def repair_best(run_dir: Path, st: RunState, log: RunLog, why: str = "again, the best its checkpoint records") -> None:
+    """Rank 0: best.json names st's best step where it names an older one (on a resume: a kill between
+    a step's meta and its best.json; name_resumed_best); the line says `why`."""
     try:
         if ckpt.repair_best(run_dir, st.best_val, st.best_step):
-            log(f"best.json names step {st.best_step:06d} again, the best its checkpoint records")
+            log(f"best.json names step {st.best_step:06d} {why}")
     except (OSError, CheckpointError) as e:  # the old best.json stands (rank 0 alone must not leave here)
         log(f"warning: best.json could not be rewritten to name step {st.best_step:06d} ({e})")
 
