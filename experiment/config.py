@@ -145,6 +145,13 @@ class TrainConfig:
     warmdown_frac: float | None = opt("final fraction of the budget with linear LR warmdown "
                                        "(default 0.2 with CUDA, 0.4 without)")
     final_lr_frac: float = opt("LR multiplier at the end of warmdown", 0.0)
+    weight_decay: float = opt("decoupled weight decay of Muon's hidden matrices: each update first multiplies them by "
+                              "1 - lr x weight_decay, lr the scheduled matrix LR (0: off)", 0.0)
+    adam_weight_decay: float = opt("the same for AdamW's embedding, bigram table and lm_head, each at its own "
+                                   "scheduled LR (0: off)", 0.0)
+    dropout: float = opt("dropout on each block's attention and MLP outputs before they join the residual stream, "
+                         "in training only: evals, samples and serving never drop (0: off)", 0.0)
+    attn_dropout: float = opt("dropout on the attention weights (SDPA's dropout_p), in training only (0: off)", 0.0)
     seq_warmup_frac: float | None = opt("short contexts first: over the first half of this fraction of the schedule "
                                         "each sequence is cut into four of max_seq_len/4, over the second half into "
                                         "two (the same tokens per step; 0: off; default 0.3 without CUDA, 0 with)")
@@ -258,7 +265,17 @@ def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
     if not 0 <= cfg.warmup_frac + cfg.warmdown_frac <= 1:
         raise ConfigError("--warmup_frac + --warmdown_frac must lie in [0, 1]")
     check_warmups(cfg)
+    check_regularizers(cfg)
     return cfg
+
+
+def check_regularizers(cfg: TrainConfig) -> None:
+    for name in ("dropout", "attn_dropout"):  # 1 would drop everything
+        if not 0 <= getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name} must lie in [0, 1), got {getattr(cfg, name)}")
+    for name in ("weight_decay", "adam_weight_decay"):
+        if not 0 <= getattr(cfg, name) < math.inf:
+            raise ConfigError(f"--{name} must be a finite number >= 0, got {getattr(cfg, name)}")
 
 
 def check_warmups(cfg: TrainConfig) -> None:

@@ -147,6 +147,7 @@ class Attention(nn.Module):
         self.c_k = nn.Linear(d, d, bias=False)
         self.c_v = nn.Linear(d, d, bias=False)
         self.c_proj = nn.Linear(d, d, bias=False)
+        self.dropout = 0.0  # on the attention weights, in training only (GPT.set_dropout)
 
     def forward(self, x, cos, sin, cache: KVCache | None):
         B, T, C = x.shape
@@ -156,7 +157,9 @@ class Attention(nn.Module):
         # QK-norm bounds attention logits, which keeps high learning rates stable.
         q, k = apply_rope(rms_norm(q), cos, sin), apply_rope(rms_norm(k), cos, sin)
         if cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            # SDPA's own dropout keeps the fused (flash) kernel; 0 in eval, so serving never drops.
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
         else:
             start = cache.pos
             k, v = cache.update(self.layer, k, v)
@@ -184,10 +187,15 @@ class Block(nn.Module):
         super().__init__()
         self.attn = Attention(config, layer)
         self.mlp = MLP(config)
+        self.dropout = 0.0  # on each branch's output before it joins the residual stream (GPT.set_dropout)
 
     def forward(self, x, cos, sin, cache):
-        x = x + self.attn(rms_norm(x), cos, sin, cache)
-        return x + self.mlp(rms_norm(x))
+        x = x + self.branch(self.attn(rms_norm(x), cos, sin, cache))
+        return x + self.branch(self.mlp(rms_norm(x)))
+
+    def branch(self, y: torch.Tensor) -> torch.Tensor:
+        # A Python test, not F.dropout(p=0): off, the traced graph holds no dropout kernel at all.
+        return F.dropout(y, self.dropout) if self.dropout and self.training else y
 
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
@@ -202,6 +210,16 @@ class GPT(nn.Module):
         # Recompute each block in backward instead of keeping its activations (set by the trainer
         # when the memory plan needs it): about a third more compute, a fraction of the memory.
         self.activation_checkpointing = False
+
+    def set_dropout(self, residual: float = 0.0, attention: float = 0.0) -> None:
+        """Training-time dropout (the trainer's DROPOUT and ATTN_DROPOUT; 0: off): `residual` on each
+        block's attention and MLP outputs, `attention` on the attention weights. Not part of the
+        config: a checkpoint holds the weights, and eval, sampling and serving never drop."""
+        for p, name in ((residual, "residual"), (attention, "attention")):
+            if not 0 <= p < 1:
+                raise ValueError(f"dropout {name} must lie in [0, 1), got {p}")
+        for block in self.blocks:
+            block.dropout, block.attn.dropout = float(residual), float(attention)
 
     def _set_rope(self) -> None:
         device = self.wte.weight.device

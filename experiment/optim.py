@@ -86,10 +86,12 @@ class ShardedOptimizer:
     def __init__(self, model: torch.nn.Module, rank: int = 0, world_size: int = 1, *,
                  matrix_lr: float, embedding_lr: float, unembedding_lr: float,
                  betas=(0.8, 0.95), muon_momentum: float = 0.95, master_weights: bool = False,
-                 communicate: bool = True):
+                 communicate: bool = True, weight_decay: float = 0.0, adam_weight_decay: float = 0.0):
         """master_weights: keep fp32 copies of owned parameters (create the optimizer while the
         model is still fp32, then cast the model). communicate=False skips the broadcasts: the fit
-        probe runs one rank of a simulated world."""
+        probe runs one rank of a simulated world. weight_decay (Muon's matrices) and
+        adam_weight_decay (AdamW's groups) are decoupled, as torch applies them: each update first
+        multiplies a parameter by 1 - lr x decay, lr its group's scheduled rate."""
         self.rank, self.world_size = rank, world_size
         self.communicate = communicate and world_size > 1
         self.params = dict(model.named_parameters())
@@ -110,9 +112,10 @@ class ShardedOptimizer:
         self.optimizers: list[torch.optim.Optimizer] = []
         if matrices:
             muon = BatchedMuon if matrices[0].device.type == "cpu" else torch.optim.Muon
-            self.optimizers.append(muon(matrices, lr=matrix_lr, momentum=muon_momentum, weight_decay=0.0))
+            self.optimizers.append(muon(matrices, lr=matrix_lr, momentum=muon_momentum, weight_decay=weight_decay))
         if adam_groups:
-            self.optimizers.append(torch.optim.AdamW(adam_groups, betas=betas, eps=1e-10, weight_decay=0.0))
+            self.optimizers.append(torch.optim.AdamW(adam_groups, betas=betas, eps=1e-10,
+                                                     weight_decay=adam_weight_decay))
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["initial_lr"] = group["lr"]

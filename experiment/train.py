@@ -99,7 +99,9 @@ def build_model_and_optimizer(cfg: TrainConfig, d: Dist, model_config: GPTConfig
     model = build_model(model_config, d.device, DTYPES[precision], init, seed=cfg.seed,
                         activation_checkpointing=activation_checkpointing)  # identical on every rank
     opt = ShardedOptimizer(model, d.rank, d.world_size, matrix_lr=cfg.matrix_lr, embedding_lr=cfg.embedding_lr,
-                           unembedding_lr=cfg.unembedding_lr, master_weights=precision == "bf16")
+                           unembedding_lr=cfg.unembedding_lr, master_weights=precision == "bf16",
+                           weight_decay=cfg.weight_decay, adam_weight_decay=cfg.adam_weight_decay)
+    model.set_dropout(cfg.dropout, cfg.attn_dropout)
     gpu_gib = torch.cuda.get_device_properties(d.device).total_memory / 2**30 if plan else 0
     log(f"memory | weights {precision}" + (" with fp32 master shards" if precision == "bf16" else "")
         + f" | activation checkpointing {'on' if activation_checkpointing else 'off'}"

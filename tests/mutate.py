@@ -2,14 +2,16 @@
 dependency, requirements-dev.txt; `bash run.sh mutate` installs it on first use).
 
     bash run.sh mutate experiment/extend.py [--tests "tests/test_extend.py -k unit"] [--timeout S]
-                                            [--out reports/mutation-extend.jsonl]
+                                            [--out reports/mutation-extend.jsonl] [--since main]
 
 cosmic-ray rewrites the module on disk for each mutant and runs the test command, so this runs in a
 copy of the repository's tracked files (with ../shared beside it when present): the working tree is
 never touched, and a run cut short leaves nothing mutated. A mutant counts as killed when the tests
 fail (or time out). Skipped, because they say nothing about behaviour: mutations inside log and
 message text (an f-string, the arguments of a log or print call, the message of a raised error),
-type annotations (never evaluated here) and lines marked `# pragma: no mutate`. Prints the module's score (killed / tried) and every survivor
+type annotations (never evaluated here) and lines marked `# pragma: no mutate`; with --since REV,
+also every line a change did not touch (`git diff REV` of the module): a change's own mutants in
+minutes, where the whole module takes an hour or more. Prints the module's score (killed / tried) and every survivor
 with its line and diff; --out writes one JSON line per mutant. tests/README.md says what a survivor
 must get.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -40,6 +43,9 @@ TESTS = {
     "experiment/plan.py": "tests/test_plan.py",
     "experiment/autosize.py": "tests/test_autosize.py",
     "experiment/schedule.py": "tests/test_train.py -k 'warmup or decide or eval_due or lr'",
+    "experiment/optim.py": "tests/test_regularize.py tests/test_optim.py",
+    "experiment/model.py": "tests/test_regularize.py tests/test_model.py",
+    "experiment/config.py": "tests/test_regularize.py tests/test_train.py -k 'settings or lr'",
 }
 # Calls whose arguments are text for a person: the trainer's log (t.log, log), print, the report's
 # notes and the warnings a check returns.
@@ -100,6 +106,21 @@ def skip_reason(source_lines: list[str], spans, start: tuple[int, int], end: tup
     return None
 
 
+def changed_lines(diff: str) -> set[int]:
+    """The new side's line numbers that a unified diff (`git diff -U0`) adds or changes."""
+    lines = set()
+    for hunk in re.finditer(r"^@@ -\S+ \+(\d+)(?:,(\d+))? @@", diff, flags=re.M):
+        start, count = int(hunk.group(1)), int(hunk.group(2) or 1)
+        lines.update(range(start, start + count))
+    return lines
+
+
+def lines_since(module: str, rev: str) -> set[int]:
+    diff = subprocess.run(["git", "diff", "-U0", rev, "--", module], cwd=REPO, check=True, capture_output=True,
+                          text=True).stdout
+    return changed_lines(diff)
+
+
 def copy_repo(dest: Path) -> Path:
     """The repository's tracked and untracked-not-ignored files under dest/repo, and ../shared beside
     it as a link when present (tests that read it skip without it)."""
@@ -120,8 +141,9 @@ def test_command(tests: str) -> str:
     return f"{shlex.quote(sys.executable)} -m pytest -x -q -p no:cacheprovider {tests}"
 
 
-def mark_skips(session: Path, module: Path) -> dict[str, str]:
-    """Marks the message and pragma mutants of the session skipped; returns {job id: reason}."""
+def mark_skips(session: Path, module: Path, only: set[int] | None = None) -> dict[str, str]:
+    """Marks the message and pragma mutants of the session skipped, and with `only` those on no line
+    of it; returns {job id: reason}."""
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
@@ -130,7 +152,7 @@ def mark_skips(session: Path, module: Path) -> dict[str, str]:
     with use_db(str(session), WorkDB.Mode.open) as db:
         for item in db.work_items:
             reasons = {skip_reason(lines, spans, tuple(m.start_pos), tuple(m.end_pos), annotations)
-                       for m in item.mutations}
+                       if only is None or m.start_pos[0] in only else "unchanged" for m in item.mutations}
             if None not in reasons:
                 skipped[item.job_id] = reasons.pop()
                 db.set_result(item.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
@@ -160,7 +182,7 @@ def summary(module: str, rows: list[dict], seconds: float) -> list[str]:
     tried = killed + len(survived)
     score = f"{100 * killed / tried:.1f}%" if tried else "n/a"
     lines = [f"mutate | {module}: {killed} of {tried} mutants killed ({score}); {len(survived)} survived, "
-             f"{skipped} skipped (message text, annotations, pragma), {odd} incompetent | {seconds / 60:.1f} min"]
+             f"{skipped} skipped (message text, annotations, pragma, lines unchanged), {odd} incompetent | {seconds / 60:.1f} min"]
     for r in survived:
         diff = "\n".join(x for x in (r["diff"] or "").splitlines() if x[:1] in "+-" and x[:3] not in ("+++", "---"))
         lines.append(f"survived | line {r['line']} | {r['operator']} #{r['occurrence']}\n{diff}")
@@ -173,6 +195,7 @@ def main(argv=None) -> int:
     p.add_argument("--tests", help="pytest arguments (default: the module's entry in TESTS)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one mutant's tests may take")
     p.add_argument("--out", help="write one JSON line per mutant here")
+    p.add_argument("--since", metavar="REV", help="mutate only the lines changed since this git revision")
     args = p.parse_args(argv)
     module = Path(args.module).as_posix()
     if not (REPO / module).is_file():
@@ -181,6 +204,10 @@ def main(argv=None) -> int:
     tests = args.tests or TESTS.get(module)
     if not tests:
         print(f"error: {module}: no tests known for it; name them with --tests", file=sys.stderr)
+        return 2
+    only = lines_since(module, args.since) if args.since else None
+    if only is not None and not only:
+        print(f"error: {module}: no line changed since {args.since}", file=sys.stderr)
         return 2
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="mutate-") as tmp:
@@ -196,7 +223,7 @@ def main(argv=None) -> int:
         session = repo / "mutate.sqlite"
         cr = [sys.executable, "-m", "cosmic_ray.cli"]
         subprocess.run([*cr, "init", str(config), str(session)], cwd=repo, check=True)
-        skipped = mark_skips(session, repo / module)
+        skipped = mark_skips(session, repo / module, only)
         subprocess.run([*cr, "exec", str(config), str(session)], cwd=repo, check=True)
         rows = results(session, skipped)
     print("\n".join(summary(module, rows, time.time() - t0)))

@@ -2,7 +2,7 @@
 
 import textwrap
 
-from mutate import annotation_spans, message_spans, skip_reason
+from mutate import annotation_spans, changed_lines, message_spans, skip_reason
 
 SOURCE = textwrap.dedent('''\
     def f(t, x: int | None, used) -> float | None:
@@ -44,3 +44,22 @@ def test_the_raise_itself_stays_mutable():
     raise_line = SOURCE.splitlines()[3]
     start = raise_line.index("ValueError")
     assert skip_reason(SOURCE.splitlines(), spans, (4, start), (4, start + len("ValueError"))) is None
+
+
+def test_since_a_revision_only_the_lines_a_change_touched_are_mutated():
+    diff = textwrap.dedent('''\
+        diff --git a/experiment/m.py b/experiment/m.py
+        --- a/experiment/m.py
+        +++ b/experiment/m.py
+        @@ -3 +3 @@ def f():
+        -    return 1
+        +    return 2
+        @@ -10,0 +11,3 @@ def g():
+        +    a = 1
+        +    b = 2
+        +    c = 3
+        @@ -20,2 +23,0 @@ def h():
+        -    gone = 1
+        -    gone = 2
+        ''')
+    assert changed_lines(diff) == {3, 11, 12, 13}  # a deletion leaves no new line to mutate
