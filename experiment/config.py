@@ -274,7 +274,7 @@ def check_regularizers(cfg: TrainConfig) -> None:
         if not 0 <= getattr(cfg, name) < 1:
             raise ConfigError(f"--{name} must lie in [0, 1), got {getattr(cfg, name)}")
     for name in ("weight_decay", "adam_weight_decay"):
-        if not 0 <= getattr(cfg, name) < math.inf:
+        if not (math.isfinite(getattr(cfg, name)) and getattr(cfg, name) >= 0):
             raise ConfigError(f"--{name} must be a finite number >= 0, got {getattr(cfg, name)}")
 
 

@@ -211,7 +211,7 @@ class GPT(nn.Module):
         # when the memory plan needs it): about a third more compute, a fraction of the memory.
         self.activation_checkpointing = False
 
-    def set_dropout(self, residual: float = 0.0, attention: float = 0.0) -> None:
+    def set_dropout(self, residual: float, attention: float) -> None:
         """Training-time dropout (the trainer's DROPOUT and ATTN_DROPOUT; 0: off): `residual` on each
         block's attention and MLP outputs, `attention` on the attention weights. Not part of the
         config: a checkpoint holds the weights, and eval, sampling and serving never drop."""

@@ -152,3 +152,19 @@ def test_lookup_tables_take_adamw_at_the_embedding_lr():
     assert not any(p is model.bigram.weight for p in muon.param_groups[0]["params"])
     group = next(g for g in adamw.param_groups if any(p is model.bigram.weight for p in g["params"]))
     assert any(p is model.wte.weight for p in group["params"])
+
+
+def test_adamw_first_step_moves_each_entry_by_its_lr():
+    """Adam's first update is lr x g / (|g| + eps): with the tiny eps every entry with a gradient moves
+    by its group's lr (scaled by (768 / width) ** 0.5), whatever the gradient's size."""
+    model = make_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = ShardedOptimizer(model, **LRS)
+    fake_grads(model, 0)
+    for p in model.parameters():
+        p.grad *= 1e-3  # a small gradient: a large eps would shrink its step
+    opt.step()
+    scale = (model.config.n_embd / 768) ** -0.5
+    for name, lr in (("wte.weight", LRS["embedding_lr"]), ("lm_head.weight", LRS["unembedding_lr"])):
+        moved = (model.get_parameter(name).detach() - before[name]).abs()
+        torch.testing.assert_close(moved, torch.full_like(moved, lr * scale), rtol=1e-3, atol=0)

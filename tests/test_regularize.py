@@ -13,7 +13,7 @@ from test_step import PLAIN, _one_trainer_step
 
 from experiment import checkpoint as ckpt
 from experiment.config import ConfigError, TrainConfig, resolve
-from experiment.model import build_model
+from experiment.model import build_model, rms_norm
 from experiment.optim import LRS, ShardedOptimizer, uses_muon
 from experiment.step import forward_backward
 
@@ -63,6 +63,20 @@ def _model_and_batch(seed=0):
                 lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) * 0.1)
     x = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(seed))
     return model, x
+
+
+def test_each_block_adds_its_attention_then_its_mlp_to_the_residual_stream():
+    """Pre-norm residual blocks, x + attn(norm(x)) then + mlp(norm(x)), against the blocks' own parts:
+    the sign matters to trained weights (from scratch a flipped sign trains the same, negated)."""
+    model, x = _model_and_batch()
+    model.eval()
+    h = model.embed(x, model.bigram_ids(x))
+    cos, sin = model.rope_cos[:x.size(1)], model.rope_sin[:x.size(1)]
+    with torch.no_grad():
+        for block in model.blocks:
+            h = h + block.attn(rms_norm(h), cos, sin, None)
+            h = h + block.mlp(rms_norm(h))
+        torch.testing.assert_close(model(x), model.lm_head(rms_norm(h)).float(), rtol=0, atol=0)
 
 
 def test_dropout_off_draws_no_random_numbers():
@@ -118,6 +132,15 @@ def test_weight_decay_shrinks_weights_by_one_minus_lr_times_decay_per_update(mul
         assert factor < 1
 
 
+def test_every_regularizer_is_off_by_default_and_takes_what_it_is_given():
+    for cuda in (False, True):
+        cfg = resolve(TrainConfig(), cuda=cuda, world_size=1)
+        assert (cfg.weight_decay, cfg.adam_weight_decay, cfg.dropout, cfg.attn_dropout) == (0, 0, 0, 0)
+    given = dict(weight_decay=1.6, adam_weight_decay=0.1, dropout=0.3, attn_dropout=0.99)
+    cfg = resolve(TrainConfig(**given), cuda=False, world_size=1)
+    assert {k: getattr(cfg, k) for k in given} == given
+
+
 def test_bad_regularizer_settings_are_named():
     for name, value, words in (("dropout", 1.0, "must lie in [0, 1)"), ("dropout", -0.1, "must lie in [0, 1)"),
                                ("attn_dropout", 1.5, "must lie in [0, 1)"),
@@ -126,8 +149,11 @@ def test_bad_regularizer_settings_are_named():
                                ("weight_decay", float("inf"), "must be a finite number >= 0")):
         with pytest.raises(ConfigError, match="^" + re.escape(f"--{name} {words}")):
             resolve(TrainConfig(**{name: value}), cuda=False, world_size=1)
-    with pytest.raises(ValueError, match="dropout residual must lie in"):
-        build_model(tiny_config()).set_dropout(1.0, 0.0)
+    model = build_model(tiny_config())
+    for residual, attention in ((1.0, 0.0), (-0.1, 0.0), (0.0, 1.5), (0.0, -0.5)):
+        with pytest.raises(ValueError, match="dropout (residual|attention) must lie in"):
+            model.set_dropout(residual, attention)
+    model.set_dropout(0.0, 0.999)  # the edges that work
 
 
 def test_a_bad_dropout_exits_2_naming_it_and_writes_nothing(tmp_path, corpus):
