@@ -3,6 +3,7 @@ and on the built-in demo corpus the fraction of held-out sums it completes."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -56,25 +57,35 @@ def evaluate(model: GPT, prepared: Prepared, seq_len: int, batch_size: int, max_
 def _val_loss(model: GPT, tokens, seq_len: int, batch_size: int, max_tokens: int, d: Dist) -> float:
     """Mean loss in nats/token over the eval sample of `tokens` (val_batches), summed over all ranks."""
     autocast = autocast_for(d.device)
-    model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=d.device)  # [sum of losses, tokens]
-    for x, y in val_batches(tokens, seq_len, batch_size, max_tokens, d.rank, d.world_size):
-        x, y = x.to(d.device), y.to(d.device)
-        with autocast:
-            total[0] += model(x, y, reduction="sum").double()
-        total[1] += y.numel()
+    with evaluating(model):
+        for x, y in val_batches(tokens, seq_len, batch_size, max_tokens, d.rank, d.world_size):
+            x, y = x.to(d.device), y.to(d.device)
+            with autocast:
+                total[0] += model(x, y, reduction="sum").double()
+            total[1] += y.numel()
     d.all_reduce(total)
-    model.train()
     return (total[0] / total[1]).item()
+
+
+@contextlib.contextmanager
+def evaluating(model: GPT):
+    """The model in eval mode, then back in the mode it was in: an eval or a sample inside training
+    never drops (dropout), so it measures the weights that are served and draws no training RNG."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 def sample_text(model: GPT, tok, prompt: list[int], n_tokens: int) -> str:
     """The model's continuation of `prompt`, decoded as the server and the sample command decode
     (seed 0, temperature 0.8): from one eval to the next only the model changes."""
     gen = torch.Generator().manual_seed(0)  # a private generator: sampling never shifts training RNG
-    model.eval()
-    out = list(generate(model, prompt, n_tokens, temperature=0.8, generator=gen, allowed_vocab=tok.n_real))
-    model.train()
+    with evaluating(model):
+        out = list(generate(model, prompt, n_tokens, temperature=0.8, generator=gen, allowed_vocab=tok.n_real))
     return tok.decode(out)
 
 
@@ -86,7 +97,8 @@ def demo_accuracy(model: GPT, prepared: Prepared, n: int = 50) -> tuple[int, int
         prompt, answer = line.split("=")
         # In the corpus a line follows a newline (BOS only opens the file), so the prompt does too.
         ids = tok.encode("\n" + prompt + "=")
-        out = model.generate(ids, len(answer) + 1, temperature=0, allowed_vocab=tok.n_real)
-        correct += tok.decode(list(out)).split("\n")[0] == answer.strip()
+        with evaluating(model):
+            out = list(model.generate(ids, len(answer) + 1, temperature=0, allowed_vocab=tok.n_real))
+        correct += tok.decode(out).split("\n")[0] == answer.strip()
     return correct, n
 

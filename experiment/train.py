@@ -140,7 +140,9 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     model_config = launch.model_config(cfg, prepared)
     if resume_step is not None:
         launch.check_resume_target(run_dir, resume_step, model_config, prepared)
-    torch.manual_seed(cfg.seed)
+    # Each rank its own stream: dropout's masks differ across ranks as their data does (weights are
+    # drawn from a seeded generator of their own, the data order from numpy: neither reads this one).
+    torch.manual_seed(cfg.seed + d.rank)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast
     model, opt, st = start_state(cfg, d, run_dir, model_config, prepared, resume_step, rewind_step, probe_seconds,

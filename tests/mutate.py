@@ -45,7 +45,8 @@ TESTS = {
     "experiment/schedule.py": "tests/test_train.py -k 'warmup or decide or eval_due or lr'",
     "experiment/optim.py": "tests/test_regularize.py tests/test_optim.py",
     "experiment/model.py": "tests/test_regularize.py tests/test_model.py",
-    "experiment/config.py": "tests/test_regularize.py tests/test_train.py -k 'settings or lr'",
+    "experiment/config.py": "tests/test_regularize.py tests/test_train.py::test_settings_that_cannot_work_are_named "
+                            "tests/test_train.py::test_cpu_learning_rates_follow_the_depth_and_a_given_one_is_kept",
 }
 # Calls whose arguments are text for a person: the trainer's log (t.log, log), print, the report's
 # notes and the warnings a check returns.

@@ -13,6 +13,9 @@ from test_step import PLAIN, _one_trainer_step
 
 from experiment import checkpoint as ckpt
 from experiment.config import ConfigError, TrainConfig, resolve
+from experiment.dataloader import prepare, write_demo_corpus
+from experiment.distributed import Dist
+from experiment.evaluation import demo_accuracy, evaluate, sample_text
 from experiment.model import build_model, rms_norm
 from experiment.optim import LRS, ShardedOptimizer, uses_muon
 from experiment.step import forward_backward
@@ -63,6 +66,30 @@ def _model_and_batch(seed=0):
                 lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) * 0.1)
     x = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(seed))
     return model, x
+
+
+def test_the_trainer_gives_each_block_its_two_rates(tmp_path, corpus):
+    t, *_ = _one_trainer_step(tmp_path, corpus, [*PLAIN, "--dropout", "0.3", "--attn_dropout", "0.1"])
+    assert all(b.dropout == 0.3 and b.attn.dropout == 0.1 for b in t.model.blocks)
+    assert t.model.training  # back in training mode after the step's eval
+
+
+def test_evals_samples_and_the_demo_check_inside_training_never_drop(tmp_path):
+    """The trainer's eval, its sample and the demo's sums, called on a model in training mode with
+    dropout on: the plain model's results, no training RNG drawn, and training mode back after."""
+    prepared = prepare(write_demo_corpus(tmp_path / "data", n_lines=3000).parent, tmp_path, max_seq_len=32)
+    config = tiny_config(vocab_size=prepared.meta["vocab_size"], bigram=True)
+    plain = build_model(config, seed=3)
+    dropped = build_model(config, state_dict=plain.state_dict())
+    dropped.set_dropout(0.5, 0.5)
+    tok, prompt, cpu = prepared.tokenizer(), prepared.tokens("val")[:8].tolist(), Dist(0, 0, 1, torch.device("cpu"))
+    results = []
+    for model in (plain, dropped):
+        before = torch.get_rng_state()
+        results.append((evaluate(model, prepared, 32, 4, 2048, cpu)[0], sample_text(model, tok, prompt, 16),
+                        demo_accuracy(model, prepared, n=5)))
+        assert torch.equal(before, torch.get_rng_state()) and model.training
+    assert results[0] == results[1]
 
 
 def test_each_block_adds_its_attention_then_its_mlp_to_the_residual_stream():
@@ -177,3 +204,12 @@ def test_a_regularized_run_resumed_after_a_crash_equals_the_uninterrupted_run(tm
     a, b, plain = (ckpt.load_model_state(d, 6) for d in (a_dir, b_dir, tmp_path / "plain/checkpoints/d2"))
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert not all(torch.equal(a[n], plain[n]) for n in a)
+
+
+def test_each_rank_draws_its_masks_from_a_stream_of_its_own(tmp_path, corpus):
+    """Two ranks seeded alike would drop the same positions of their different sequences."""
+    run_train([*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--max_steps", 1, "--total_batch_size", 256,
+               "--dropout", "0.2"], nproc=2)
+    run_dir = tmp_path / "checkpoints/d2"
+    states = [ckpt.load_tensors(ckpt.optim_path(run_dir, 1, r))["rng"]["cpu"] for r in range(2)]
+    assert not torch.equal(*states)
