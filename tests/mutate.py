@@ -43,6 +43,7 @@ TESTS = {
     "experiment/plan.py": "tests/test_plan.py",
     "experiment/autosize.py": "tests/test_autosize.py",
     "experiment/schedule.py": "tests/test_train.py -k 'warmup or decide or eval_due or lr'",
+    "experiment/evaluation.py": "tests/test_evaluation.py tests/test_regularize.py",
     "experiment/optim.py": "tests/test_regularize.py tests/test_optim.py",
     "experiment/model.py": "tests/test_regularize.py tests/test_model.py",
     "experiment/config.py": "tests/test_regularize.py tests/test_train.py::test_settings_that_cannot_work_are_named "
