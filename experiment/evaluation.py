@@ -93,12 +93,12 @@ def demo_accuracy(model: GPT, prepared: Prepared, n: int = 50) -> tuple[int, int
     """For the built-in arithmetic corpus: how many of n held-out sums the model completes exactly."""
     tok = prepared.tokenizer()
     correct = 0
-    for line in demo_lines(n, seed=99):
-        prompt, answer = line.split("=")
-        # In the corpus a line follows a newline (BOS only opens the file), so the prompt does too.
-        ids = tok.encode("\n" + prompt + "=")
-        with evaluating(model):
-            out = list(model.generate(ids, len(answer) + 1, temperature=0, allowed_vocab=tok.n_real))
-        correct += tok.decode(out).split("\n")[0] == answer.strip()
+    with evaluating(model):
+        for line in demo_lines(n, seed=99):
+            prompt, answer = line.split("=")
+            # In the corpus a line follows a newline (BOS only opens the file), so the prompt does too.
+            ids = tok.encode("\n" + prompt + "=")
+            out = model.generate(ids, len(answer) + 1, temperature=0, allowed_vocab=tok.n_real)
+            correct += tok.decode(list(out)).split("\n")[0] == answer.strip()
     return correct, n
 

@@ -157,7 +157,8 @@ class Attention(nn.Module):
         # QK-norm bounds attention logits, which keeps high learning rates stable.
         q, k = apply_rope(rms_norm(q), cos, sin), apply_rope(rms_norm(k), cos, sin)
         if cache is None:
-            # SDPA's own dropout keeps the fused (flash) kernel; 0 in eval, so serving never drops.
+            # SDPA's own dropout (CUDA's flash kernel takes it; on CPU SDPA falls back to its math path).
+            # 0 in eval, so evals and serving never drop.
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                dropout_p=self.dropout if self.training else 0.0)
         else:

@@ -144,8 +144,8 @@ def test_command(tests: str) -> str:
 
 
 def mark_skips(session: Path, module: Path, only: set[int] | None = None) -> dict[str, str]:
-    """Marks the message and pragma mutants of the session skipped, and with `only` those on no line
-    of it; returns {job id: reason}."""
+    """Marks the session's mutants of message text, annotations and pragma lines skipped, and with
+    `only` those on no line of it; returns {job id: reason}."""
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
