@@ -189,7 +189,7 @@ def remove_incomplete(run_dir: Path) -> None:
               "loaded, and the next launch tries again", file=sys.stderr, flush=True)
 
 
-def repair_best(run_dir: Path, best_val: float, best_step: int) -> bool:
+def repair_best(run_dir: Path, best_val: float, best_step: int, weights: str = "raw") -> bool:
     """Make best.json name the best step the resumed checkpoint records, when that step is complete
     and best.json names another: a kill between a step's meta and its best.json leaves best.json
     behind, and retention protects only the step best.json names. True when it was rewritten."""
@@ -203,7 +203,7 @@ def repair_best(run_dir: Path, best_val: float, best_step: int) -> bool:
     # A later step than the recorded best is another branch's (a --resume to an earlier step): it stands.
     if best is not None and int(best["step"]) in steps and int(best["step"]) >= best_step:
         return False
-    atomic_write_json(Path(run_dir) / "best.json", {"step": best_step, "val_loss": best_val})
+    atomic_write_json(Path(run_dir) / "best.json", {"step": best_step, "val_loss": best_val, "weights": weights})
     return True
 
 
@@ -353,6 +353,7 @@ class RunState:
     used_seconds: float = 0.0
     best_val: float = math.inf
     best_step: int = -1
+    best_weights: str = "raw"  # the best step's model: its "raw" weights or their "average" (AVERAGE)
     # The stop at the val minimum (plateau.py, plateau_check): the level of the last eval that gained
     # (at the peak LR its val loss, PLATEAU_MARGIN below the one before; in a warmdown the mean of the
     # warmdown's last plateau.WARMDOWN_WINDOW val losses, held in warmdown_window, below its best so far), the
@@ -464,7 +465,8 @@ def complete_step(run_dir: Path, step: int, error: str | None, files: dict, meta
         try:
             atomic_write_json(meta_path(run_dir, step), {**meta, "files": files})
             if meta["state"]["best_step"] == step:
-                atomic_write_json(run_dir / "best.json", {"step": step, "val_loss": meta["val_loss"]})
+                atomic_write_json(run_dir / "best.json", {"step": step, "val_loss": meta["val_loss"],
+                                                          "weights": meta.get("weights", "raw")})
         except OSError as e:
             # meta's or best.json's write: either way the step is reported not saved, so it must not
             # stay complete on disk while best.json names an earlier step. Rank 0 must still reach

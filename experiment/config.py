@@ -12,6 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from experiment.average import KINDS as AVERAGES, MAX_WIDTH as MAX_AVERAGE_WIDTH
 from experiment.dataloader import Prepared
 from experiment.optim import LRS
 
@@ -152,6 +153,10 @@ class TrainConfig:
     dropout: float = opt("dropout on each block's attention and MLP outputs before they join the residual stream, "
                          "in training only: evals, samples and serving never drop (0: off)", 0.0)
     attn_dropout: float = opt("dropout on the attention weights (SDPA's dropout_p), in training only (0: off)", 0.0)
+    average: str = opt("weight average kept beside the weights: ema (a power-function EMA over the last "
+                       "average_width of the run, evaluated beside the raw weights at every eval; the better "
+                       "of the two is the one saved as best and served) or none", "none")
+    average_width: float = opt("the average's width as a fraction of the steps so far (0 < w <= 0.2887)", 0.1)
     seq_warmup_frac: float | None = opt("short contexts first: over the first half of this fraction of the schedule "
                                         "each sequence is cut into four of max_seq_len/4, over the second half into "
                                         "two (the same tokens per step; 0: off; default 0.3 without CUDA, 0 with)")
@@ -276,6 +281,10 @@ def check_regularizers(cfg: TrainConfig) -> None:
     for name in ("weight_decay", "adam_weight_decay"):
         if not (math.isfinite(getattr(cfg, name)) and getattr(cfg, name) >= 0):
             raise ConfigError(f"--{name} must be a finite number >= 0, got {getattr(cfg, name)}")
+    if cfg.average not in AVERAGES:
+        raise ConfigError(f"--average must be one of {', '.join(AVERAGES)}, got {cfg.average!r}")
+    if not 0 < cfg.average_width <= MAX_AVERAGE_WIDTH:
+        raise ConfigError(f"--average_width must lie in (0, {MAX_AVERAGE_WIDTH}], got {cfg.average_width}")
 
 
 def check_warmups(cfg: TrainConfig) -> None:

@@ -82,14 +82,15 @@ def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: 
              default_cap: float) -> GpuPlan | None:
     if gpu.peak is None:
         return None
+    average = cfg.average != "none"
     precision = checkpoint_precision(config, world_size, gpu.memory_bytes, cfg.precision)
     rate = autosize.predicted_tok_per_s(config, gpu.peak, world_size, link_gbps(gpu.name),
                                         autosize.WEIGHT_BYTES[precision], cfg.total_batch_size, gpu_name=gpu.name)
     budget_epochs = rate * cfg.training_hours * 3600 / train_tokens
     assert cfg.max_epochs is not None, "the pass cap is set with the data (launch.fill_pass_cap)"
     epochs = min(budget_epochs, cfg.max_epochs or budget_epochs)
-    ckpt = checkpoint_bytes(config, world_size, gpu.memory_bytes, cfg.precision)
-    staged = max(staged_bytes_per_rank(config, world_size, precision, pinned=True))
+    ckpt = checkpoint_bytes(config, world_size, gpu.memory_bytes, cfg.precision, average)
+    staged = max(staged_bytes_per_rank(config, world_size, precision, pinned=True, average=average))
     return GpuPlan(config.depth, rate, budget_epochs, epochs, default_cap,
                    epochs * train_tokens / rate / 3600, ckpt, staged,
                    (cfg.keep_last + EXTRA_CHECKPOINTS) * ckpt, ckpt / (DISK_WRITE_GBPS * 1e9))

@@ -74,10 +74,12 @@ def activation_bytes(config: GPTConfig, batch: int, seq: int, activation_checkpo
 
 
 def plan_memory(config: GPTConfig, world_size: int, batch: int, seq: int, precision: str,
-                activation_checkpointing: bool, cuda: bool = True, collectives: bool | None = None) -> MemoryPlan:
+                activation_checkpointing: bool, cuda: bool = True, collectives: bool | None = None,
+                average: bool = False) -> MemoryPlan:
     """Bytes per GPU of the most loaded rank. The gradients are DDP's all-reduce buckets themselves
     (wrap_ddp makes them views), so DDP adds no copy; `collectives` (default: CUDA with more than
-    one rank) adds NCCL's buffers. A simulated world (the fit probe) makes no collectives."""
+    one rank) adds NCCL's buffers. A simulated world (the fit probe) makes no collectives. `average`
+    (AVERAGE=ema) adds the fp32 weight average of the owned parameters."""
     if collectives is None:
         collectives = cuda and world_size > 1
     shapes = param_shapes(config)
@@ -101,27 +103,31 @@ def plan_memory(config: GPTConfig, world_size: int, batch: int, seq: int, precis
         "activations": activation_bytes(config, batch, seq, activation_checkpointing, 2 if cuda else 4),
         "NCCL buffers": NCCL_BUFFER_BYTES if collectives else 0,
     }
+    if average:
+        rows["weight average"] = 4 * n_owned
     rows["overhead"] = (OVERHEAD_FIXED_BYTES if cuda else 0) + int(OVERHEAD_FRACTION * sum(rows.values()))
     return MemoryPlan(precision, activation_checkpointing, rows)
 
 
-def share_tensors(config: GPTConfig, world: int, precision: str):
+def share_tensors(config: GPTConfig, world: int, precision: str, average: bool = False):
     """Per parameter: (the rank that owns it, the bytes of its model-part tensor in the weights'
     dtype, the bytes of its optimizer-shard tensors: fp32 master, then Muon momentum or AdamW's two
-    moments). What checkpoint_bytes_per_rank and staged_bytes_per_rank count."""
+    moments, then with `average` the fp32 weight average). What checkpoint_bytes_per_rank and
+    staged_bytes_per_rank count."""
     shapes = param_shapes(config)
     owner = partition({n: math.prod(sh) for n, sh in shapes.items()}, world)
     weight = 2 if precision == "bf16" else 4
     for n, sh in shapes.items():
         size = math.prod(sh)
-        yield owner[n], size * weight, [4 * size] * (2 if uses_muon(n, sh) else 3)
+        yield owner[n], size * weight, [4 * size] * ((2 if uses_muon(n, sh) else 3) + average)
 
 
-def checkpoint_bytes_per_rank(config: GPTConfig, world: int, precision: str) -> list[tuple[int, int]]:
+def checkpoint_bytes_per_rank(config: GPTConfig, world: int, precision: str,
+                              average: bool = False) -> list[tuple[int, int]]:
     """(model part, optimizer shard) bytes each rank writes per checkpoint when the model is saved in
     per-rank parts: its parameters in the weights' dtype; fp32 master + Muon momentum or AdamW moments."""
     part, shard = [0] * world, [0] * world
-    for rank, weights, optimizer in share_tensors(config, world, precision):
+    for rank, weights, optimizer in share_tensors(config, world, precision, average):
         part[rank] += weights
         shard[rank] += sum(optimizer)
     return list(zip(part, shard))
@@ -133,22 +139,24 @@ def pinned_block_bytes(nbytes: int) -> int:
     return 1 << max(nbytes - 1, 0).bit_length() if nbytes > 0 else 0
 
 
-def staged_bytes_per_rank(config: GPTConfig, world: int, precision: str, pinned: bool) -> list[int]:
+def staged_bytes_per_rank(config: GPTConfig, world: int, precision: str, pinned: bool,
+                          average: bool = False) -> list[int]:
     """Host memory each rank's staged checkpoint share takes (experiment/saver.py, HostBuffers): one
     buffer per tensor of checkpoint_bytes_per_rank's files, each rounded up as the pinned allocator
     does when `pinned` (CUDA), else exact. The RNG states and AdamW's step counters are left out (bytes)."""
     block = pinned_block_bytes if pinned else (lambda n: n)
     staged = [0] * world
-    for rank, weights, optimizer in share_tensors(config, world, precision):
+    for rank, weights, optimizer in share_tensors(config, world, precision, average):
         staged[rank] += block(weights) + sum(map(block, optimizer))
     return staged
 
 
-def checkpoint_bytes(config: GPTConfig, world: int, gpu_bytes: int, precision: str = "auto") -> int:
+def checkpoint_bytes(config: GPTConfig, world: int, gpu_bytes: int, precision: str = "auto",
+                     average: bool = False) -> int:
     """One checkpoint's bytes, all ranks together, in the precision the memory plan picks at one
     sequence per micro-batch (bf16 when nothing fits)."""
     return sum(part + shard for part, shard in checkpoint_bytes_per_rank(config, world, checkpoint_precision(
-        config, world, gpu_bytes, precision)))
+        config, world, gpu_bytes, precision), average))
 
 
 def checkpoint_precision(config: GPTConfig, world: int, gpu_bytes: int, precision: str = "auto") -> str:

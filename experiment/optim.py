@@ -121,6 +121,7 @@ class ShardedOptimizer:
                 group["initial_lr"] = group["lr"]
         # Broadcast order: each owner's parameters in model order, flattened into one buffer.
         self.owned_by = [[p for n, p in self.params.items() if self.owner[n] == r] for r in range(world_size)]
+        self.average = None  # the weight average of the owned parameters (average.WeightAverage), when on
 
     def set_lr_multiplier(self, mult: float) -> None:
         for opt in self.optimizers:
@@ -149,10 +150,10 @@ class ShardedOptimizer:
         for name, master in self.master.items():
             self.params[name].copy_(master)  # the bf16 weights follow the fp32 masters
             master.grad = None
-        self._broadcast_owned()
+        self.broadcast_owned()
 
     @torch.no_grad()
-    def _broadcast_owned(self) -> None:
+    def broadcast_owned(self) -> None:
         if not self.communicate:
             return
         for r, params in enumerate(self.owned_by):
@@ -182,6 +183,8 @@ class ShardedOptimizer:
                 state[names[id(t)]] = {k: (v.detach() if torch.is_tensor(v) else v) for k, v in s.items()}
         for n, t in self.target.items():
             state[n]["master"] = t.detach().float()  # the target itself: fp32 already in both modes
+            if self.average is not None:
+                state[n]["average"] = self.average.values[n]
         return {"rank": self.rank, "world_size": self.world_size,
                 "owned": [n for n, r in self.owner.items() if r == self.rank], "state": state}
 
@@ -195,7 +198,7 @@ class ShardedOptimizer:
             for group in opt.param_groups:
                 for t in group["params"]:
                     by_target[id(t)] = opt
-        loaded = 0
+        loaded, averaged = 0, set()
         for shard in shards:
             for name, s in shard["state"].items():
                 if name not in self.params:
@@ -206,13 +209,18 @@ class ShardedOptimizer:
                 if "master" in s:
                     target.copy_(s["master"])
                     self.params[name].copy_(s["master"])
-                opt_state = {k: v for k, v in s.items() if k != "master"}
+                if "average" in s and self.average is not None:
+                    self.average.values[name].copy_(s["average"])
+                    averaged.add(name)
+                opt_state = {k: v for k, v in s.items() if k not in ("master", "average")}
                 if opt_state:
                     by_target[id(target)].state[target] = {
                         k: (v.clone().to(target.device) if torch.is_tensor(v) and v.ndim > 0
                             else (v.clone() if torch.is_tensor(v) else v)) for k, v in opt_state.items()}
                     loaded += 1
-        self._broadcast_owned()
+        if self.average is not None:  # saved without averaging: the average starts from the weights
+            self.average.reset_to_weights([n for n in self.target if n not in averaged])
+        self.broadcast_owned()
         return loaded
 
 

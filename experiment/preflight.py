@@ -160,10 +160,11 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
         log(guards.staging_line(cfg, gpu_plan, world_size, nproc_per_node or world_size, host_available_bytes()))
     if gpu is not None:
         guards.check(cfg, gpu_plan, demo, workspace, run_dir, resume=resume_step is not None)
-    if config is not None and (gpu_plan is None or resume_step is not None) and (warning := guards.disk_warning(
-            cfg, gpu_plan.checkpoint_bytes if gpu_plan else checkpoint_bytes(config, world_size, 1 << 62, cfg.precision),
-            run_dir)):
-        log(warning)
+    if config is not None and (gpu_plan is None or resume_step is not None):
+        ckpt_bytes = (gpu_plan.checkpoint_bytes if gpu_plan
+                      else checkpoint_bytes(config, world_size, 1 << 62, cfg.precision, cfg.average != "none"))
+        if warning := guards.disk_warning(cfg, ckpt_bytes, run_dir):
+            log(warning)
     for line in source_lines(cfg, prepared, weights):
         log(line)
     plan = {"prepared": str(prepared.dir), "resume_step": resume_step, "world_size": world_size,

@@ -103,7 +103,8 @@ def markdown(report: RunReport, st, status: str) -> str:
                   + (f"{100 * speed['mfu']:.1f}%" if speed.get("mfu") is not None else "- (no known peak)")
                   + f" (step {speed['step']})"),
         ("best", f"val loss {st.best_val:.4f} at step {st.best_step}: {f['best_file'].format(step=st.best_step)}"
-                 if st.best_step >= 0 else "no checkpoint yet"),
+                 + (", the weight average (AVERAGE), which beat the raw weights" if st.best_weights == "average"
+                    else "") if st.best_step >= 0 else "no checkpoint yet"),
     ] + [(k, f[k]) for k in ("eval", "plan", "auto") if f.get(k)]
     if status == "running" and f.get("projected end"):  # the step line's eta, as of the latest step line
         rows.append(("projected end", f["projected end"]))

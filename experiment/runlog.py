@@ -56,18 +56,32 @@ class NullWriter:
 
 
 
-def report_eval(step: int, val_loss: float, val_bpc: float, by_source: dict[str, float] | None, st: RunState,
+def report_eval(step: int, raw: tuple, average: tuple | None, weights: str, st: RunState,
                 coverage: tuple[int, int, bool], log: RunLog, writer) -> dict:
     """The eval line (with several sources, the weighted loss, then each source's) and TensorBoard;
-    returns the eval's metrics record. `coverage`: (tokens the eval read, tokens in the val split, all)."""
+    returns the eval's metrics record. raw, average: evaluation.evaluate's (loss, bpc, by source) of
+    the weights and of their average (None without AVERAGE); `weights`: the one the eval chose, whose
+    loss is the line's val_loss.
+    `coverage`: (tokens the eval read, tokens in the val split, all)."""
+    chosen = average if weights == "average" else raw
+    val_loss, val_bpc, by_source = chosen
     best = f"{st.best_val:.4f} @ {st.best_step:06d}" if st.best_step >= 0 else "- (step 0 is not saved)"
-    log(f"step {step:06d} | val_loss {val_loss:.4f} | val_bpc {val_bpc:.4f} | best {best} | "
+    if average is not None and st.best_step >= 0:
+        best += f" ({st.best_weights})"
+    which = ("" if average is None else f" (the average; raw weights {raw[0]:.4f})" if weights == "average"
+             else f" (raw weights; the average {average[0]:.4f})")
+    log(f"step {step:06d} | val_loss {val_loss:.4f}{which} | val_bpc {val_bpc:.4f} | best {best} | "
         f"{coverage[0]:,}/{coverage[1]:,} val tokens")
     writer.add_scalar("val/loss", val_loss, step)
     writer.add_scalar("val/bpc", val_bpc, step)
     writer.add_scalar("val/eval_tokens", coverage[0], step)
     record = {"kind": "eval", "step": step, "used_seconds": round(st.used_seconds, 3), "tokens_seen": st.tokens_seen,
               "val_loss": val_loss, "val_bpc": val_bpc, "eval_tokens": coverage[0]}
+    if average is not None:
+        writer.add_scalar("val/loss_raw", raw[0], step)
+        writer.add_scalar("val/loss_average", average[0], step)
+        record.update(val_loss_raw=raw[0], val_loss_average=average[0],
+                      weights=weights)
     if by_source:
         log(f"step {step:06d} | val_loss by source | " + " | ".join(f"{n} {v:.4f}" for n, v in by_source.items()))
         for name, loss in by_source.items():

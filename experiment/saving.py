@@ -32,7 +32,8 @@ def make_saver(cfg: TrainConfig, d: Dist, model: GPT, run_dir: Path, log: RunLog
     staged share within HOST_STAGING_FRACTION of what is available (on every node), else blocking.
     On CUDA the share is counted as the pinned allocator takes it (memory.staged_bytes_per_rank)."""
     precision = "bf16" if model.wte.weight.dtype == torch.bfloat16 else "fp32"
-    share = staged_bytes_per_rank(model.config, d.world_size, precision, pinned=d.device.type == "cuda")[d.rank]
+    share = staged_bytes_per_rank(model.config, d.world_size, precision, pinned=d.device.type == "cuda",
+                                  average=cfg.average != "none")[d.rank]
     need, available = share * d.local_world_size, host_available_bytes()
     background = bool(cfg.async_save) and all_ranks_ok(need <= HOST_STAGING_FRACTION * available, d)
     if background:
@@ -47,11 +48,11 @@ def make_saver(cfg: TrainConfig, d: Dist, model: GPT, run_dir: Path, log: RunLog
                  gather=lambda files: gather_objects(files, d), write_bps=cfg.save_write_mbps * 1e6)
 
 
-def checkpoint_seconds(model: GPT, world_size: int) -> float:
+def checkpoint_seconds(model: GPT, world_size: int, average: bool = False) -> float:
     """A save before one has been measured: the whole checkpoint at the network volume's rate the
     plan assumes (every rank writes its share at once, into one volume)."""
     precision = "bf16" if model.wte.weight.dtype == torch.bfloat16 else "fp32"
-    total = sum(a + b for a, b in checkpoint_bytes_per_rank(model.config, world_size, precision))
+    total = sum(a + b for a, b in checkpoint_bytes_per_rank(model.config, world_size, precision, average))
     return total / (DISK_WRITE_GBPS * 1e9)
 
 
@@ -76,19 +77,23 @@ def restore_checkpoint(run_dir: Path, step: int, model: GPT, opt: ShardedOptimiz
 
 
 def write_checkpoint(run_dir: Path, model: GPT, opt: ShardedOptimizer, st: RunState, val_loss: float | None,
-                     run_meta: dict, d: Dist) -> str | None:
+                     run_meta: dict, d: Dist, weights: str = "raw") -> str | None:
     """The step saved here and now (ckpt.save_checkpoint); None when the step is complete, else why
     not (on every rank alike). The loop saves through its Saver instead (maybe_save)."""
-    return ckpt.save_checkpoint(run_dir, st.step, *checkpoint_share(model, opt, st, val_loss, run_meta, d), d.rank,
-                                d.world_size, all_ok=lambda ok: all_ranks_ok(ok, d),
+    share = checkpoint_share(model, opt, st, val_loss, run_meta, d, weights)
+    return ckpt.save_checkpoint(run_dir, st.step, *share, d.rank, d.world_size, all_ok=lambda ok: all_ranks_ok(ok, d),
                                 gather=lambda files: gather_objects(files, d))
 
 
 def checkpoint_share(model: GPT, opt: ShardedOptimizer, st: RunState, val_loss: float | None, run_meta: dict,
-                     d: Dist) -> tuple[dict, dict, dict]:
+                     d: Dist, weights: str = "raw") -> tuple[dict, dict, dict]:
     """This rank's share of the step as plain data: (its model part, its optimizer shard with the RNG
-    states, the step's meta). The tensors are the live ones (a collective: every rank's data position)."""
+    states, the step's meta). The tensors are the live ones (a collective: every rank's data position).
+    weights="average": the model part holds the weight average (what the step serves); a resume takes
+    the weights themselves from the optimizer shards' fp32 masters, which every shard holds."""
     state = ckpt.strip_compile_prefix(model.state_dict())
+    if weights == "average":
+        state = opt.average.model_part(state)
     rng = {"cpu": torch.get_rng_state()}
     if d.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(d.device)
@@ -96,6 +101,7 @@ def checkpoint_share(model: GPT, opt: ShardedOptimizer, st: RunState, val_loss: 
         "step": st.step, "val_loss": val_loss, "state": dataclasses.asdict(st),
         "data_positions": gather_objects(st.data_state, d), "world_size": d.world_size,
         "model_parts": d.world_size,  # model_<step>.pt alone, or one model_<step>_rank<r>.pt per rank
+        "weights": weights,  # what the model files hold: the raw weights or their average
         "model_config": model.config.to_dict(), "weights_dtype": str(model.wte.weight.dtype).removeprefix("torch."),
         "activation_checkpointing": model.activation_checkpointing, **run_meta, "saved_at": time.time(),
     }
@@ -139,7 +145,8 @@ def maybe_save(t: Trainer, loop: Loop, save_due: bool, preempted: bool, writing:
                   f"({st.save_waits} waits, {st.save_wait_seconds:.1f}s in all: saves come due faster than one "
                   "writes; a longer SAVE_EVERY_MINUTES avoids it)")
     st.used_seconds, st.data_state = loop.used(), loop.data_state
-    share = checkpoint_share(t.model, t.opt, st, None if preempted else loop.val_loss, t.run_meta, t.d)
+    share = checkpoint_share(t.model, t.opt, st, None if preempted else loop.val_loss, t.run_meta, t.d,
+                             "raw" if preempted else loop.weights)
     t.saver.begin(step, *share, background=not final,
                   context={"final": final})
     loop.last_saved_step, loop.last_save_time = step, time.time()  # a failed save is retried when due again
@@ -151,7 +158,7 @@ def name_resumed_best(t: Trainer, loop: Loop) -> None:
     """The resumed step's own eval made it the best: a preemption saved the step before the eval it
     skipped, and the resume ran that eval. Its checkpoint is complete and holds these weights, so
     best.json names it (a second save of the step would rewrite a complete checkpoint in place)."""
-    loop.saved_best = (t.st.best_val, t.st.best_step)
+    loop.saved_best = (t.st.best_val, t.st.best_step, t.st.best_weights)
     if t.d.master:
         repair_best(t.run_dir, t.st, t.log, "the resumed checkpoint, whose eval is the best so far")
 
@@ -173,7 +180,8 @@ def finish_save(t: Trainer, loop: Loop, wait: bool = False) -> None:
                   "ok": error is None})
     if error is None:
         loop.last_complete_step = p.step
-        loop.saved_best = (p.meta["state"]["best_val"], p.meta["state"]["best_step"])
+        saved = p.meta["state"]
+        loop.saved_best = (saved["best_val"], saved["best_step"], saved.get("best_weights", "raw"))
         if st.warmdown_begun and not p.meta["state"]["warmdown_begun"]:
             st.warmdown_step = p.step  # begun before the warmdown, completed in it: the newest from before it
         if t.d.master:
@@ -197,11 +205,11 @@ def finish_save(t: Trainer, loop: Loop, wait: bool = False) -> None:
         t.log("save | every later save blocks training: a save failed, and the host memory staged for saves "
               "is given back")
     if st.best_step == p.step:  # best.json must name a checkpoint that exists; evals stay counted
-        st.best_val, st.best_step = loop.saved_best
+        st.best_val, st.best_step, st.best_weights = loop.saved_best
         if p.step < st.last_eval_step == st.step and loop.val_loss < st.best_val:
             # this step's eval (made while that earlier write was in flight) beats the best that
             # stands: its save, begun next, makes it the best
-            st.best_val, st.best_step = loop.val_loss, st.step
+            st.best_val, st.best_step, st.best_weights = loop.val_loss, st.step, loop.weights
 
 
 def volume_text(run_dir: Path) -> str:
@@ -216,7 +224,7 @@ def repair_best(run_dir: Path, st: RunState, log: RunLog, why: str = "again, the
     """Rank 0: best.json names st's best step where it names an older one (on a resume: a kill between
     a step's meta and its best.json; name_resumed_best); the line says `why`."""
     try:
-        if ckpt.repair_best(run_dir, st.best_val, st.best_step):
+        if ckpt.repair_best(run_dir, st.best_val, st.best_step, st.best_weights):
             log(f"best.json names step {st.best_step:06d} {why}")
     except (OSError, CheckpointError) as e:  # the old best.json stands (rank 0 alone must not leave here)
         log(f"warning: best.json could not be rewritten to name step {st.best_step:06d} ({e})")

@@ -32,6 +32,7 @@ from experiment import autosize, extend, finetune, guards, launch, restarts
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError, RunState, pick_resume_step
 from experiment.config import ConfigError, TrainConfig, checkpoint_meta, fill_lrs, parse_args, resolve
+from experiment.average import WeightAverage
 from experiment.batches import TokenBatches
 from experiment.dataloader import DataError, Prepared
 from experiment.distributed import (Dist, ParentWatch, StopSignal, all_ranks_ok, broadcast_object, local_backend,
@@ -39,7 +40,7 @@ from experiment.distributed import (Dist, ParentWatch, StopSignal, all_ranks_ok,
 from experiment.evaluation import eval_coverage, evaluate
 from experiment.files import default_workspace
 from experiment.hardware import link_gbps
-from experiment.memory import choose_memory_mode, find_device_batch, probe_reserve_bytes
+from experiment.memory import choose_memory_mode, find_device_batch, plan_memory, probe_reserve_bytes
 from experiment.mixture import MixedBatches, source_weights
 from experiment.model import DTYPES, GPT, GPTConfig, build_model
 from experiment.onexit import last_words
@@ -53,6 +54,9 @@ from experiment.saving import (checkpoint_seconds, export_best, finish_save, mak
 from experiment.stopping import decide, last_outcome, stop_grace, stopped_at_minimum, unspent_text
 from experiment.trainer import Loop, Trainer
 from experiment.trainstep import train_step
+
+
+HOST_AVERAGE_EVERY = 10  # steps between folds of an average kept in host memory (weight_average)
 
 
 # ---------------------------------------------------------------- setup
@@ -102,6 +106,8 @@ def build_model_and_optimizer(cfg: TrainConfig, d: Dist, model_config: GPTConfig
                            unembedding_lr=cfg.unembedding_lr, master_weights=precision == "bf16",
                            weight_decay=cfg.weight_decay, adam_weight_decay=cfg.adam_weight_decay)
     model.set_dropout(cfg.dropout, cfg.attn_dropout)
+    if cfg.average == "ema":
+        opt.average = weight_average(cfg, d, model_config, plan, log, opt)
     gpu_gib = torch.cuda.get_device_properties(d.device).total_memory / 2**30 if plan else 0
     log(f"memory | weights {precision}" + (" with fp32 master shards" if precision == "bf16" else "")
         + f" | activation checkpointing {'on' if activation_checkpointing else 'off'}"
@@ -116,6 +122,20 @@ def build_model_and_optimizer(cfg: TrainConfig, d: Dist, model_config: GPTConfig
         # showed 78.1 GiB at d12 for a step that needs a fraction of it.
         torch.cuda.reset_peak_memory_stats(d.device)
     return model, opt
+
+
+def weight_average(cfg: TrainConfig, d: Dist, model_config: GPTConfig, plan, log: RunLog,
+                   opt: ShardedOptimizer) -> WeightAverage:
+    """On the GPU when the memory plan's mode still fits with it, folded in at every step; else in
+    host memory, folded in every HOST_AVERAGE_EVERY steps (a copy of the owned weights across PCIe:
+    d64 on 8 x 80 GB has no room for it). The average never changes the mode training takes."""
+    on_device = plan is None or plan_memory(
+        model_config, d.world_size, cfg.device_batch_size or 1, model_config.max_seq_len, plan.precision,
+        plan.activation_checkpointing, average=True).fits(torch.cuda.get_device_properties(d.device).total_memory)
+    where = "beside the weights" if on_device else f"in host memory, folded in every {HOST_AVERAGE_EVERY} steps"
+    log(f"average | ema of the last {cfg.average_width:g} of the steps, {where}")
+    return (WeightAverage(opt, cfg.average_width) if on_device
+            else WeightAverage(opt, cfg.average_width, torch.device("cpu"), HOST_AVERAGE_EVERY))
 
 
 def compiled(ddp: torch.nn.Module) -> torch.nn.Module:
@@ -178,7 +198,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         if d.master else NullReport(),
         eval_prompt=launch.eval_prompt_ids(cfg, prepared), lock=lock,
         max_tokens=cfg.max_epochs * prepared.meta["split"]["train_tokens"] if cfg.max_epochs else math.inf,
-        saver=make_saver(cfg, d, model, run_dir, log), first_save_seconds=checkpoint_seconds(model, d.world_size),
+        saver=make_saver(cfg, d, model, run_dir, log), first_save_seconds=checkpoint_seconds(model, d.world_size, cfg.average != "none"),
         eval_every_tokens=cfg.eval_every_epochs * prepared.meta["split"]["train_tokens"] or math.inf,
         eval_coverage=coverage, launched=launched, lost_seconds=lost)
     log(f"model {model.num_params():,} params (d{cfg.depth}, width {model_config.n_embd}, "
@@ -306,7 +326,7 @@ def start_loop(t: Trainer) -> Loop:
                 last_eval_time=now, last_save_time=now, last_saved_step=first,
                 # An extended run's weights are the rewound step's, not those saved as step `first`.
                 last_complete_step=first if t.rewind_step is None else t.rewind_step,
-                saved_best=(t.st.best_val, t.st.best_step))  # a resume's best: its checkpoint is complete
+                saved_best=(t.st.best_val, t.st.best_step, t.st.best_weights))  # a resume's best: its checkpoint is complete
     return loop
 
 
@@ -376,13 +396,21 @@ def maybe_eval(t: Trainer, loop: Loop) -> None:
     (plateau_check; every rank saw the same reduced val loss, so all agree)."""
     cfg, st, step = t.cfg, t.st, t.st.step
     t0 = time.time()
-    loop.val_loss, val_bpc, by_source = evaluate(t.model, t.prepared, cfg.max_seq_len, cfg.device_batch_size,
-                                                 cfg.eval_tokens, t.d, t.weights)
+    raw = evaluate(t.model, t.prepared, cfg.max_seq_len, cfg.device_batch_size, cfg.eval_tokens, t.d, t.weights)
+    average = None
+    if t.opt.average is not None:
+        with t.opt.average.swapped_in():
+            average = evaluate(t.model, t.prepared, cfg.max_seq_len, cfg.device_batch_size, cfg.eval_tokens, t.d,
+                               t.weights)
+    # The better of the two is what this step's checkpoint holds, what best tracks and what the stop
+    # at the val minimum watches: every rank saw the same reduced losses, so all choose alike.
+    loop.weights = "average" if average is not None and average[0] < raw[0] else "raw"
+    loop.val_loss, val_bpc, by_source = average if loop.weights == "average" else raw
     st.last_eval_step, st.last_eval_tokens, loop.last_eval_time = step, st.tokens_seen, time.time()
     new_best = step > 0 and loop.val_loss < st.best_val
     if new_best:
-        st.best_val, st.best_step = loop.val_loss, step
-    t.report.add(report_eval(step, loop.val_loss, val_bpc, by_source, st, t.eval_coverage, t.log, t.writer))
+        st.best_val, st.best_step, st.best_weights = loop.val_loss, step, loop.weights
+    t.report.add(report_eval(step, raw, average, loop.weights, st, t.eval_coverage, t.log, t.writer))
     if t.d.master and cfg.sample_tokens > 0:
         report_sample(step, t.model, t.prepared, t.eval_prompt, cfg.sample_tokens, t.log, t.writer, t.report)
     t.report.write(st, "running")
@@ -410,7 +438,8 @@ def finish(t: Trainer, loop: Loop) -> None:
         lost = f", {t.st.restart_seconds:.1f}s of it lost to restarts" if t.st.restart_seconds else ""
         t.log(f"done: step {t.st.step:06d}, {spent / 3600:.3f}h of {t.cfg.training_hours:.3f}h used "
               f"({spent:.1f}s of {t.budget_seconds:.1f}s){lost} | best checkpoint {files} (val_loss "
-              f"{best['val_loss']:.4f})" + unspent)
+              f"{best['val_loss']:.4f}" + (", the weight average" if best.get("weights") == "average" else "")
+              + ")" + unspent)
 
 
 # ---------------------------------------------------------------- entry

@@ -80,10 +80,11 @@ class Loop:
     last_saved_step: int  # the latest save begun
     last_complete_step: int  # the latest save completed
     reserve_seconds: float = 0.0  # measured: the final eval + save + one step fit in what is left
-    val_loss: float = math.nan
-    # The best of the latest completed save, (val, step): what a failed best save falls back to (an
+    val_loss: float = math.nan  # the latest eval's, of the weights it chose (`weights`)
+    weights: str = "raw"  # which weights the latest eval chose, and a save writes: "raw", or "average" (AVERAGE)
+    # The best of the latest completed save, (val, step, weights): what a failed best save falls back to (an
     # eval's own "before" could name a step whose background save is still in flight, then fails).
-    saved_best: tuple = (math.inf, -1)
+    saved_best: tuple = (math.inf, -1, "raw")
     progress: float = 0.0  # the fraction of the LR schedule done at this step: rank 0's, from decide
     split: int = 1  # the step's early-schedule phase, rank 0's (decide): sequences cut into this many
     halve: int = 0  # 1: the step's tokens in two updates of half the rows each

@@ -33,6 +33,8 @@ def train_step(t: Trainer, loop: Loop) -> tuple[torch.Tensor, float]:
             next_micro_batch(t, loop)
     if loop.end is None:  # else a first half's skipped update ended the run (a diverging loss)
         apply_update(t, loop)
+        if t.opt.average is not None:  # once per step: the step count makes a resume continue it exactly
+            t.opt.average.update(st.step + 1)
     st.tokens_seen += cfg.total_batch_size
     return loss_sum, mult
 

@@ -44,7 +44,8 @@ TESTS = {
     "experiment/autosize.py": "tests/test_autosize.py",
     "experiment/schedule.py": "tests/test_train.py -k 'warmup or decide or eval_due or lr'",
     "experiment/evaluation.py": "tests/test_evaluation.py tests/test_regularize.py",
-    "experiment/optim.py": "tests/test_regularize.py tests/test_optim.py",
+    "experiment/optim.py": "tests/test_regularize.py tests/test_optim.py tests/test_average.py",
+    "experiment/average.py": "tests/test_average.py",
     "experiment/model.py": "tests/test_regularize.py tests/test_model.py",
     "experiment/config.py": "tests/test_regularize.py tests/test_train.py::test_settings_that_cannot_work_are_named "
                             "tests/test_train.py::test_cpu_learning_rates_follow_the_depth_and_a_given_one_is_kept",

@@ -69,7 +69,7 @@ def test_a_resume_repairs_a_best_json_that_a_kill_left_naming_an_older_step(tmp_
     for s in (2, 4):
         _fake_step(run, s)
     ckpt.atomic_write_json(run / "best.json", {"step": 2, "val_loss": 2.0})
-    assert ckpt.repair_best(run, 1.5, 4) and ckpt.read_best(run) == {"step": 4, "val_loss": 1.5}
+    assert ckpt.repair_best(run, 1.5, 4) and ckpt.read_best(run) == {"step": 4, "val_loss": 1.5, "weights": "raw"}
     assert not ckpt.repair_best(run, 1.5, 4)  # names it already
     assert not ckpt.repair_best(run, 1.0, 6) and ckpt.read_best(run)["step"] == 4  # step 6 is not complete
     _fake_step(run, 6)
@@ -184,7 +184,7 @@ def _save(run, model, opt, prepared, step, val_loss, best, cfg=None, log=None):
 
 def test_checkpoint_round_trip_gives_identical_logits_and_state(saved_run):
     run, model, opt, _ = saved_run
-    assert json.loads((run / "best.json").read_text()) == {"step": 2, "val_loss": 1.5}
+    assert json.loads((run / "best.json").read_text()) == {"step": 2, "val_loss": 1.5, "weights": "raw"}
     loaded, meta = ckpt.load_model(ckpt.model_path(run, 2))
     x = torch.randint(1, 20, (2, 32))
     assert torch.equal(loaded(x), model.eval()(x))

@@ -659,7 +659,7 @@ def test_a_kill_between_meta_and_best_json_is_repaired_by_the_resume(tmp_path, c
     run_dir = tmp_path / "checkpoints/d2"
     assert killed and ckpt.complete_steps(run_dir)[-1] == 4 and ckpt.read_best(run_dir)["step"] == 2
     assert train.main([*base, "--max_steps", "4"]) == 0  # a resume with no step left to run still repairs it
-    assert ckpt.read_best(run_dir) == {"step": 4, "val_loss": run_meta(tmp_path, 4)["val_loss"]}
+    assert ckpt.read_best(run_dir) == {"step": 4, "val_loss": run_meta(tmp_path, 4)["val_loss"], "weights": "raw"}
 
 
 def test_a_staging_failure_on_one_rank_leaves_both_training_and_later_saves_blocking(tmp_path, corpus):

@@ -96,7 +96,7 @@ def test_the_trainer_saves_blocking_when_host_memory_cannot_hold_the_staged_shar
     from experiment.model import build_model
 
     model, lines = build_model(tiny_config()), []
-    cfg = SimpleNamespace(async_save=1, save_write_mbps=0.0)
+    cfg = SimpleNamespace(async_save=1, save_write_mbps=0.0, average="none")
     d = Dist(0, 0, 1, torch.device("cpu"))
     assert saving.make_saver(cfg, d, model, tmp_path, lines.append).background
     monkeypatch.setattr(saving, "host_available_bytes", lambda: 1000)
@@ -206,7 +206,7 @@ def test_a_best_eval_made_while_a_failed_best_save_was_in_flight_becomes_the_bes
     assert (st.best_val, st.best_step) == (1.8, 4)
     save(4, fails=False)
     saving.finish_save(t, loop, wait=True)
-    assert ckpt.complete_steps(tmp_path) == [2, 4] and ckpt.read_best(tmp_path) == {"step": 4, "val_loss": 1.8}
+    assert ckpt.complete_steps(tmp_path) == [2, 4] and ckpt.read_best(tmp_path) == {"step": 4, "val_loss": 1.8, "weights": "raw"}
 
 
 def test_a_best_steps_own_failed_blocking_save_leaves_the_best_that_stands(tmp_path):
@@ -243,19 +243,19 @@ def test_a_resumed_steps_own_eval_that_beats_the_best_names_its_checkpoint_best(
         meta = {"step": step, "val_loss": best, "state": {"best_val": 2.0, "best_step": 2}, "world_size": 1,
                 "model_parts": 1}
         assert ckpt.save_checkpoint(tmp_path, step, {"w": torch.ones(10)}, {}, meta) is None
-    assert ckpt.read_best(tmp_path) == {"step": 2, "val_loss": 2.0}
+    assert ckpt.read_best(tmp_path) == {"step": 2, "val_loss": 2.0, "weights": "raw"}
     written = ckpt.meta_path(tmp_path, 4).stat().st_mtime_ns
     for val, named in ((2.5, 2), (1.5, 4)):
         st, lines = RunState(step=4, best_val=2.0, best_step=2, last_eval_step=4), []
         t, loop = _trainer(tmp_path, st, lines.append)
         loop.last_saved_step = loop.last_complete_step = 4  # the resumed step (train.start_loop)
-        loop.saved_best, loop.val_loss = (2.0, 2), val
+        loop.saved_best, loop.val_loss = (2.0, 2, "raw"), val
         if val < st.best_val:  # maybe_eval's best tracking
             st.best_val, st.best_step = val, 4
         saving.maybe_save(t, loop, save_due=False, preempted=False)
         assert ckpt.read_best(tmp_path)["step"] == named and t.saver.pending is None
         assert ckpt.meta_path(tmp_path, 4).stat().st_mtime_ns == written  # step 4 not written again
-    assert ckpt.read_best(tmp_path) == {"step": 4, "val_loss": 1.5} and loop.saved_best == (1.5, 4)
+    assert ckpt.read_best(tmp_path) == {"step": 4, "val_loss": 1.5, "weights": "raw"} and loop.saved_best == (1.5, 4, "raw")
     assert any("best.json names step 000004" in line for line in lines)
 
 
@@ -330,7 +330,7 @@ def test_staging_is_counted_as_the_pinned_allocator_takes_it(tmp_path, monkeypat
     pinned = staged_bytes_per_rank(model.config, 1, "fp32", pinned=True)[0]
     assert pinned > 1.5 * exact  # 96 x 96 fp32 matrices take 1.78x
     monkeypatch.setattr(saving, "host_available_bytes", lambda: exact + pinned)  # half of it: >= exact, < pinned
-    cfg, lines = SimpleNamespace(async_save=1, save_write_mbps=0.0), []
+    cfg, lines = SimpleNamespace(async_save=1, save_write_mbps=0.0, average="none"), []
     assert saving.make_saver(cfg, d, model, tmp_path, lines.append).background
     cuda = Dist(0, 0, 1, torch.device("cuda", 0))  # only the saver's accounting: nothing is allocated here
     assert not saving.make_saver(cfg, cuda, model, tmp_path, lines.append).background
