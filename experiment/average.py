@@ -20,7 +20,7 @@ import torch
 from experiment.optim import ShardedOptimizer
 
 KINDS = ("none", "ema")
-MAX_WIDTH = 0.2887  # the width at gamma = 0, 1 / (2 sqrt 3): no power-function EMA is wider
+MAX_WIDTH = 0.2886  # just under the width at gamma = 0, 1 / (2 sqrt 3) = 0.28868: none is wider
 
 
 def width_of(gamma: float) -> float:
@@ -72,8 +72,8 @@ class WeightAverage:
         """Every rank's model holds the average (each owner broadcasts its part), then its own weights
         again: the eval measures the average. A collective on entry and on exit."""
         params = self.opt.params
-        with torch.no_grad():
-            kept = {n: params[n].detach().clone() for n in self.names if n not in self.opt.master}
+        with torch.no_grad():  # without fp32 masters, the weights wait in host memory: no GPU memory for them
+            kept = {n: params[n].detach().to("cpu", copy=True) for n in self.names if n not in self.opt.master}
             for n in self.names:
                 params[n].copy_(self.values[n])
             self.opt.broadcast_owned()

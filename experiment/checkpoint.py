@@ -189,7 +189,7 @@ def remove_incomplete(run_dir: Path) -> None:
               "loaded, and the next launch tries again", file=sys.stderr, flush=True)
 
 
-def repair_best(run_dir: Path, best_val: float, best_step: int, weights: str = "raw") -> bool:
+def repair_best(run_dir: Path, best_val: float, best_step: int) -> bool:
     """Make best.json name the best step the resumed checkpoint records, when that step is complete
     and best.json names another: a kill between a step's meta and its best.json leaves best.json
     behind, and retention protects only the step best.json names. True when it was rewritten."""
@@ -203,6 +203,7 @@ def repair_best(run_dir: Path, best_val: float, best_step: int, weights: str = "
     # A later step than the recorded best is another branch's (a --resume to an earlier step): it stands.
     if best is not None and int(best["step"]) in steps and int(best["step"]) >= best_step:
         return False
+    weights = read_meta(run_dir, best_step).get("weights", "raw")  # what that step's model files hold
     atomic_write_json(Path(run_dir) / "best.json", {"step": best_step, "val_loss": best_val, "weights": weights})
     return True
 

@@ -156,7 +156,7 @@ class TrainConfig:
     average: str = opt("weight average kept beside the weights: ema (a power-function EMA over the last "
                        "average_width of the run, evaluated beside the raw weights at every eval; the better "
                        "of the two is the one saved as best and served) or none", "none")
-    average_width: float = opt("the average's width as a fraction of the steps so far (0 < w <= 0.2887)", 0.1)
+    average_width: float = opt("the average's width as a fraction of the steps so far (0 < w <= 0.2886)", 0.1)
     seq_warmup_frac: float | None = opt("short contexts first: over the first half of this fraction of the schedule "
                                         "each sequence is cut into four of max_seq_len/4, over the second half into "
                                         "two (the same tokens per step; 0: off; default 0.3 without CUDA, 0 with)")

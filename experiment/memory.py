@@ -103,8 +103,8 @@ def plan_memory(config: GPTConfig, world_size: int, batch: int, seq: int, precis
         "activations": activation_bytes(config, batch, seq, activation_checkpointing, 2 if cuda else 4),
         "NCCL buffers": NCCL_BUFFER_BYTES if collectives else 0,
     }
-    if average:
-        rows["weight average"] = 4 * n_owned
+    if average:  # fp32, and its cast to the weights' dtype while a save copies it out
+        rows["weight average"] = 4 * n_owned + (2 * n_owned if precision == "bf16" else 0)
     rows["overhead"] = (OVERHEAD_FIXED_BYTES if cuda else 0) + int(OVERHEAD_FRACTION * sum(rows.values()))
     return MemoryPlan(precision, activation_checkpointing, rows)
 

@@ -104,7 +104,9 @@ def markdown(report: RunReport, st, status: str) -> str:
                   + f" (step {speed['step']})"),
         ("best", f"val loss {st.best_val:.4f} at step {st.best_step}: {f['best_file'].format(step=st.best_step)}"
                  + (", the weight average (AVERAGE), which beat the raw weights" if st.best_weights == "average"
-                    else "") if st.best_step >= 0 else "no checkpoint yet"),
+                    else ", the raw weights: their average (AVERAGE) did not beat them"
+                    if f["config"].get("average", "none") != "none" else "") if st.best_step >= 0
+                 else "no checkpoint yet"),
     ] + [(k, f[k]) for k in ("eval", "plan", "auto") if f.get(k)]
     if status == "running" and f.get("projected end"):  # the step line's eta, as of the latest step line
         rows.append(("projected end", f["projected end"]))

@@ -224,7 +224,7 @@ def repair_best(run_dir: Path, st: RunState, log: RunLog, why: str = "again, the
     """Rank 0: best.json names st's best step where it names an older one (on a resume: a kill between
     a step's meta and its best.json; name_resumed_best); the line says `why`."""
     try:
-        if ckpt.repair_best(run_dir, st.best_val, st.best_step, st.best_weights):
+        if ckpt.repair_best(run_dir, st.best_val, st.best_step):
             log(f"best.json names step {st.best_step:06d} {why}")
     except (OSError, CheckpointError) as e:  # the old best.json stands (rank 0 alone must not leave here)
         log(f"warning: best.json could not be rewritten to name step {st.best_step:06d} ({e})")

@@ -133,7 +133,8 @@ def weight_average(cfg: TrainConfig, d: Dist, model_config: GPTConfig, plan, log
         model_config, d.world_size, cfg.device_batch_size or 1, model_config.max_seq_len, plan.precision,
         plan.activation_checkpointing, average=True).fits(torch.cuda.get_device_properties(d.device).total_memory)
     where = "beside the weights" if on_device else f"in host memory, folded in every {HOST_AVERAGE_EVERY} steps"
-    log(f"average | ema of the last {cfg.average_width:g} of the steps, {where}")
+    owned = 4 * sum(t.numel() for t in opt.target.values())
+    log(f"average | ema of the last {cfg.average_width:g} of the steps, {where} ({owned / 1e9:.2f} GB on this rank)")
     return (WeightAverage(opt, cfg.average_width) if on_device
             else WeightAverage(opt, cfg.average_width, torch.device("cpu"), HOST_AVERAGE_EVERY))
 
@@ -403,8 +404,11 @@ def maybe_eval(t: Trainer, loop: Loop) -> None:
             average = evaluate(t.model, t.prepared, cfg.max_seq_len, cfg.device_batch_size, cfg.eval_tokens, t.d,
                                t.weights)
     # The better of the two is what this step's checkpoint holds, what best tracks and what the stop
-    # at the val minimum watches: every rank saw the same reduced losses, so all choose alike.
-    loop.weights = "average" if average is not None and average[0] < raw[0] else "raw"
+    # at the val minimum watches: every rank saw the same reduced losses, so all choose alike. A step
+    # saved already (a preemption's save, which skips the eval a resume runs now) is not written again:
+    # its model files hold the raw weights, so its eval stands for those.
+    better = average is not None and average[0] < raw[0] and step != loop.last_saved_step
+    loop.weights = "average" if better else "raw"
     loop.val_loss, val_bpc, by_source = average if loop.weights == "average" else raw
     st.last_eval_step, st.last_eval_tokens, loop.last_eval_time = step, st.tokens_seen, time.time()
     new_best = step > 0 and loop.val_loss < st.best_val

@@ -3,26 +3,35 @@ weights without changing training, the better of the two saved as best and serve
 optimizer shards through a crash and a resume and to another world size, and counted in the memory
 plan."""
 
+import contextlib
 import json
 import math
 import re
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import TINY, run_train, tiny_config
 from test_optim import fake_grads, make_model, run_steps
+from test_saver import _trainer
 
 from experiment import checkpoint as ckpt
+from experiment import saving, train
 from experiment.average import MAX_WIDTH, WeightAverage, gamma_for, width_of
 from experiment.config import ConfigError, TrainConfig, resolve
+from experiment.dataloader import Prepared
+from experiment.distributed import Dist
+from experiment.evaluation import evaluate
 from experiment.memory import checkpoint_bytes_per_rank, count_params, plan_memory, staged_bytes_per_rank
-from experiment.model import GPTConfig
+from experiment.model import GPT, GPTConfig
 from experiment.optim import LRS, ShardedOptimizer
 from experiment.runlog import report_eval
+from experiment.trainer import Loop
 
-AVERAGE = ["--average", "ema", "--average_width", "0.2887"]
+AVERAGE = ["--average", "ema", "--average_width", "0.2886"]
+CPU = Dist(0, 0, 1, torch.device("cpu"))
 # A constant LR far too high for the tiny model: the raw weights bounce, and their average wins.
 BOUNCING = ["--matrix_lr", "1.0", "--embedding_lr", "0.5", "--unembedding_lr", "0.5", "--warmdown_frac", "0",
             "--plateau_evals", "0"]
@@ -203,11 +212,23 @@ def test_averaging_never_changes_training(tmp_path, corpus, nproc):
             assert torch.equal(sa[n]["master"], sp[n]["master"]), n
             assert "average" in sa[n] and "average" not in sp[n]
     assert [r["val_loss_raw"] for r in _evals(a)] == [r["val_loss"] for r in _evals(plain)]
+    # The average the eval measured is the one the shards hold, whole on every rank: assembled from
+    # the ranks' shards and evaluated in one process, it gives the eval's loss.
+    averages = {n: s["average"] for r in range(nproc)
+                for n, s in ckpt.load_tensors(ckpt.optim_path(a, 12, r))["state"].items()}
+    meta = ckpt.read_meta(a, 12)
+    model = GPT(GPTConfig(**meta["model_config"]))
+    model.load_state_dict({**model.state_dict(), **averages})
+    loss, _, _ = evaluate(model, Prepared.load(meta["prepared"]["dir"]), 32, 4, 512, CPU)
+    assert loss == pytest.approx(_evals(a)[-1]["val_loss_average"], rel=1e-5)
 
 
-def test_an_averaged_run_resumed_after_a_crash_equals_the_uninterrupted_run(tmp_path, corpus):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_an_averaged_run_resumed_after_a_crash_equals_the_uninterrupted_run(tmp_path, corpus, precision):
+    """The model files may hold the average; the resume trains on the shards' fp32 masters (in bf16,
+    the weights are their cast) and goes on with the shards' averages."""
     common = [*TINY, "--data_dir", corpus, "--max_steps", 12, "--save_every_steps", 6, "--eval_every_steps", 3,
-              "--total_batch_size", 256, *AVERAGE, *BOUNCING]
+              "--total_batch_size", 256, "--precision", precision, *AVERAGE, *BOUNCING]
     run_train([*common, "--workspace", tmp_path / "a"])
     a_dir, b_dir = tmp_path / "a/checkpoints/d2", tmp_path / "b/checkpoints/d2"
     shutil.copytree(a_dir, b_dir)
@@ -220,12 +241,13 @@ def test_an_averaged_run_resumed_after_a_crash_equals_the_uninterrupted_run(tmp_
     ma, mb = (ckpt.load_model_state(d, 12) for d in (a_dir, b_dir))
     assert all(torch.equal(ma[n], mb[n]) for n in ma)
     assert ckpt.read_best(a_dir) == ckpt.read_best(b_dir)
+    assert ckpt.read_meta(a_dir, 6)["weights"] == "average"  # the resumed step's model files held the average
 
 
 def test_bad_average_settings_are_named(tmp_path, corpus):
     for name, value, words in (("average", "swa", "must be one of none, ema, got 'swa'"),
-                               ("average_width", 0.0, "must lie in (0, 0.2887], got 0.0"),
-                               ("average_width", 0.3, "must lie in (0, 0.2887], got 0.3")):
+                               ("average_width", 0.0, "must lie in (0, 0.2886], got 0.0"),
+                               ("average_width", 0.3, "must lie in (0, 0.2886], got 0.3")):
         with pytest.raises(ConfigError, match="^" + re.escape(f"--{name} {words}")):
             resolve(TrainConfig(**{name: value}), cuda=False, world_size=1)
     assert resolve(TrainConfig(), cuda=True, world_size=1).average == "none"
@@ -240,7 +262,9 @@ def test_the_memory_plan_counts_the_average():
         plain = plan_memory(config, world, 4, 32, "bf16", False)
         with_it = plan_memory(config, world, 4, 32, "bf16", False, average=True)
         owned = plain.rows["fp32 masters"] // 8  # the most loaded rank's owned parameters
-        assert "weight average" not in plain.rows and with_it.rows["weight average"] == 4 * owned
+        assert "weight average" not in plain.rows and with_it.rows["weight average"] == (4 + 2) * owned  # + bf16 cast
+        fp32 = plan_memory(config, world, 4, 32, "fp32", False, average=True)
+        assert fp32.rows["weight average"] == 4 * owned  # no cast: the fp32 average is the weights' dtype
         parts = zip(checkpoint_bytes_per_rank(config, world, "bf16", average=True),
                     checkpoint_bytes_per_rank(config, world, "bf16"))
         assert sum(a[1] - b[1] for a, b in parts) == 4 * count_params(config)
@@ -278,3 +302,77 @@ class _Writer:
 
     def flush(self):
         pass
+
+
+def test_the_first_step_copies_the_weights(tmp_path, corpus):
+    run_train([*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--max_steps", 1, "--total_batch_size", 256,
+               *AVERAGE])
+    shard = ckpt.load_tensors(ckpt.optim_path(tmp_path / "checkpoints/d2", 1, 0))["state"]
+    assert all(torch.equal(s["average"], s["master"]) for s in shard.values())
+
+
+class _Swap:
+    @contextlib.contextmanager
+    def swapped_in(self):
+        yield
+
+
+def _eval_at(step, last_saved_step, raw, average, monkeypatch):
+    """train.maybe_eval at `step` with evaluate giving `raw`, then `average` (loss, bpc, None)."""
+    results = iter([(raw, 1.0, None), (average, 1.0, None)])
+    monkeypatch.setattr(train, "evaluate", lambda *args: next(results))
+    st = ckpt.RunState(step=step, best_val=3.0, best_step=3)
+    cfg = SimpleNamespace(max_seq_len=32, device_batch_size=4, eval_tokens=512, sample_tokens=0, plateau_evals=0)
+    t = SimpleNamespace(cfg=cfg, st=st, opt=SimpleNamespace(average=_Swap()), model=None, prepared=None, d=CPU,
+                        weights=None, report=SimpleNamespace(add=lambda r: None, write=lambda *a: None),
+                        eval_coverage=(512, 1000, False), log=lambda line: None, writer=_Writer())
+    loop = _loop(last_saved_step)
+    train.maybe_eval(t, loop)
+    return st, loop
+
+
+def _loop(last_saved_step):
+    return Loop(x=None, y=None, data_state={}, started=0.0, used_at_start=0.0, last_eval_time=0.0,
+                last_save_time=0.0, last_saved_step=last_saved_step, last_complete_step=last_saved_step)
+
+
+def test_a_step_saved_before_its_eval_stands_for_its_raw_weights(monkeypatch):
+    """A preemption saves the raw weights and skips the eval, which the resume runs at that step: the
+    checkpoint is not written again, so its eval, and the best it may set, are the raw weights'."""
+    st, loop = _eval_at(9, 9, raw=2.0, average=1.5, monkeypatch=monkeypatch)
+    assert (loop.weights, loop.val_loss, st.best_val, st.best_step, st.best_weights) == ("raw", 2.0, 2.0, 9, "raw")
+    st, loop = _eval_at(9, 6, raw=2.0, average=1.5, monkeypatch=monkeypatch)  # not saved yet: the better one
+    assert (loop.weights, loop.val_loss, st.best_val, st.best_step, st.best_weights) == ("average", 1.5, 1.5, 9,
+                                                                                          "average")
+
+
+def test_repairing_best_json_names_the_weights_that_step_holds(tmp_path):
+    for step, weights in ((2, "raw"), (4, "average")):
+        meta = {"step": step, "val_loss": 2.0, "state": {"best_val": 2.0, "best_step": 2}, "world_size": 1,
+                "model_parts": 1, "weights": weights}
+        assert ckpt.save_checkpoint(tmp_path, step, {"w": torch.ones(3)}, {}, meta) is None
+    assert ckpt.read_best(tmp_path)["weights"] == "raw"
+    assert ckpt.repair_best(tmp_path, 1.5, 4)  # a kill between step 4's meta and its best.json
+    assert ckpt.read_best(tmp_path) == {"step": 4, "val_loss": 1.5, "weights": "average"}
+
+
+def test_a_failed_best_save_falls_back_to_the_saved_best_and_its_weights(tmp_path):
+    st, lines = ckpt.RunState(), []
+    t, loop = _trainer(tmp_path, st, lines.append)
+
+    def save(step, fails, weights):
+        if fails:
+            ckpt.optim_path(tmp_path, step, 0).mkdir()  # its shard cannot be written
+        meta = {"step": step, "val_loss": loop.val_loss, "weights": weights, "world_size": 1, "model_parts": 1,
+                "state": {"best_val": st.best_val, "best_step": st.best_step, "best_weights": st.best_weights}}
+        t.saver.begin(step, {"w": torch.ones(10)}, {}, meta, background=False, context={"final": False})
+        saving.finish_save(t, loop, wait=True)
+
+    st.step, st.last_eval_step, loop.val_loss, loop.weights = 2, 2, 2.0, "average"
+    st.best_val, st.best_step, st.best_weights = 2.0, 2, "average"
+    save(2, fails=False, weights="average")
+    st.step, st.last_eval_step, loop.val_loss, loop.weights = 3, 3, 1.5, "raw"
+    st.best_val, st.best_step, st.best_weights = 1.5, 3, "raw"
+    save(3, fails=True, weights="raw")
+    assert (st.best_val, st.best_step, st.best_weights) == (2.0, 2, "average")
+    assert ckpt.read_best(tmp_path) == {"step": 2, "val_loss": 2.0, "weights": "average"}
