@@ -88,7 +88,8 @@ def plan_from_measured_rate(t: Trainer, loop: Loop, rate: float) -> None:
               "trains the whole budget)")
     total = min(st.tokens_seen + rate * left, t.max_tokens)
     for line in autosize.data_lines(cfg.depth, launch.make_config(cfg, t.prepared), total, train_tokens,
-                                    cfg.total_batch_size, auto=t.run_meta["auto"] is not None):
+                                    cfg.total_batch_size, auto=t.run_meta["auto"] is not None,
+                                    averaged=cfg.average != "none"):
         t.log(line)
     if t.weights:
         for line in source_epoch_lines(total, t.weights, t.prepared.meta["source_splits"]):

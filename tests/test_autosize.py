@@ -175,6 +175,10 @@ def test_an_explicit_depth_that_repeats_the_data_gets_a_warning():
     lines = data_lines(64, gpu, total_tokens=8 * 31 * 3600 * 20_000, train_tokens=10**8, tokens_per_step=524288)
     assert "supports up to d" in lines[0] and "d64 has" in lines[0]
     assert lines[1].startswith("warning: d64 will see the training data 178.6 times")
+    assert lines[1].endswith("to make more of the passes, AVERAGE=ema with ATTN_DROPOUT=0.2 (docs/training.md)")
+    averaged = data_lines(64, gpu, total_tokens=8 * 31 * 3600 * 20_000, train_tokens=10**8, tokens_per_step=524288,
+                          averaged=True)
+    assert averaged[1].endswith("a smaller budget")
     assert len(data_lines(64, gpu, total_tokens=2 * 10**8, train_tokens=10**8, tokens_per_step=524288)) == 1
 
 

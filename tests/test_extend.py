@@ -187,9 +187,10 @@ def test_an_extended_run_keeps_the_latest_steps_best_as_a_pair():
     """The best that stands is the latest step's (its val loss and its step together), not the rewound
     start's: best.json and the served model must name one step."""
     start = RunState(step=6, tokens_seen=1536, best_val=2.0, best_step=3)
-    latest = RunState(step=10, tokens_seen=2560, best_val=1.5, best_step=9, used_seconds=50.0)
+    latest = RunState(step=10, tokens_seen=2560, best_val=1.5, best_step=9, used_seconds=50.0, best_weights="average")
     st = rewound(start, latest)
     assert (st.best_val, st.best_step, st.step, st.tokens_seen, st.used_seconds) == (1.5, 9, 10, 1536, 50.0)
+    assert st.best_weights == "average"  # what step 9's model files hold (AVERAGE)
 
 
 def test_too_short_names_the_max_steps_that_would_leave_time_at_the_peak():
