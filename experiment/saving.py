@@ -77,11 +77,11 @@ def restore_checkpoint(run_dir: Path, step: int, model: GPT, opt: ShardedOptimiz
 
 
 def write_checkpoint(run_dir: Path, model: GPT, opt: ShardedOptimizer, st: RunState, val_loss: float | None,
-                     run_meta: dict, d: Dist, weights: str = "raw") -> str | None:
-    """The step saved here and now (ckpt.save_checkpoint); None when the step is complete, else why
-    not (on every rank alike). The loop saves through its Saver instead (maybe_save)."""
-    share = checkpoint_share(model, opt, st, val_loss, run_meta, d, weights)
-    return ckpt.save_checkpoint(run_dir, st.step, *share, d.rank, d.world_size, all_ok=lambda ok: all_ranks_ok(ok, d),
+                     run_meta: dict, d: Dist) -> str | None:
+    """The step saved here and now (ckpt.save_checkpoint), with the raw weights; None when the step is
+    complete, else why not (on every rank alike). The loop saves through its Saver instead (maybe_save)."""
+    return ckpt.save_checkpoint(run_dir, st.step, *checkpoint_share(model, opt, st, val_loss, run_meta, d), d.rank,
+                                d.world_size, all_ok=lambda ok: all_ranks_ok(ok, d),
                                 gather=lambda files: gather_objects(files, d))
 
 

@@ -25,7 +25,9 @@ from experiment.dataloader import Prepared
 from experiment.distributed import Dist
 from experiment.evaluation import evaluate
 from experiment.memory import checkpoint_bytes_per_rank, count_params, plan_memory, staged_bytes_per_rank
-from experiment.model import GPT, GPTConfig
+from experiment.guards import DISK_WRITE_GBPS
+from experiment.model import GPT, GPTConfig, build_model
+from experiment.saver import HOST_STAGING_FRACTION
 from experiment.optim import LRS, ShardedOptimizer
 from experiment.runlog import report_eval
 from experiment.trainer import Loop
@@ -68,6 +70,26 @@ def test_the_average_is_the_power_function_ema():
     for n, v in expected.items():
         torch.testing.assert_close(opt.average.values[n], v, rtol=1e-6, atol=1e-7, msg=n)
     assert not torch.allclose(opt.average.values["lm_head.weight"], model.lm_head.weight)
+
+
+def test_the_average_records_no_autograd_graph():
+    """The trainer folds outside no_grad, from parameters that require grad: the average must stay
+    plain data (a graph would hold every step's weights alive)."""
+    model, opt = _averaged(0.1)
+    run_steps(model, opt, 2)
+    assert torch.is_grad_enabled() and model.lm_head.weight.requires_grad
+    opt.average.update(1)
+    opt.average.update(2)
+    opt.average.reset_to_weights(["lm_head.weight"])
+    assert not any(v.requires_grad or v.grad_fn is not None for v in opt.average.values.values())
+
+
+def test_the_average_lives_where_it_is_told():
+    """Beside the weights by default; on the device given (host memory for a model too large for its GPU)."""
+    model, opt = _averaged(0.1)
+    assert {v.device.type for v in opt.average.values.values()} == {"cpu"}
+    elsewhere = WeightAverage(opt, 0.1, torch.device("meta"), every=10)
+    assert {v.device.type for v in elsewhere.values.values()} == {"meta"} and elsewhere.every == 10
 
 
 def test_folding_every_k_steps_equals_every_step_while_the_weights_stand_still():
@@ -122,12 +144,14 @@ def test_the_average_travels_in_the_shards_to_any_world_size():
     shards = []
     for rank in range(2):
         model, opt = _averaged(0.1, rank=rank, world_size=2, communicate=False)
-        run_steps(model, opt, 3)
         for t in range(1, 4):
+            fake_grads(model, t)
+            opt.step()
             opt.average.update(t)
         shards.append(opt.shard_state())
     saved = {n: s["average"] for shard in shards for n, s in shard["state"].items()}
     assert set(saved) == {n for n, _ in make_model().named_parameters()}
+    assert not any(torch.equal(s["average"], s["master"]) for shard in shards for s in shard["state"].values())
     for world in (1, 3):
         for rank in range(world):
             _, opt = _averaged(0.1, rank=rank, world_size=world, communicate=False)
@@ -376,3 +400,16 @@ def test_a_failed_best_save_falls_back_to_the_saved_best_and_its_weights(tmp_pat
     save(3, fails=True, weights="raw")
     assert (st.best_val, st.best_step, st.best_weights) == (2.0, 2, "average")
     assert ckpt.read_best(tmp_path) == {"step": 2, "val_loss": 2.0, "weights": "average"}
+
+
+def test_the_saver_and_the_first_save_estimate_count_the_average(tmp_path, monkeypatch):
+    model = build_model(tiny_config())
+    d, params = CPU, count_params(tiny_config())
+    assert saving.checkpoint_seconds(model, 1) == saving.checkpoint_seconds(model, 1, average=False)
+    extra = saving.checkpoint_seconds(model, 1, average=True) - saving.checkpoint_seconds(model, 1)
+    assert extra == pytest.approx(4 * params / (DISK_WRITE_GBPS * 1e9), rel=1e-9)
+    plain, averaged = (staged_bytes_per_rank(tiny_config(), 1, "fp32", pinned=False, average=a)[0] for a in (0, 1))
+    monkeypatch.setattr(saving, "host_available_bytes", lambda: (plain + averaged) / 2 / HOST_STAGING_FRACTION)
+    for average, background in (("none", True), ("ema", False)):  # staging fits without it, not with it
+        cfg = SimpleNamespace(async_save=1, save_write_mbps=0.0, average=average)
+        assert saving.make_saver(cfg, d, model, tmp_path, lambda line: None).background == background
