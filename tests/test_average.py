@@ -15,12 +15,13 @@ import torch
 
 from conftest import TINY, run_train, tiny_config
 from test_optim import fake_grads, make_model, run_steps
+from test_report import FACTS
 from test_saver import _trainer
 
 from experiment import checkpoint as ckpt
 from experiment import saving, train
 from experiment.average import MAX_WIDTH, WeightAverage, gamma_for, width_of
-from experiment.config import ConfigError, TrainConfig, resolve
+from experiment.config import ConfigError, TrainConfig, parse_args, resolve
 from experiment.dataloader import Prepared
 from experiment.distributed import Dist
 from experiment.evaluation import evaluate
@@ -29,7 +30,8 @@ from experiment.guards import DISK_WRITE_GBPS
 from experiment.model import GPT, GPTConfig, build_model
 from experiment.saver import HOST_STAGING_FRACTION
 from experiment.optim import LRS, ShardedOptimizer
-from experiment.runlog import report_eval
+from experiment.report import RunReport
+from experiment.runlog import RunLog, report_eval
 from experiment.trainer import Loop
 
 AVERAGE = ["--average", "ema", "--average_width", "0.2886"]
@@ -275,6 +277,7 @@ def test_bad_average_settings_are_named(tmp_path, corpus):
         with pytest.raises(ConfigError, match="^" + re.escape(f"--{name} {words}")):
             resolve(TrainConfig(**{name: value}), cuda=False, world_size=1)
     assert resolve(TrainConfig(), cuda=True, world_size=1).average == "none"
+    assert resolve(TrainConfig(average="ema", average_width=0.2886), cuda=False, world_size=1).average_width == 0.2886
     proc = run_train([*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--average", "EMA"], check=False)
     assert proc.returncode == 2 and "--average must be one of none, ema, got 'EMA'" in proc.stderr
     assert not list(tmp_path.rglob("*.pt"))
@@ -365,6 +368,8 @@ def test_a_step_saved_before_its_eval_stands_for_its_raw_weights(monkeypatch):
     checkpoint is not written again, so its eval, and the best it may set, are the raw weights'."""
     st, loop = _eval_at(9, 9, raw=2.0, average=1.5, monkeypatch=monkeypatch)
     assert (loop.weights, loop.val_loss, st.best_val, st.best_step, st.best_weights) == ("raw", 2.0, 2.0, 9, "raw")
+    st, loop = _eval_at(9, 6, raw=2.0, average=2.0, monkeypatch=monkeypatch)  # a tie keeps the raw weights
+    assert loop.weights == "raw"
     st, loop = _eval_at(9, 6, raw=2.0, average=1.5, monkeypatch=monkeypatch)  # not saved yet: the better one
     assert (loop.weights, loop.val_loss, st.best_val, st.best_step, st.best_weights) == ("average", 1.5, 1.5, 9,
                                                                                           "average")
@@ -413,3 +418,29 @@ def test_the_saver_and_the_first_save_estimate_count_the_average(tmp_path, monke
     for average, background in (("none", True), ("ema", False)):  # staging fits without it, not with it
         cfg = SimpleNamespace(async_save=1, save_write_mbps=0.0, average=average)
         assert saving.make_saver(cfg, d, model, tmp_path, lambda line: None).background == background
+
+
+@pytest.mark.parametrize("average", ["none", "ema"])
+def test_the_trainer_reserves_room_for_a_save_with_the_average(tmp_path, corpus, average):
+    """Until a save is measured, the reserve for the final save is the checkpoint's size at the disk
+    rate the plan assumes: with the average, 4 bytes per parameter more."""
+    cfg = resolve(parse_args([*map(str, TINY), "--data_dir", str(corpus), "--workspace", str(tmp_path),
+                              "--device", "cpu", "--average", average]), cuda=False, world_size=1)
+    t = train.setup(cfg, CPU, tmp_path, tmp_path / "checkpoints" / cfg.model_tag, RunLog(None))
+    assert (t.opt.average is not None) == (average == "ema")
+    assert t.first_save_seconds == saving.checkpoint_seconds(t.model, 1, average == "ema")
+    assert saving.checkpoint_seconds(t.model, 1, True) > saving.checkpoint_seconds(t.model, 1, False)
+    t.lock.close()
+
+
+def test_the_report_says_which_weights_are_best(tmp_path):
+    rows = {}
+    for average, weights in (("none", "raw"), ("ema", "raw"), ("ema", "average")):
+        report = RunReport(tmp_path / f"{average}-{weights}", {**FACTS, "config": {"average": average}}, resume_step=None)
+        report.run_dir.mkdir()
+        report.write(ckpt.RunState(step=9, best_val=1.5, best_step=9, best_weights=weights), "running")
+        rows[average, weights] = next(line for line in (report.run_dir / "report.md").read_text().splitlines()
+                                      if line.startswith("| best |"))
+    assert rows["none", "raw"] == "| best | val loss 1.5000 at step 9: model_000009.pt |"
+    assert rows["ema", "raw"].endswith("model_000009.pt, the raw weights: their average (AVERAGE) did not beat them |")
+    assert rows["ema", "average"].endswith("model_000009.pt, the weight average (AVERAGE), which beat the raw weights |")
