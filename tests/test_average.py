@@ -370,6 +370,10 @@ def test_a_step_saved_before_its_eval_stands_for_its_raw_weights(monkeypatch):
     assert (loop.weights, loop.val_loss, st.best_val, st.best_step, st.best_weights) == ("raw", 2.0, 2.0, 9, "raw")
     st, loop = _eval_at(9, 6, raw=2.0, average=2.0, monkeypatch=monkeypatch)  # a tie keeps the raw weights
     assert loop.weights == "raw"
+    st, loop = _eval_at(9, 6, raw=1.5, average=2.0, monkeypatch=monkeypatch)  # the raw weights better
+    assert (loop.weights, loop.val_loss, st.best_weights) == ("raw", 1.5, "raw")
+    st, loop = _eval_at(1000, int("1000"), raw=2.0, average=1.5, monkeypatch=monkeypatch)  # equal, not identical
+    assert loop.weights == "raw"
     st, loop = _eval_at(9, 6, raw=2.0, average=1.5, monkeypatch=monkeypatch)  # not saved yet: the better one
     assert (loop.weights, loop.val_loss, st.best_val, st.best_step, st.best_weights) == ("average", 1.5, 1.5, 9,
                                                                                           "average")
