@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
+from experiment.average import WeightAverage
 from experiment.config import ConfigError
 from experiment.distributed import Dist
 from experiment.model import GPT, GPTConfig
-from experiment.optim import partition, uses_muon
+from experiment.optim import ShardedOptimizer, partition, uses_muon
 from experiment.step import forward_backward
 
 # Elements autograd saves for one forward pass, measured on CPU with saved_tensors_hooks over six
@@ -251,3 +252,22 @@ def choose_memory_mode(model_config: GPTConfig, batch: int, precision: str, acti
         raise ConfigError(f"d{model_config.depth} with device batch {batch} does not fit {gpu_bytes / 2**30:.0f} GiB "
                           f"per GPU on {d.world_size} ranks in any mode allowed:\n{format_plan(plans, gpu_bytes)}")
     return plan
+
+
+HOST_AVERAGE_EVERY = 10  # steps between folds of a weight average kept in host memory (place_average)
+
+
+def place_average(width: float, batch: int, model_config: GPTConfig, plan: MemoryPlan | None, d: Dist,
+                  opt: ShardedOptimizer, log) -> WeightAverage:
+    """AVERAGE=ema's average: on the GPU when the plan's mode still fits with it at device batch
+    `batch`, folded in at every step; else in host memory, folded in every HOST_AVERAGE_EVERY steps
+    (a copy of the owned weights across PCIe: d64 on 8 x 80 GB has no room for it). It never changes
+    the mode training takes. `plan` None (CPU): beside the weights."""
+    on_device = plan is None or plan_memory(
+        model_config, d.world_size, batch, model_config.max_seq_len, plan.precision, plan.activation_checkpointing,
+        average=True).fits(torch.cuda.get_device_properties(d.device).total_memory)
+    where = "beside the weights" if on_device else f"in host memory, folded in every {HOST_AVERAGE_EVERY} steps"
+    owned = 4 * sum(t.numel() for t in opt.target.values())
+    log(f"average | ema of the last {width:g} of the steps, {where} ({owned / 1e9:.2f} GB on this rank)")
+    return (WeightAverage(opt, width) if on_device
+            else WeightAverage(opt, width, torch.device("cpu"), HOST_AVERAGE_EVERY))

@@ -32,7 +32,6 @@ from experiment import autosize, extend, finetune, guards, launch, restarts
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError, RunState, pick_resume_step
 from experiment.config import ConfigError, TrainConfig, checkpoint_meta, fill_lrs, parse_args, resolve
-from experiment.average import WeightAverage
 from experiment.batches import TokenBatches
 from experiment.dataloader import DataError, Prepared
 from experiment.distributed import (Dist, ParentWatch, StopSignal, all_ranks_ok, broadcast_object, local_backend,
@@ -40,7 +39,7 @@ from experiment.distributed import (Dist, ParentWatch, StopSignal, all_ranks_ok,
 from experiment.evaluation import eval_coverage, evaluate
 from experiment.files import default_workspace
 from experiment.hardware import link_gbps
-from experiment.memory import choose_memory_mode, find_device_batch, plan_memory, probe_reserve_bytes
+from experiment.memory import choose_memory_mode, find_device_batch, place_average, probe_reserve_bytes
 from experiment.mixture import MixedBatches, source_weights
 from experiment.model import DTYPES, GPT, GPTConfig, build_model
 from experiment.onexit import last_words
@@ -54,9 +53,6 @@ from experiment.saving import (checkpoint_seconds, export_best, finish_save, mak
 from experiment.stopping import decide, last_outcome, stop_grace, stopped_at_minimum, unspent_text
 from experiment.trainer import Loop, Trainer
 from experiment.trainstep import train_step
-
-
-HOST_AVERAGE_EVERY = 10  # steps between folds of an average kept in host memory (weight_average)
 
 
 # ---------------------------------------------------------------- setup
@@ -107,7 +103,7 @@ def build_model_and_optimizer(cfg: TrainConfig, d: Dist, model_config: GPTConfig
                            weight_decay=cfg.weight_decay, adam_weight_decay=cfg.adam_weight_decay)
     model.set_dropout(cfg.dropout, cfg.attn_dropout)
     if cfg.average == "ema":
-        opt.average = weight_average(cfg, d, model_config, plan, log, opt)
+        opt.average = place_average(cfg.average_width, cfg.device_batch_size or 1, model_config, plan, d, opt, log)
     gpu_gib = torch.cuda.get_device_properties(d.device).total_memory / 2**30 if plan else 0
     log(f"memory | weights {precision}" + (" with fp32 master shards" if precision == "bf16" else "")
         + f" | activation checkpointing {'on' if activation_checkpointing else 'off'}"
@@ -122,21 +118,6 @@ def build_model_and_optimizer(cfg: TrainConfig, d: Dist, model_config: GPTConfig
         # showed 78.1 GiB at d12 for a step that needs a fraction of it.
         torch.cuda.reset_peak_memory_stats(d.device)
     return model, opt
-
-
-def weight_average(cfg: TrainConfig, d: Dist, model_config: GPTConfig, plan, log: RunLog,
-                   opt: ShardedOptimizer) -> WeightAverage:
-    """On the GPU when the memory plan's mode still fits with it, folded in at every step; else in
-    host memory, folded in every HOST_AVERAGE_EVERY steps (a copy of the owned weights across PCIe:
-    d64 on 8 x 80 GB has no room for it). The average never changes the mode training takes."""
-    on_device = plan is None or plan_memory(
-        model_config, d.world_size, cfg.device_batch_size or 1, model_config.max_seq_len, plan.precision,
-        plan.activation_checkpointing, average=True).fits(torch.cuda.get_device_properties(d.device).total_memory)
-    where = "beside the weights" if on_device else f"in host memory, folded in every {HOST_AVERAGE_EVERY} steps"
-    owned = 4 * sum(t.numel() for t in opt.target.values())
-    log(f"average | ema of the last {cfg.average_width:g} of the steps, {where} ({owned / 1e9:.2f} GB on this rank)")
-    return (WeightAverage(opt, cfg.average_width) if on_device
-            else WeightAverage(opt, cfg.average_width, torch.device("cpu"), HOST_AVERAGE_EVERY))
 
 
 def compiled(ddp: torch.nn.Module) -> torch.nn.Module:

@@ -301,7 +301,7 @@ def test_the_memory_plan_counts_the_average():
 
 def test_d64_on_eight_80gb_gpus_keeps_its_average_in_host_memory():
     """The plan's d64 mode (bf16 + fp32 masters + recompute, batch 2) fits 80 GiB, and not with the
-    average beside it: the trainer then keeps the average on the host (train.weight_average)."""
+    average beside it: the trainer then keeps the average on the host (memory.place_average)."""
     d64 = GPTConfig(vocab_size=256, depth=64, max_seq_len=2048, bigram_vocab=16384)
     gib80 = 80 * 2**30
     assert plan_memory(d64, 8, 2, 2048, "bf16", True).fits(gib80)
