@@ -90,7 +90,8 @@ class TrainConfig:
     gpu_hourly_usd: float = opt("price of one GPU-hour, for budget_usd", 4.0)
     max_epochs: float | None = opt("stop after this many passes over the training data, the LR schedule planned "
                                     "for them (default 8, or 80 optimizer steps' worth, at most 16, where 8 passes make fewer: "
-                                    "experiment/autosize.py; 0: none)")
+                                    "experiment/autosize.py; 0: none; where the budget passes over the data more than 4 times, "
+                                    "0 by regime: the stop at the val minimum ends the run)")
     allow: str = opt("pre-flight guards to pass on CUDA, comma-separated: demo (train on the built-in demo data), "
                      "repeat (an explicit DEPTH whose budget repeats the data more than the default cap, with MAX_EPOCHS=0 or above it), disk (less free "
                      "space than the checkpoints need)", "")
@@ -152,10 +153,13 @@ class TrainConfig:
                                    "scheduled LR (0: off)", 0.0)
     dropout: float = opt("dropout on each block's attention and MLP outputs before they join the residual stream, "
                          "in training only: evals, samples and serving never drop (0: off)", 0.0)
-    attn_dropout: float = opt("dropout on the attention weights (SDPA's dropout_p), in training only (0: off)", 0.0)
+    attn_dropout: float | None = opt("dropout on the attention weights (SDPA's dropout_p), in training only (0: off; "
+                                     "default by regime: 0.2 where the budget passes over the data more than 4 "
+                                     "times, else 0: experiment/regime.py)")
     average: str = opt("weight average kept beside the weights: ema (a power-function EMA over the last "
                        "average_width of the run, evaluated beside the raw weights at every eval; the better "
-                       "of the two is the one saved as best and served) or none", "none")
+                       "of the two is the one saved as best and served), none, or auto (by regime: ema where "
+                       "the budget passes over the data more than 4 times, else none)", "auto")
     average_width: float = opt("the average's width as a fraction of the steps so far (0 < w <= 0.2886)", 0.1)
     seq_warmup_frac: float | None = opt("short contexts first: over the first half of this fraction of the schedule "
                                         "each sequence is cut into four of max_seq_len/4, over the second half into "
@@ -275,14 +279,14 @@ def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
 
 
 def check_regularizers(cfg: TrainConfig) -> None:
-    for name in ("dropout", "attn_dropout"):  # 1 would drop everything
-        if not 0 <= getattr(cfg, name) < 1:
+    for name in ("dropout", "attn_dropout"):  # 1 would drop everything; attn_dropout None: by regime
+        if getattr(cfg, name) is not None and not 0 <= getattr(cfg, name) < 1:
             raise ConfigError(f"--{name} must lie in [0, 1), got {getattr(cfg, name)}")
     for name in ("weight_decay", "adam_weight_decay"):
         if not (math.isfinite(getattr(cfg, name)) and getattr(cfg, name) >= 0):
             raise ConfigError(f"--{name} must be a finite number >= 0, got {getattr(cfg, name)}")
-    if cfg.average not in AVERAGES:
-        raise ConfigError(f"--average must be one of {', '.join(AVERAGES)}, got {cfg.average!r}")
+    if cfg.average not in AVERAGES + ("auto",):
+        raise ConfigError(f"--average must be one of {', '.join(AVERAGES + ('auto',))}, got {cfg.average!r}")
     if not 0 < cfg.average_width <= MAX_AVERAGE_WIDTH:
         raise ConfigError(f"--average_width must lie in (0, {MAX_AVERAGE_WIDTH}], got {cfg.average_width}")
 

@@ -78,14 +78,20 @@ def auto_depth(cfg: TrainConfig, make_config, gpu: Gpu, world_size: int, train_t
     return chosen.depth
 
 
+def predicted_rate(cfg: TrainConfig, config, gpu: Gpu, world_size: int) -> float:
+    """The tok/s the plan predicts for `config` on these GPUs (gpu.peak known), all GPUs together."""
+    precision = checkpoint_precision(config, world_size, gpu.memory_bytes, cfg.precision)
+    return autosize.predicted_tok_per_s(config, gpu.peak, world_size, link_gbps(gpu.name),
+                                        autosize.WEIGHT_BYTES[precision], cfg.total_batch_size, gpu_name=gpu.name)
+
+
 def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: int,
              default_cap: float) -> GpuPlan | None:
     if gpu.peak is None:
         return None
-    average = cfg.average != "none"
+    average = cfg.average != "none"  # AVERAGE=auto counts it: the trainer's regime may turn it on
     precision = checkpoint_precision(config, world_size, gpu.memory_bytes, cfg.precision)
-    rate = autosize.predicted_tok_per_s(config, gpu.peak, world_size, link_gbps(gpu.name),
-                                        autosize.WEIGHT_BYTES[precision], cfg.total_batch_size, gpu_name=gpu.name)
+    rate = predicted_rate(cfg, config, gpu, world_size)
     budget_epochs = rate * cfg.training_hours * 3600 / train_tokens
     assert cfg.max_epochs is not None, "the pass cap is set with the data (launch.fill_pass_cap)"
     epochs = min(budget_epochs, cfg.max_epochs or budget_epochs)
@@ -116,7 +122,8 @@ def plan_line(cfg: TrainConfig, p: GpuPlan, world_size: int, gpu: Gpu) -> str:
     unspent = cfg.training_hours - p.hours
     stop = (f"stops after {p.epochs:g} passes at {p.hours:.2f}h, {unspent:.2f}h (${unspent * cfg.gpu_hourly_usd * world_size:,.0f}) "
             f"of the {cfg.training_hours:g}h budget unspent" if p.epochs < p.budget_epochs - 1e-9
-            else f"trains the whole {cfg.training_hours:g}h budget, {p.epochs:.1f} passes over the data")
+            else f"trains the whole {cfg.training_hours:g}h budget, {p.epochs:.1f} passes over the data"
+            + (" (less if the stop at the val minimum ends it)" if cfg.plateau_evals else ""))
     _, source, measured_on = autosize.mfu_table(gpu.name)
     return (f"preflight | plan d{p.depth}: {p.tok_per_s:,.0f} tok/s PREDICTED on {world_size} x {gpu.name} (MFU "
             f"measured on {measured_on}, {source}) | {stop} | checkpoint {p.checkpoint_bytes / 1e9:.1f} GB, "

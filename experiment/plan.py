@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from experiment import autosize
+from experiment import autosize, regime
 from experiment.guards import DISK_WRITE_GBPS, EXTRA_CHECKPOINTS
 from experiment.config import CUDA_DEFAULTS, PLATEAU_EVALS, opt, parse_flags
 from experiment.dataloader import DataError, validate
@@ -214,8 +214,19 @@ def plan(cfg: PlanConfig) -> dict:
          "passes (repeated data is worth less and less: Muennighoff et al. 2023)", "rungs": rungs,
          "link_gbps": gpus.link_gbps, "hours_available": cfg.hours_available, "gpu_table": rows,
          "recommended_gpus": min(in_time) if cfg.hours_available is not None and in_time else gpus.count}
+    p["regime"] = regime_plan(best.budget_epochs, hours, per_hour)
     p["launch"], p["run_dir"] = launch_line(p, cfg, p["recommended_gpus"])
     return p
+
+
+def regime_plan(passes: float, hours: float, per_hour: float) -> dict:
+    """What the trainer's defaults by regime (experiment/regime.py) make of the budget's passes at the
+    recommended depth: past regime.PASSES, the data-limited recipe, which trains on past the pass cap
+    until the stop at the val minimum, at most the whole budget."""
+    limited = passes > regime.PASSES
+    values = regime.RECIPE if limited else {**regime.OFF}
+    return {"budget_passes": passes, "data_limited": limited, "settings": {k.upper(): v for k, v in values.items()},
+            "hours_at_most": hours if limited else None, "usd_at_most": hours * per_hour if limited else None}
 
 
 def table(p: dict) -> str:
@@ -248,8 +259,23 @@ def table(p: dict) -> str:
               f"recommendation | at most {p['max_passes']:.1f} passes"
               + ("; stops earlier when val stops improving (the warmdown starts at the val minimum: "
                  "docs/training.md)" if p["stops_at_val_minimum"] else ""),
-              f"recommendation | rule: {p['rule']}"]
+              f"recommendation | rule: {p['rule']}"] + regime_lines(p)
     return "\n".join(lines + gpu_lines(p))
+
+
+def regime_lines(p: dict) -> list[str]:
+    r = p["regime"]
+    settings = regime.settings_text({k.lower(): v for k, v in r["settings"].items()})
+    if not r["data_limited"]:
+        return [f"recommendation | regime: the budget makes {r['budget_passes']:.1f} passes at d{p['depth']}, at most "
+                f"{regime.PASSES}: the trainer's defaults are {settings} (no regularizer)"]
+    return [f"recommendation | regime: the budget makes {r['budget_passes']:.1f} passes at d{p['depth']}, more than "
+            f"{regime.PASSES}: data-limited, so the trainer's defaults are {settings}: regularized, it trains on past "
+            f"those {p['max_passes']:.1f} passes until the stop at the val minimum, at most the whole "
+            f"{r['hours_at_most']:.1f} h (${r['usd_at_most']:,.0f}), so the unspent dollars above are the most it leaves",
+            "recommendation | what those extra passes buy at this size is EXTRAPOLATED from 2-core CPU screens of "
+            "up to 1.1M characters (docs/performance.md, \"Defaults by regime\"); ATTN_DROPOUT=0 AVERAGE=none "
+            "stops at the pass cap as before"]
 
 
 def gpu_lines(p: dict) -> list[str]:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from experiment import autosize, extend, finetune, guards
+from experiment import autosize, extend, finetune, guards, regime
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError
 from experiment.config import ConfigError, TrainConfig, parse_args, resolve
@@ -87,6 +87,20 @@ def plan_lines(cfg: TrainConfig, prepared: Prepared, config: GPTConfig | None, w
     ]
 
 
+def plan_regime(cfg: TrainConfig, unset: list[str], config: GPTConfig | None, gpu: guards.Gpu | None, world_size: int,
+                train_tokens: int, run_dir: Path, resume_step: int | None, default_cap: float, log) -> float:
+    """The regime's settings where the pre-flight can know them (experiment/regime.py): a resume's from
+    its checkpoint; a fresh run's on a GPU whose peak is known, from the predicted tok/s the trainer
+    predicts too. Elsewhere the trainer measures. Returns the default pass cap: 0 where the regime
+    lifts it, so the repeat guard leaves a run regularized for its passes alone."""
+    if resume_step is not None:
+        regime.keep(cfg, unset, ckpt.read_meta(run_dir, resume_step)["train_config"])
+    elif unset and config is not None and gpu is not None and gpu.peak is not None:
+        passes, how = regime.estimate_passes(cfg, config, train_tokens, gpu, world_size, None, None)
+        log("preflight | " + regime.line(passes, regime.fill(cfg, unset, passes), how))
+    return 0.0 if "max_epochs" in unset and cfg.max_epochs == 0 else default_cap
+
+
 def source_lines(cfg: TrainConfig, prepared: Prepared, weights: list[float] | None) -> list[str]:
     """Each source's weight and tokens, with a warning when there are many of them."""
     lines = [] if len(weights or []) <= MANY_SOURCES else [
@@ -142,12 +156,14 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
     prepared = prepare_data(cfg, workspace, log)
     weights = source_weights(prepared.meta, cfg.data_mix)
     resume_step = ckpt.pick_resume_step(run_dir, cfg.resume, log)
+    unset = regime.left_unset(cfg)  # before the data's pass cap fills MAX_EPOCHS
     default_cap = fill_pass_cap(cfg, prepared, run_dir, resume_step, log)
     depth, train_tokens = depth_for(cfg, run_dir, resume_step), prepared.meta["split"]["train_tokens"]
     if depth is None and gpu is not None:
         depth = guards.auto_depth(cfg, make_config(cfg, prepared), gpu, world_size, train_tokens)
     config = model_config(dataclasses.replace(cfg, depth=depth), prepared) if depth else None
     rewind = start_checks(cfg, run_dir, resume_step, config, prepared)
+    default_cap = plan_regime(cfg, unset, config, gpu, world_size, train_tokens, run_dir, resume_step, default_cap, log)
     eval_prompt_ids(cfg, prepared)  # an EVAL_PROMPT the vocabulary cannot spell fails here, not at the first eval
     for line in plan_lines(cfg, prepared, config, world_size, resume_step, run_dir):
         log(line)

@@ -107,7 +107,7 @@ def markdown(report: RunReport, st, status: str) -> str:
                     else ", the raw weights: their average (AVERAGE) did not beat them"
                     if f["config"].get("average", "none") != "none" else "") if st.best_step >= 0
                  else "no checkpoint yet"),
-    ] + [(k, f[k]) for k in ("eval", "plan", "auto") if f.get(k)]
+    ] + [(k, f[k]) for k in ("eval", "plan", "auto", "regime") if f.get(k)]
     if status == "running" and f.get("projected end"):  # the step line's eta, as of the latest step line
         rows.append(("projected end", f["projected end"]))
     lines = [f"# Run report: {f['model_tag']}", "",

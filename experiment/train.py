@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from experiment import autosize, extend, finetune, guards, launch, restarts
+from experiment import autosize, extend, finetune, guards, launch, regime, restarts
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError, RunState, pick_resume_step
 from experiment.config import ConfigError, TrainConfig, checkpoint_meta, fill_lrs, parse_args, resolve
@@ -134,12 +134,15 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     cuda = d.device.type == "cuda"
     gpu = guards.local_gpu(d.device) if cuda else None
     log(f"world {d.world_size} x {gpu.name if gpu else 'cpu'} | torch {torch.__version__}")
+    unset = regime.left_unset(cfg)  # before the data's pass cap fills MAX_EPOCHS
     prepared, resume_step, rewind_step, lock, lost = prepare_data(cfg, d, workspace, run_dir, log)
     assert cfg.max_epochs is not None, "the pass cap is set with the data (launch.fill_pass_cap)"
     auto, probe_seconds = (choose_depth(cfg, d, gpu, prepared, run_dir, resume_step, log) if cfg.depth == "auto"
                            else (None, 0))
     fill_lrs(cfg, cuda)
     model_config = launch.model_config(cfg, prepared)
+    regime_seconds, regime_line = regime.settle(cfg, d, gpu, model_config, prepared.meta["split"]["train_tokens"],
+                                                run_dir, resume_step, auto, unset, log)
     if resume_step is not None:
         launch.check_resume_target(run_dir, resume_step, model_config, prepared)
     # Each rank its own stream: dropout's masks differ across ranks as their data does (weights are
@@ -147,8 +150,8 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     torch.manual_seed(cfg.seed + d.rank)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast
-    model, opt, st = start_state(cfg, d, run_dir, model_config, prepared, resume_step, rewind_step, probe_seconds,
-                                 log)
+    model, opt, st = start_state(cfg, d, run_dir, model_config, prepared, resume_step, rewind_step,
+                                 probe_seconds + regime_seconds, log)
     if d.master:  # files of a save that a crash cut short; the loaded step is complete, so never these
         ckpt.remove_incomplete(run_dir)
         launch.clear_ended(run_dir)
@@ -175,8 +178,8 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         budget_seconds=budget_seconds, run_meta=checkpoint_meta(cfg, prepared, budget_seconds, auto),
         flops_per_token=model.estimate_flops(cfg.max_seq_len),
         peak=gpu.peak if gpu else None,
-        report=RunReport(run_dir, report_facts(cfg, d, model, prepared, budget_seconds, grad_accum, auto, coverage),
-                         resume_step, log)
+        report=RunReport(run_dir, report_facts(cfg, d, model, prepared, budget_seconds, grad_accum, auto, coverage)
+                         | {"regime": regime_line and regime_line.removeprefix("regime | ")}, resume_step, log)
         if d.master else NullReport(),
         eval_prompt=launch.eval_prompt_ids(cfg, prepared), lock=lock,
         max_tokens=cfg.max_epochs * prepared.meta["split"]["train_tokens"] if cfg.max_epochs else math.inf,

@@ -14,10 +14,12 @@ from experiment.model import GPTConfig
 REPO = Path(__file__).resolve().parent.parent
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 
-# 2 layers x 64 dims: the style guide's tiny config; every test run takes seconds.
+# 2 layers x 64 dims: the style guide's tiny config; every test run takes seconds. An hour over the
+# tiny corpus would be data-limited, so the regime's recipe is off unless a test asks for it
+# (tests/test_regime.py tests the defaults by regime): the plain step, the data's pass cap.
 TINY = ["--depth", "2", "--aspect_ratio", "32", "--head_dim", "32", "--max_seq_len", "32",
         "--device_batch_size", "4", "--sample_tokens", "0", "--log_every_steps", "1",
-        "--training_hours", "1", "--eval_tokens", "512"]
+        "--training_hours", "1", "--eval_tokens", "512", "--attn_dropout", "0", "--average", "none"]
 
 
 def tiny_config(vocab_size: int = 64, max_seq_len: int = 32, bigram: bool = False) -> GPTConfig:

@@ -271,15 +271,15 @@ def test_an_averaged_run_resumed_after_a_crash_equals_the_uninterrupted_run(tmp_
 
 
 def test_bad_average_settings_are_named(tmp_path, corpus):
-    for name, value, words in (("average", "swa", "must be one of none, ema, got 'swa'"),
+    for name, value, words in (("average", "swa", "must be one of none, ema, auto, got 'swa'"),
                                ("average_width", 0.0, "must lie in (0, 0.2886], got 0.0"),
                                ("average_width", 0.3, "must lie in (0, 0.2886], got 0.3")):
         with pytest.raises(ConfigError, match="^" + re.escape(f"--{name} {words}")):
             resolve(TrainConfig(**{name: value}), cuda=False, world_size=1)
-    assert resolve(TrainConfig(), cuda=True, world_size=1).average == "none"
+    assert resolve(TrainConfig(), cuda=True, world_size=1).average == "auto"  # by regime: tests/test_regime.py
     assert resolve(TrainConfig(average="ema", average_width=0.2886), cuda=False, world_size=1).average_width == 0.2886
     proc = run_train([*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--average", "EMA"], check=False)
-    assert proc.returncode == 2 and "--average must be one of none, ema, got 'EMA'" in proc.stderr
+    assert proc.returncode == 2 and "--average must be one of none, ema, auto, got 'EMA'" in proc.stderr
     assert not list(tmp_path.rglob("*.pt"))
 
 

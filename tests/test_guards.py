@@ -16,11 +16,13 @@ from experiment.hardware import peak_flops
 H100 = Gpu("NVIDIA H100 PCIe", peak_flops("H100 PCIe"), 80 * 2**30)
 
 
-def run_preflight(ws, *flags, world_size=8):
-    """The pre-flight for 8 H100s (CUDA defaults but a 64-token context, which the tiny corpus can fill).
-    Returns (plan or the ConfigError, the lines it printed)."""
+def run_preflight(ws, *flags, world_size=8, regime=False):
+    """The pre-flight for 8 H100s (CUDA defaults but a 64-token context, which the tiny corpus can fill;
+    the regime's recipe off unless `regime`: tests/test_regime.py). Returns (plan or the ConfigError,
+    the lines it printed)."""
     lines = []
-    cfg = parse_args(["--workspace", str(ws), "--max_seq_len", "64", *map(str, flags)])
+    pinned = [] if regime else ["--attn_dropout", "0", "--average", "none"]
+    cfg = parse_args(["--workspace", str(ws), "--max_seq_len", "64", *pinned, *map(str, flags)])
     try:
         return preflight.preflight(cfg, world_size, 0, 1, lines.append, gpu=H100), lines
     except ConfigError as e:

@@ -160,9 +160,9 @@ def test_weight_decay_shrinks_weights_by_one_minus_lr_times_decay_per_update(mul
 
 
 def test_every_regularizer_is_off_by_default_and_takes_what_it_is_given():
-    for cuda in (False, True):
+    for cuda in (False, True):  # attention dropout's default follows the regime (tests/test_regime.py)
         cfg = resolve(TrainConfig(), cuda=cuda, world_size=1)
-        assert (cfg.weight_decay, cfg.adam_weight_decay, cfg.dropout, cfg.attn_dropout) == (0, 0, 0, 0)
+        assert (cfg.weight_decay, cfg.adam_weight_decay, cfg.dropout, cfg.attn_dropout) == (0, 0, 0, None)
     given = dict(weight_decay=1.6, adam_weight_decay=0.1, dropout=0.3, attn_dropout=0.99)
     cfg = resolve(TrainConfig(**given), cuda=False, world_size=1)
     assert {k: getattr(cfg, k) for k in given} == given

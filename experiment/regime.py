@@ -1,0 +1,110 @@
+"""Defaults by regime: the settings that follow from how many times the budget would pass over the data.
+
+A run whose budget would pass over its training data more than PASSES times is data-limited: past
+about 4 passes repeated tokens are worth less and less (Muennighoff et al. 2023), and without
+regularization its val loss bottoms out early, so the stop at the val minimum leaves most of the
+budget unspent. There the settings a run leaves to the regime take RECIPE: attention dropout 0.2,
+the weight average (AVERAGE=ema) and no pass cap (MAX_EPOCHS=0: the stop at the val minimum ends the
+run, as it guards every run). The CPU screens that chose it: docs/performance.md, "Defaults by
+regime". At PASSES or fewer they take OFF, so such a run's step is the plain one: no dropout in the
+graph, no average, the data's pass cap.
+
+The passes are the budget's tokens at the run's tok/s over the training tokens: DEPTH=auto's
+candidate for the chosen depth, else the same estimate for the given depth (predicted on a GPU whose
+peak is known, as DEPTH=auto does; measured by a few eager steps otherwise). A resumed run keeps
+what its checkpoint resolved to.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from experiment import autosize, guards
+from experiment import checkpoint as ckpt
+from experiment.distributed import broadcast_object
+from experiment.runlog import MAX_GOOD_EPOCHS
+
+PASSES = MAX_GOOD_EPOCHS
+RECIPE = {"attn_dropout": 0.2, "average": "ema", "max_epochs": 0.0}
+OFF = {"attn_dropout": 0.0, "average": "none"}  # MAX_EPOCHS keeps the data's cap (launch.fill_pass_cap)
+SETTINGS = tuple(RECIPE)
+UNSET = (None, "auto")  # what a setting left to the regime holds until it is resolved
+
+
+def left_unset(cfg) -> list[str]:
+    """The regime's settings this run leaves to it (ATTN_DROPOUT and MAX_EPOCHS unset, AVERAGE=auto):
+    taken before the data's pass cap fills MAX_EPOCHS."""
+    return [name for name in SETTINGS if getattr(cfg, name) in UNSET]
+
+
+def estimate_passes(cfg, config, train_tokens: int, gpu, world_size: int, device, auto: dict | None) -> tuple[float, str]:
+    """(The passes the budget makes over the training data at `config`'s tok/s, how the tok/s was
+    had). MAX_STEPS bounds them; where it alone keeps them within PASSES nothing is measured."""
+    bound = cfg.max_steps * cfg.total_batch_size / train_tokens if cfg.max_steps else math.inf
+    if bound <= PASSES:
+        return bound, f"in MAX_STEPS={cfg.max_steps} steps"
+    if gpu is not None and gpu.peak is not None:  # the pre-flight's plan predicts the same
+        rate, how = guards.predicted_rate(cfg, config, gpu, world_size), "predicted"
+    elif auto:  # DEPTH=auto measured it already
+        rate, how = next(c["tok_per_s"] for c in auto["candidates"] if c["depth"] == config.depth), auto["how"]
+    else:
+        rate, how = autosize.measure_tok_per_s(config, cfg.device_batch_size or 1, device) * world_size, "measured"
+    passes = rate * cfg.training_hours * 3600 / train_tokens
+    return (bound, f"in MAX_STEPS={cfg.max_steps} steps") if bound < passes else (passes, f"at the {how} {rate:,.0f} tok/s")
+
+
+def settle(cfg, d, gpu, config, train_tokens: int, run_dir, resume_step: int | None, auto: dict | None,
+           unset: list[str], log) -> tuple[float, str | None]:
+    """The trainer, on every rank alike: the unset settings from the checkpoint (a resume) or by the
+    regime of rank 0's estimate (every rank measures at once, so each sees the load training will
+    put on the machine). Returns (the seconds it took, counted in the budget; the line said)."""
+    if not unset:
+        return 0.0, None
+    if resume_step is not None:
+        chosen = keep(cfg, unset, ckpt.read_meta(run_dir, resume_step)["train_config"])
+        said = f"regime | kept from the checkpoint: {settings_text(chosen)}" if chosen else None
+        if said:
+            log(said)
+        return 0.0, said
+    t0 = time.time()
+    passes, how = broadcast_object(estimate_passes(cfg, config, train_tokens, gpu, d.world_size, d.device, auto), d)
+    said = line(passes, fill(cfg, unset, passes), how)
+    log(said)
+    return time.time() - t0, said
+
+
+def fill(cfg, unset: list[str], passes: float) -> dict[str, object]:
+    """Set the unset settings by the regime that `passes` puts the run in; returns those set. The pass
+    cap lifts only for a run that averages: the recipe was measured so, and a run without it (AVERAGE
+    set to none) keeps the data's cap."""
+    limited = passes > PASSES
+    chosen = {name: (RECIPE if limited else OFF)[name] for name in unset if name in OFF}
+    if limited and "max_epochs" in unset and chosen.get("average", cfg.average) != "none":
+        chosen["max_epochs"] = RECIPE["max_epochs"]
+    for name, value in chosen.items():
+        setattr(cfg, name, value)
+    return chosen
+
+
+def keep(cfg, unset: list[str], train_config: dict) -> dict[str, object]:
+    """A resumed run: the unset settings take what the checkpoint's run resolved (MAX_EPOCHS is kept
+    with the data: launch.default_pass_cap). A checkpoint from before the regime had them off."""
+    chosen = {name: train_config.get(name, OFF[name]) for name in unset if name in OFF}
+    chosen = {name: OFF[name] if value in UNSET else value for name, value in chosen.items()}
+    for name, value in chosen.items():
+        setattr(cfg, name, value)
+    return chosen
+
+
+def settings_text(chosen: dict[str, object]) -> str:
+    return ", ".join(f"{name.upper()}={value:g}" if isinstance(value, float) else f"{name.upper()}={value}"
+                     for name, value in chosen.items())
+
+
+def line(passes: float, chosen: dict[str, object], how: str) -> str:
+    """The regime in words: the passes, which side of PASSES they fall, what the unset settings became."""
+    return (f"regime | the budget makes about {passes:.1f} passes over the training data {how}: "
+            + (f"more than {PASSES}, data-limited: {settings_text(chosen)}" if passes > PASSES
+               else f"at most {PASSES}: {settings_text(chosen)}")
+            + " (docs/training.md, \"Defaults by regime\")")

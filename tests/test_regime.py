@@ -1,0 +1,161 @@
+"""Defaults by regime (experiment/regime.py): a run whose budget passes over the data more than 4 times
+takes the data-limited recipe for the settings it leaves unset, and no regularizer otherwise; what
+was set explicitly is kept, the pre-flight says and plans the same, and a resume keeps what the run
+started with."""
+
+import math
+import re
+
+import pytest
+import torch
+
+from conftest import TINY, run_train
+from test_guards import H100, run_preflight
+
+from experiment import autosize, guards, regime, train
+from experiment.config import TrainConfig, parse_args, resolve
+from experiment.distributed import Dist
+
+# TINY with the regime's three settings left to it again (TINY turns the recipe off for other tests).
+UNSET = ["--attn_dropout", "auto", "--average", "auto"]
+
+
+def _cfg(*flags, cuda=False):
+    return resolve(parse_args([*map(str, flags)]), cuda=cuda, world_size=1)
+
+
+def test_the_three_settings_are_left_to_the_regime_by_default_and_an_explicit_one_is_kept():
+    assert regime.left_unset(_cfg()) == ["attn_dropout", "average", "max_epochs"]
+    assert regime.left_unset(_cfg(cuda=True)) == ["attn_dropout", "average", "max_epochs"]
+    assert regime.left_unset(_cfg("--attn_dropout", 0, "--average", "none", "--max_epochs", 8)) == []
+    assert regime.left_unset(_cfg("--attn_dropout", "0.1")) == ["average", "max_epochs"]
+    cfg = _cfg("--attn_dropout", "0.1", "--max_epochs", 3)
+    chosen = regime.fill(cfg, regime.left_unset(cfg), passes=50.0)
+    assert chosen == {"average": "ema"} and (cfg.attn_dropout, cfg.average, cfg.max_epochs) == (0.1, "ema", 3)
+
+
+def test_more_than_four_passes_take_the_recipe_and_four_or_fewer_none():
+    for passes, expected in ((4.0, (0.0, "none", 8.0)), (4.01, (0.2, "ema", 0.0)), (0.1, (0.0, "none", 8.0))):
+        cfg = _cfg()
+        unset = regime.left_unset(cfg)
+        cfg.max_epochs = 8.0  # the data's pass cap, as launch.fill_pass_cap fills it before the regime
+        regime.fill(cfg, unset, passes)
+        assert (cfg.attn_dropout, cfg.average, cfg.max_epochs) == expected, passes
+
+
+def test_the_pass_cap_lifts_only_for_a_run_that_averages():
+    cfg = _cfg("--average", "none")
+    unset = regime.left_unset(cfg)
+    cfg.max_epochs = 16.0
+    assert regime.fill(cfg, unset, 100.0) == {"attn_dropout": 0.2} and cfg.max_epochs == 16.0
+    cfg = _cfg("--average", "ema", "--attn_dropout", 0)
+    unset = regime.left_unset(cfg)
+    cfg.max_epochs = 16.0
+    assert regime.fill(cfg, unset, 100.0) == {"max_epochs": 0.0} and cfg.max_epochs == 0.0
+
+
+def test_a_resume_keeps_what_the_checkpoint_resolved_and_an_old_checkpoint_had_none():
+    cfg = _cfg()
+    unset = regime.left_unset(cfg)
+    assert regime.keep(cfg, unset, {"attn_dropout": 0.2, "average": "ema", "max_epochs": 0.0}) == \
+        {"attn_dropout": 0.2, "average": "ema"}
+    assert (cfg.attn_dropout, cfg.average) == (0.2, "ema")
+    cfg = _cfg()
+    assert regime.keep(cfg, regime.left_unset(cfg), {}) == {"attn_dropout": 0.0, "average": "none"}
+    cfg = _cfg("--average", "ema")  # an explicit setting wins over the checkpoint's
+    assert regime.keep(cfg, regime.left_unset(cfg), {"attn_dropout": 0.1, "average": "none"}) == {"attn_dropout": 0.1}
+    assert cfg.average == "ema"
+
+
+def test_the_passes_come_from_max_steps_the_gpu_prediction_auto_or_a_measurement(monkeypatch):
+    config = autosize.GPTConfig(vocab_size=64, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=32)
+    measured = []
+
+    def measure(c, batch, device):
+        measured.append((c.depth, batch))
+        return 1000.0
+
+    monkeypatch.setattr(autosize, "measure_tok_per_s", measure)
+    cfg = _cfg("--max_steps", 40, "--total_batch_size", 1024, "--training_hours", 1)
+    assert regime.estimate_passes(cfg, config, 10_240, None, 2, None, None) == (4.0, "in MAX_STEPS=40 steps")
+    assert not measured  # MAX_STEPS alone keeps it within 4 passes: nothing measured
+    cfg.max_steps = 0
+    passes, how = regime.estimate_passes(cfg, config, 10_240, None, 2, None, None)
+    assert measured == [(2, cfg.device_batch_size)] and passes == pytest.approx(2000 * 3600 / 10_240)
+    assert how == "at the measured 2,000 tok/s"
+    cfg.max_steps = 100  # bounds the budget's passes where it ends first
+    assert regime.estimate_passes(cfg, config, 10_240, None, 1, None, None)[0] == pytest.approx(10.0)
+    cfg.max_steps = 0
+    auto = {"how": "measured", "candidates": [{"depth": 2, "tok_per_s": 500.0}, {"depth": 4, "tok_per_s": 9.0}]}
+    assert regime.estimate_passes(cfg, config, 10_240, None, 1, None, auto)[0] == pytest.approx(500 * 3600 / 10_240)
+    gpu_cfg = _cfg("--training_hours", 1, cuda=True)
+    predicted = guards.predicted_rate(gpu_cfg, config, H100, 8)
+    passes, how = regime.estimate_passes(gpu_cfg, config, 10**9, H100, 8, None, auto)
+    assert passes == pytest.approx(predicted * 3600 / 10**9) and how.startswith("at the predicted")
+    assert len(measured) == 2  # MAX_STEPS=100 above measured; DEPTH=auto's figure and the GPU's did not
+
+
+def _setup(ws, corpus, *flags):
+    """The trainer set up on TINY with the regime's settings unset: (trainer, the lines it said)."""
+    cfg = resolve(parse_args([*map(str, TINY), *UNSET, "--data_dir", str(corpus), "--workspace", str(ws),
+                              "--total_batch_size", "256", "--device", "cpu", *map(str, flags)]), cuda=False,
+                  world_size=1)
+    lines = []
+    t = train.setup(cfg, Dist(0, 0, 1, torch.device("cpu")), ws, ws / "checkpoints" / cfg.model_tag, lines.append)
+    t.writer.close()
+    return t, lines
+
+
+def test_a_data_limited_run_trains_with_the_recipe_and_says_so(tmp_path, corpus):
+    t, lines = _setup(tmp_path, corpus)  # an hour over about 36k training tokens: thousands of passes
+    line = next(x for x in lines if x.startswith("regime | "))
+    assert re.search(r"the budget makes about [\d.]+ passes over the training data at the measured [\d,]+ tok/s: "
+                     r"more than 4, data-limited: ATTN_DROPOUT=0.2, AVERAGE=ema, MAX_EPOCHS=0", line), line
+    assert (t.cfg.attn_dropout, t.cfg.average, t.cfg.max_epochs) == (0.2, "ema", 0.0)
+    assert all(b.attn.dropout == 0.2 for b in t.model.blocks) and t.opt.average is not None
+    assert t.max_tokens == math.inf and t.run_meta["train_config"]["attn_dropout"] == 0.2
+    assert t.report.facts["regime"] == line.removeprefix("regime | ")
+    assert t.st.used_seconds > 0  # the measurement is counted in the budget
+
+
+def test_a_run_of_few_passes_keeps_the_plain_step(tmp_path, corpus):
+    t, lines = _setup(tmp_path, corpus, "--training_hours", "0.00001", "--max_steps", 700)
+    line = next(x for x in lines if x.startswith("regime | "))
+    assert "at most 4: ATTN_DROPOUT=0, AVERAGE=none" in line and "MAX_EPOCHS" not in line
+    assert (t.cfg.attn_dropout, t.cfg.average) == (0.0, "none") and t.opt.average is None
+    assert all(b.attn.dropout == 0.0 for b in t.model.blocks)
+    train_tokens = t.prepared.meta["split"]["train_tokens"]
+    assert t.max_tokens == t.cfg.max_epochs * train_tokens and t.cfg.max_epochs >= 8  # the data's cap
+
+
+def test_a_resume_keeps_the_regime_its_run_started_with(tmp_path, corpus):
+    # 700 steps of 256 tokens make about 4.7 passes, so the recipe (the stop at the val minimum may
+    # end the run sooner); then a resume whose budget alone would make a fraction of a pass keeps it.
+    proc = run_train([*TINY, *UNSET, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256,
+                      "--max_steps", 700, "--save_every_steps", 100])
+    assert "passes over the training data in MAX_STEPS=700 steps: more than 4, data-limited" in proc.stdout
+    t, lines = _setup(tmp_path, corpus, "--training_hours", "0.00001", "--max_steps", 700)
+    assert t.resume_step is not None and t.cfg.max_epochs == 0  # the cap the run lifted, kept with the data
+    assert "regime | kept from the checkpoint: ATTN_DROPOUT=0.2, AVERAGE=ema" in lines
+    assert (t.cfg.attn_dropout, t.cfg.average) == (0.2, "ema") and t.opt.average is not None
+
+
+def test_the_preflight_plans_the_recipe_and_the_repeat_guard_leaves_it(tmp_path, corpus):
+    plan, lines = run_preflight(tmp_path, "--data_dir", corpus, "--depth", 12, regime=True)
+    assert isinstance(plan, dict), plan
+    line = next(x for x in lines if x.startswith("preflight | regime | "))
+    assert "at the predicted" in line and "data-limited: ATTN_DROPOUT=0.2, AVERAGE=ema, MAX_EPOCHS=0" in line
+    assert any(x.startswith("preflight | plan d12:") and "trains the whole 31h budget" in x for x in lines), lines
+    # AVERAGE=none keeps the cap, and so the guard against an explicit MAX_EPOCHS=0
+    error, lines = run_preflight(tmp_path, "--data_dir", corpus, "--depth", 12, "--average", "none",
+                                 "--max_epochs", 0, regime=True)
+    assert "d12 would see the training data" in str(error)
+    plan, lines = run_preflight(tmp_path, "--data_dir", corpus, "--depth", 12, "--training_hours", 1e-7, regime=True)
+    assert isinstance(plan, dict) and any("at most 4: ATTN_DROPOUT=0, AVERAGE=none" in x for x in lines), lines
+
+
+def test_auto_is_a_setting_and_a_bad_average_is_named(tmp_path, corpus):
+    assert _cfg("--attn_dropout", "auto").attn_dropout is None
+    proc = run_train([*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--average", "swa"], check=False)
+    assert proc.returncode == 2 and "--average must be one of none, ema, auto, got 'swa'" in proc.stderr
+    assert TrainConfig().average == "auto" and TrainConfig().attn_dropout is None
