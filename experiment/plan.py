@@ -214,19 +214,25 @@ def plan(cfg: PlanConfig) -> dict:
          "passes (repeated data is worth less and less: Muennighoff et al. 2023)", "rungs": rungs,
          "link_gbps": gpus.link_gbps, "hours_available": cfg.hours_available, "gpu_table": rows,
          "recommended_gpus": min(in_time) if cfg.hours_available is not None and in_time else gpus.count}
-    p["regime"] = regime_plan(best.budget_epochs, hours, per_hour)
     p["launch"], p["run_dir"] = launch_line(p, cfg, p["recommended_gpus"])
+    p["regime"] = regime_plan(p, cfg, rows, best.tok_per_s)
     return p
 
 
-def regime_plan(passes: float, hours: float, per_hour: float) -> dict:
-    """What the trainer's defaults by regime (experiment/regime.py) make of the budget's passes at the
-    recommended depth: past regime.PASSES, the data-limited recipe, which trains on past the pass cap
-    until the stop at the val minimum, at most the whole budget."""
+def regime_plan(p: dict, cfg: PlanConfig, rows: list[dict], rate: float) -> dict:
+    """What the trainer's defaults by regime (experiment/regime.py) make of the launch line's run: the
+    passes its budget makes at the recommended depth on the recommended GPUs; past regime.PASSES, the
+    data-limited recipe, which trains on past the pass cap until the stop at the val minimum, at most
+    the whole budget."""
+    count = p["recommended_gpus"]
+    rate = next((r["tok_per_s"] for r in rows if r["gpus"] == count and r["fits"]), rate)
+    hours = min(p["budget_usd"] / (cfg.gpu_hourly_usd * count), cfg.hours_available or math.inf)
+    passes = rate * hours * 3600 / p["train_tokens"]
     limited = passes > regime.PASSES
-    values = regime.RECIPE if limited else {**regime.OFF}
-    return {"budget_passes": passes, "data_limited": limited, "settings": {k.upper(): v for k, v in values.items()},
-            "hours_at_most": hours if limited else None, "usd_at_most": hours * per_hour if limited else None}
+    values = regime.RECIPE if limited else regime.OFF
+    return {"budget_passes": passes, "gpus": count, "data_limited": limited,
+            "settings": {k.upper(): v for k, v in values.items()}, "hours_at_most": hours if limited else None,
+            "usd_at_most": hours * cfg.gpu_hourly_usd * count if limited else None}
 
 
 def table(p: dict) -> str:
@@ -266,13 +272,13 @@ def table(p: dict) -> str:
 def regime_lines(p: dict) -> list[str]:
     r = p["regime"]
     settings = regime.settings_text({k.lower(): v for k, v in r["settings"].items()})
+    head = (f"recommendation | regime: the launch line's budget makes {r['budget_passes']:.1f} passes at "
+            f"d{p['depth']} on {r['gpus']} GPU(s)")
     if not r["data_limited"]:
-        return [f"recommendation | regime: the budget makes {r['budget_passes']:.1f} passes at d{p['depth']}, at most "
-                f"{regime.PASSES}: the trainer's defaults are {settings} (no regularizer)"]
-    return [f"recommendation | regime: the budget makes {r['budget_passes']:.1f} passes at d{p['depth']}, more than "
-            f"{regime.PASSES}: data-limited, so the trainer's defaults are {settings}: regularized, it trains on past "
-            f"those {p['max_passes']:.1f} passes until the stop at the val minimum, at most the whole "
-            f"{r['hours_at_most']:.1f} h (${r['usd_at_most']:,.0f}), so the unspent dollars above are the most it leaves",
+        return [f"{head}, at most {regime.PASSES}: the trainer's defaults are {settings} (no regularizer)"]
+    return [f"{head}, more than {regime.PASSES}: data-limited, so the trainer's defaults are {settings}: regularized, "
+            f"it trains on past the pass cap until the stop at the val minimum, at most the whole "
+            f"{r['hours_at_most']:.2f} h (${r['usd_at_most']:,.0f}): it may spend more than the hours above",
             "recommendation | what those extra passes buy at this size is EXTRAPOLATED from 2-core CPU screens of "
             "up to 1.1M characters (docs/performance.md, \"Defaults by regime\"); ATTN_DROPOUT=0 AVERAGE=none "
             "stops at the pass cap as before"]

@@ -96,7 +96,7 @@ def plan_regime(cfg: TrainConfig, unset: list[str], config: GPTConfig | None, gp
     if resume_step is not None:
         regime.keep(cfg, unset, ckpt.read_meta(run_dir, resume_step)["train_config"])
     elif unset and config is not None and gpu is not None and gpu.peak is not None:
-        passes, how = regime.estimate_passes(cfg, config, train_tokens, gpu, world_size, None, None)
+        passes, how = regime.estimate_passes(cfg, config, train_tokens, gpu, world_size, None, None, unset)
         log("preflight | " + regime.line(passes, regime.fill(cfg, unset, passes), how))
     return 0.0 if "max_epochs" in unset and cfg.max_epochs == 0 else default_cap
 

@@ -9,16 +9,18 @@ run, as it guards every run). The CPU screens that chose it: docs/performance.md
 regime". At PASSES or fewer they take OFF, so such a run's step is the plain one: no dropout in the
 graph, no average, the data's pass cap.
 
-The passes are the budget's tokens at the run's tok/s over the training tokens: DEPTH=auto's
-candidate for the chosen depth, else the same estimate for the given depth (predicted on a GPU whose
-peak is known, as DEPTH=auto does; measured by a few eager steps otherwise). A resumed run keeps
-what its checkpoint resolved to.
+The passes are the budget's tokens at the run's tok/s over the training tokens (fewer where MAX_STEPS
+or an explicit MAX_EPOCHS ends the run first): the tok/s predicted on a GPU whose peak is known (as
+the pre-flight and DEPTH=auto predict them), else DEPTH=auto's measured figure for the chosen
+depth, else a few eager steps measured at start. A resumed run keeps what its checkpoint resolved to.
 """
 
 from __future__ import annotations
 
 import math
 import time
+
+import torch
 
 from experiment import autosize, guards
 from experiment import checkpoint as ckpt
@@ -34,24 +36,46 @@ UNSET = (None, "auto")  # what a setting left to the regime holds until it is re
 
 def left_unset(cfg) -> list[str]:
     """The regime's settings this run leaves to it (ATTN_DROPOUT and MAX_EPOCHS unset, AVERAGE=auto):
-    taken before the data's pass cap fills MAX_EPOCHS."""
-    return [name for name in SETTINGS if getattr(cfg, name) in UNSET]
+    taken before the data's pass cap fills MAX_EPOCHS. The cap is the regime's to lift only in a run
+    that may average and that the stop at the val minimum guards (PLATEAU_EVALS > 0): without the
+    stop nothing would end a run of hundreds of passes."""
+    names = [name for name in SETTINGS if getattr(cfg, name) in UNSET]
+    if "max_epochs" in names and (cfg.average == "none" or not cfg.plateau_evals):
+        names.remove("max_epochs")
+    return names
 
 
-def estimate_passes(cfg, config, train_tokens: int, gpu, world_size: int, device, auto: dict | None) -> tuple[float, str]:
-    """(The passes the budget makes over the training data at `config`'s tok/s, how the tok/s was
-    had). MAX_STEPS bounds them; where it alone keeps them within PASSES nothing is measured."""
-    bound = cfg.max_steps * cfg.total_batch_size / train_tokens if cfg.max_steps else math.inf
+def estimate_passes(cfg, config, train_tokens: int, gpu, world_size: int, device, auto: dict | None,
+                    unset: list[str]) -> tuple[float, str]:
+    """(The passes the run makes over the training data: the budget's at `config`'s tok/s, or fewer
+    where MAX_STEPS or an explicit MAX_EPOCHS ends it first; how they were had). Where those bounds
+    alone keep them within PASSES nothing is measured."""
+    bounds = [(math.inf, "")]
+    if cfg.max_steps:
+        bounds.append((cfg.max_steps * cfg.total_batch_size / train_tokens, f"in MAX_STEPS={cfg.max_steps} steps"))
+    if cfg.max_epochs and "max_epochs" not in unset:  # a cap the regime may not lift
+        bounds.append((cfg.max_epochs, f"at MAX_EPOCHS={cfg.max_epochs:g}"))
+    bound, why = min(bounds)
     if bound <= PASSES:
-        return bound, f"in MAX_STEPS={cfg.max_steps} steps"
+        return bound, why
     if gpu is not None and gpu.peak is not None:  # the pre-flight's plan predicts the same
         rate, how = guards.predicted_rate(cfg, config, gpu, world_size), "predicted"
     elif auto:  # DEPTH=auto measured it already
         rate, how = next(c["tok_per_s"] for c in auto["candidates"] if c["depth"] == config.depth), auto["how"]
     else:
-        rate, how = autosize.measure_tok_per_s(config, cfg.device_batch_size or 1, device) * world_size, "measured"
+        rate, how = measured_rate(cfg, config, device) * world_size, "measured"
     passes = rate * cfg.training_hours * 3600 / train_tokens
-    return (bound, f"in MAX_STEPS={cfg.max_steps} steps") if bound < passes else (passes, f"at the {how} {rate:,.0f} tok/s")
+    return (bound, why) if bound < passes else (passes, f"at the {how} {rate:,.0f} tok/s")
+
+
+def measured_rate(cfg, config, device) -> float:
+    """One rank's eager tok/s at the run's micro-batch (on a GPU of unknown peak without
+    DEVICE_BATCH_SIZE: one sequence, a lower bound on the passes)."""
+    try:
+        return autosize.measure_tok_per_s(config, cfg.device_batch_size or 1, device)
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the batch probe that follows must see the memory free
 
 
 def settle(cfg, d, gpu, config, train_tokens: int, run_dir, resume_step: int | None, auto: dict | None,
@@ -68,19 +92,19 @@ def settle(cfg, d, gpu, config, train_tokens: int, run_dir, resume_step: int | N
             log(said)
         return 0.0, said
     t0 = time.time()
-    passes, how = broadcast_object(estimate_passes(cfg, config, train_tokens, gpu, d.world_size, d.device, auto), d)
+    passes, how = broadcast_object(estimate_passes(cfg, config, train_tokens, gpu, d.world_size, d.device, auto,
+                                                   unset), d)
     said = line(passes, fill(cfg, unset, passes), how)
     log(said)
     return time.time() - t0, said
 
 
 def fill(cfg, unset: list[str], passes: float) -> dict[str, object]:
-    """Set the unset settings by the regime that `passes` puts the run in; returns those set. The pass
-    cap lifts only for a run that averages: the recipe was measured so, and a run without it (AVERAGE
-    set to none) keeps the data's cap."""
+    """Set the unset settings by the regime that `passes` puts the run in; returns those set. MAX_EPOCHS
+    is left to it only in a run that may average (left_unset): the recipe was measured so."""
     limited = passes > PASSES
     chosen = {name: (RECIPE if limited else OFF)[name] for name in unset if name in OFF}
-    if limited and "max_epochs" in unset and chosen.get("average", cfg.average) != "none":
+    if limited and "max_epochs" in unset:
         chosen["max_epochs"] = RECIPE["max_epochs"]
     for name, value in chosen.items():
         setattr(cfg, name, value)

@@ -19,10 +19,11 @@ pytestmark = pytest.mark.skipif(not SHAKESPEARE.exists(), reason="../shared/data
 
 # The overfitting case at a size CI affords (docs/training.md, "The stop at the val minimum"): d4 on
 # the first 20,000 characters, 1,024 tokens a step, at most 8 passes; the clock never steers it (a
-# 1 h budget, evals by passes only), so both runs are the same step for step until one stops.
+# 1 h budget, evals by passes only), so both runs are the same step for step until one stops. The
+# plain step: the regime's recipe off (tests/test_regime.py).
 SMALL = ["--depth", "4", "--total_batch_size", "1024", "--device_batch_size", "4", "--max_epochs", "8",
          "--training_hours", "1", "--eval_every_minutes", "1000", "--save_every_minutes", "1000",
-         "--sample_tokens", "0", "--log_every_steps", "1"]
+         "--sample_tokens", "0", "--log_every_steps", "1", "--attn_dropout", "0", "--average", "none"]
 
 
 def _small_corpus(tmp_path, chars=20_000):

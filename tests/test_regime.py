@@ -29,9 +29,19 @@ def test_the_three_settings_are_left_to_the_regime_by_default_and_an_explicit_on
     assert regime.left_unset(_cfg(cuda=True)) == ["attn_dropout", "average", "max_epochs"]
     assert regime.left_unset(_cfg("--attn_dropout", 0, "--average", "none", "--max_epochs", 8)) == []
     assert regime.left_unset(_cfg("--attn_dropout", "0.1")) == ["average", "max_epochs"]
-    cfg = _cfg("--attn_dropout", "0.1", "--max_epochs", 3)
+    cfg = _cfg("--attn_dropout", "0.1", "--max_epochs", 30)
     chosen = regime.fill(cfg, regime.left_unset(cfg), passes=50.0)
-    assert chosen == {"average": "ema"} and (cfg.attn_dropout, cfg.average, cfg.max_epochs) == (0.1, "ema", 3)
+    assert chosen == {"average": "ema"} and (cfg.attn_dropout, cfg.average, cfg.max_epochs) == (0.1, "ema", 30)
+
+
+def test_the_cap_is_the_regimes_only_in_a_run_that_may_average_and_stops_at_its_val_minimum():
+    # Nothing left to decide: the run neither measures nor says a regime (TINY's pins).
+    assert regime.left_unset(_cfg("--attn_dropout", 0, "--average", "none")) == []
+    assert regime.left_unset(_cfg("--plateau_evals", 0)) == ["attn_dropout", "average"]
+    cfg = _cfg("--plateau_evals", 0)
+    unset = regime.left_unset(cfg)
+    cfg.max_epochs = 8.0
+    assert regime.fill(cfg, unset, 100.0) == {"attn_dropout": 0.2, "average": "ema"} and cfg.max_epochs == 8.0
 
 
 def test_more_than_four_passes_take_the_recipe_and_four_or_fewer_none():
@@ -76,21 +86,29 @@ def test_the_passes_come_from_max_steps_the_gpu_prediction_auto_or_a_measurement
         return 1000.0
 
     monkeypatch.setattr(autosize, "measure_tok_per_s", measure)
+    cpu = torch.device("cpu")
     cfg = _cfg("--max_steps", 40, "--total_batch_size", 1024, "--training_hours", 1)
-    assert regime.estimate_passes(cfg, config, 10_240, None, 2, None, None) == (4.0, "in MAX_STEPS=40 steps")
+    unset = regime.left_unset(cfg)
+    assert regime.estimate_passes(cfg, config, 10_240, None, 2, cpu, None, unset) == (4.0, "in MAX_STEPS=40 steps")
     assert not measured  # MAX_STEPS alone keeps it within 4 passes: nothing measured
-    cfg.max_steps = 0
-    passes, how = regime.estimate_passes(cfg, config, 10_240, None, 2, None, None)
+    capped = _cfg("--max_epochs", 3, "--training_hours", 1)  # an explicit cap too
+    assert regime.estimate_passes(capped, config, 10_240, None, 2, cpu, None, regime.left_unset(capped)) == \
+        (3, "at MAX_EPOCHS=3")
+    assert not measured
+    cfg.max_steps, cfg.max_epochs = 0, 8.0  # the data's cap, which the regime may lift: no bound
+    passes, how = regime.estimate_passes(cfg, config, 10_240, None, 2, cpu, None, unset)
     assert measured == [(2, cfg.device_batch_size)] and passes == pytest.approx(2000 * 3600 / 10_240)
     assert how == "at the measured 2,000 tok/s"
     cfg.max_steps = 100  # bounds the budget's passes where it ends first
-    assert regime.estimate_passes(cfg, config, 10_240, None, 1, None, None)[0] == pytest.approx(10.0)
+    assert regime.estimate_passes(cfg, config, 10_240, None, 1, cpu, None, unset) == \
+        (pytest.approx(10.0), "in MAX_STEPS=100 steps")
     cfg.max_steps = 0
     auto = {"how": "measured", "candidates": [{"depth": 2, "tok_per_s": 500.0}, {"depth": 4, "tok_per_s": 9.0}]}
-    assert regime.estimate_passes(cfg, config, 10_240, None, 1, None, auto)[0] == pytest.approx(500 * 3600 / 10_240)
+    assert regime.estimate_passes(cfg, config, 10_240, None, 1, cpu, auto, unset)[0] == \
+        pytest.approx(500 * 3600 / 10_240)
     gpu_cfg = _cfg("--training_hours", 1, cuda=True)
     predicted = guards.predicted_rate(gpu_cfg, config, H100, 8)
-    passes, how = regime.estimate_passes(gpu_cfg, config, 10**9, H100, 8, None, auto)
+    passes, how = regime.estimate_passes(gpu_cfg, config, 10**9, H100, 8, None, auto, unset)
     assert passes == pytest.approx(predicted * 3600 / 10**9) and how.startswith("at the predicted")
     assert len(measured) == 2  # MAX_STEPS=100 above measured; DEPTH=auto's figure and the GPU's did not
 
