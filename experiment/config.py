@@ -90,8 +90,9 @@ class TrainConfig:
     gpu_hourly_usd: float = opt("price of one GPU-hour, for budget_usd", 4.0)
     max_epochs: float | None = opt("stop after this many passes over the training data, the LR schedule planned "
                                     "for them (default 8, or 80 optimizer steps' worth, at most 16, where 8 passes make fewer: "
-                                    "experiment/autosize.py; 0: none; where the budget passes over the data more than 4 times, "
-                                    "0 by regime: the stop at the val minimum ends the run)")
+                                    "experiment/autosize.py; 0: none; where the budget passes over the data more than 4 times "
+                                    "in a run that may average and stops at its val minimum, 0 by regime: that stop "
+                                    "ends the run)")
     allow: str = opt("pre-flight guards to pass on CUDA, comma-separated: demo (train on the built-in demo data), "
                      "repeat (an explicit DEPTH whose budget repeats the data more than the default cap, with MAX_EPOCHS=0 or above it), disk (less free "
                      "space than the checkpoints need)", "")

@@ -10,7 +10,7 @@ from test_guards import run_preflight
 
 from experiment import autosize
 from experiment.memory import count_params
-from experiment.plan import PlanConfig, count_tokens, model_config, parse_gpus, plan
+from experiment.plan import PlanConfig, count_tokens, model_config, parse_gpus, plan, regime_lines
 
 
 def run_plan(*args, env=None, cwd=REPO):
@@ -60,6 +60,27 @@ def test_the_hours_are_the_budget_or_the_passes_whichever_ends_first_and_dollars
     assert plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=0.1))["unspent_usd"] == 0
     p = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-SXM", budget_usd=500))
     assert p["budget_hours"] == 500 / 32 and p["peak_flops"] == 989e12
+
+
+def test_the_plan_says_the_regime_of_the_launch_lines_run():
+    """The launch line's budget on its GPUs, at the recommended depth: past 4 passes the trainer's
+    defaults are the data-limited recipe (experiment/regime.py), and the plan says it may spend past
+    the pass cap's hours; a budget of fewer passes keeps every regularizer off."""
+    p = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31))
+    chosen = next(r for r in p["rungs"] if r["depth"] == p["depth"])
+    r = p["regime"]
+    assert r["gpus"] == 8 and r["budget_passes"] == pytest.approx(chosen["budget_epochs"])
+    assert r["data_limited"] and r["settings"] == {"ATTN_DROPOUT": 0.2, "AVERAGE": "ema", "MAX_EPOCHS": 0.0}
+    assert r["usd_at_most"] == pytest.approx(992) and r["hours_at_most"] == pytest.approx(31)
+    assert "passes at d32 on 8 GPU(s), more than 4: data-limited" in "\n".join(regime_lines(p))
+    one = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, hours_available=24))["regime"]
+    row = next(x for x in p["gpu_table"] if x["gpus"] == 1)  # the launch line's 1 GPU for 24 h, not 8 for 31
+    assert one["gpus"] == 1 and one["budget_passes"] == pytest.approx(row["tok_per_s"] * 24 * 3600 / p["train_tokens"])
+    assert one["usd_at_most"] == pytest.approx(96)
+    few = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=0.5))
+    assert not few["regime"]["data_limited"] and few["regime"]["usd_at_most"] is None
+    assert few["regime"]["settings"] == {"ATTN_DROPOUT": 0.0, "AVERAGE": "none"}
+    assert "at most 4: the trainer's defaults are ATTN_DROPOUT=0, AVERAGE=none" in regime_lines(few)[0]
 
 
 def test_the_data_is_counted_in_characters_streamed(tmp_path):
