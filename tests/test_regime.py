@@ -3,6 +3,7 @@ takes the data-limited recipe for the settings it leaves unset, and no regulariz
 was set explicitly is kept, the pre-flight says and plans the same, and a resume keeps what the run
 started with."""
 
+import itertools
 import math
 import re
 
@@ -37,6 +38,9 @@ def test_the_three_settings_are_left_to_the_regime_by_default_and_an_explicit_on
 def test_the_cap_is_the_regimes_only_in_a_run_that_may_average_and_stops_at_its_val_minimum():
     # Nothing left to decide: the run neither measures nor says a regime (TINY's pins).
     assert regime.left_unset(_cfg("--attn_dropout", 0, "--average", "none")) == []
+    built = _cfg("--attn_dropout", 0)
+    built.average = "".join(["no", "ne"])  # as argv gives it: equal, not the same object
+    assert regime.left_unset(built) == []
     assert regime.left_unset(_cfg("--plateau_evals", 0)) == ["attn_dropout", "average"]
     cfg = _cfg("--plateau_evals", 0)
     unset = regime.left_unset(cfg)
@@ -102,15 +106,61 @@ def test_the_passes_come_from_max_steps_the_gpu_prediction_auto_or_a_measurement
     cfg.max_steps = 100  # bounds the budget's passes where it ends first
     assert regime.estimate_passes(cfg, config, 10_240, None, 1, cpu, None, unset) == \
         (pytest.approx(10.0), "in MAX_STEPS=100 steps")
-    cfg.max_steps = 0
-    auto = {"how": "measured", "candidates": [{"depth": 2, "tok_per_s": 500.0}, {"depth": 4, "tok_per_s": 9.0}]}
+    cfg.max_steps = 45  # 4.5 passes: past 4 by half a pass, so the budget's own are had too
+    assert regime.estimate_passes(cfg, config, 10_240, None, 1, cpu, None, unset) == \
+        (pytest.approx(4.5), "in MAX_STEPS=45 steps")
+    cfg.max_steps, cfg.training_hours = 0, 2.0
+    auto = {"how": "measured", "candidates": [{"depth": 1, "tok_per_s": 7.0}, {"depth": 4, "tok_per_s": 9.0},
+                                              {"depth": 2, "tok_per_s": 500.0}]}
     assert regime.estimate_passes(cfg, config, 10_240, None, 1, cpu, auto, unset)[0] == \
-        pytest.approx(500 * 3600 / 10_240)
+        pytest.approx(500 * 2 * 3600 / 10_240)
+    cfg.training_hours = 1.0
     gpu_cfg = _cfg("--training_hours", 1, cuda=True)
     predicted = guards.predicted_rate(gpu_cfg, config, H100, 8)
     passes, how = regime.estimate_passes(gpu_cfg, config, 10**9, H100, 8, None, auto, unset)
     assert passes == pytest.approx(predicted * 3600 / 10**9) and how.startswith("at the predicted")
-    assert len(measured) == 2  # MAX_STEPS=100 above measured; DEPTH=auto's figure and the GPU's did not
+    assert len(measured) == 3  # MAX_STEPS=100 and 45 above measured; DEPTH=auto's figure and the GPU's did not
+
+
+def test_a_measurement_takes_the_runs_micro_batch_or_one_sequence_and_frees_a_gpus_memory(monkeypatch):
+    """On a GPU of unknown peak without DEVICE_BATCH_SIZE the measured step is one sequence, and the
+    memory it took is handed back before the device-batch probe (a stand-in device on this CPU)."""
+    config = autosize.GPTConfig(vocab_size=64, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=32)
+    batches, emptied = [], []
+    monkeypatch.setattr(autosize, "measure_tok_per_s", lambda c, batch, device: batches.append(batch) or 10.0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    cfg = _cfg()
+    cfg.device_batch_size = None
+    assert regime.measured_rate(cfg, config, torch.device("cpu")) == 10.0 and batches == [1] and not emptied
+    cfg.device_batch_size = 8
+    assert regime.measured_rate(cfg, config, torch.device("cuda", 0)) == 10.0 and batches == [1, 8] and emptied
+
+
+def test_settle_counts_its_seconds_and_a_resume_or_nothing_left_costs_none(monkeypatch, tmp_path):
+    config = autosize.GPTConfig(vocab_size=64, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=32)
+    d = Dist(0, 0, 1, torch.device("cpu"))
+    clock = itertools.chain([100.0, 250.0], itertools.count(1000.0))  # the call's start and end, then on
+    monkeypatch.setattr(regime.time, "time", lambda: next(clock))
+    monkeypatch.setattr(autosize, "measure_tok_per_s", lambda c, batch, device: 1000.0)
+    lines = []
+    cfg = _cfg("--training_hours", 1)
+    assert regime.settle(cfg, d, None, config, 10_240, tmp_path, None, None, regime.left_unset(cfg), lines.append) == \
+        (150.0, lines[-1])
+    assert lines[-1].startswith("regime | the budget makes about 351.6 passes")
+    assert regime.settle(cfg, d, None, config, 10_240, tmp_path, None, None, [], lines.append) == (0.0, None)
+    monkeypatch.setattr(regime.ckpt, "read_meta", lambda run_dir, step: {"train_config": {"attn_dropout": 0.2,
+                                                                                         "average": "ema"}})
+    lines.clear()
+    cfg = _cfg()
+    assert regime.settle(cfg, d, None, config, 10_240, tmp_path, 7, None, regime.left_unset(cfg), lines.append) == \
+        (0.0, "regime | kept from the checkpoint: ATTN_DROPOUT=0.2, AVERAGE=ema") and len(lines) == 1
+    assert regime.settle(cfg, d, None, config, 10_240, tmp_path, 7, None, ["max_epochs"], lines.append) == (0.0, None)
+    assert len(lines) == 1  # nothing kept, nothing said
+
+
+def test_the_line_puts_exactly_four_passes_below_the_threshold():
+    assert "at most 4: ATTN_DROPOUT=0" in regime.line(4.0, {"attn_dropout": 0.0}, "at the measured 1 tok/s")
+    assert "more than 4, data-limited: AVERAGE=ema" in regime.line(4.01, {"average": "ema"}, "x")
 
 
 def _setup(ws, corpus, *flags):
