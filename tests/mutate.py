@@ -46,6 +46,7 @@ TESTS = {
     "experiment/evaluation.py": "tests/test_evaluation.py tests/test_regularize.py",
     "experiment/optim.py": "tests/test_regularize.py tests/test_optim.py tests/test_average.py",
     "experiment/average.py": "tests/test_average.py",
+    "experiment/regime.py": "tests/test_regime.py",
     "experiment/model.py": "tests/test_regularize.py tests/test_model.py",
     "experiment/config.py": "tests/test_regularize.py tests/test_train.py::test_settings_that_cannot_work_are_named "
                             "tests/test_train.py::test_cpu_learning_rates_follow_the_depth_and_a_given_one_is_kept",
