@@ -77,6 +77,8 @@ def test_the_plan_says_the_regime_of_the_launch_lines_run():
     row = next(x for x in p["gpu_table"] if x["gpus"] == 1)  # the launch line's 1 GPU for 24 h, not 8 for 31
     assert one["gpus"] == 1 and one["budget_passes"] == pytest.approx(row["tok_per_s"] * 24 * 3600 / p["train_tokens"])
     assert one["usd_at_most"] == pytest.approx(96)
+    half = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=30.5))["regime"]
+    assert half["hours_at_most"] == pytest.approx(30.5) and half["usd_at_most"] == pytest.approx(976)
     few = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=0.1))  # d12, 2.9 passes
     assert not few["regime"]["data_limited"] and few["regime"]["usd_at_most"] is None
     assert few["regime"]["settings"] == {"ATTN_DROPOUT": 0.0, "AVERAGE": "none"}
