@@ -213,7 +213,13 @@ def test_the_preflight_plans_the_recipe_and_the_repeat_guard_leaves_it(tmp_path,
     assert isinstance(plan, dict), plan
     line = next(x for x in lines if x.startswith("preflight | regime | "))
     assert "at the predicted" in line and "data-limited: ATTN_DROPOUT=0.2, AVERAGE=ema, MAX_EPOCHS=0" in line
-    assert any(x.startswith("preflight | plan d12:") and "trains the whole 31h budget" in x for x in lines), lines
+    plan_line = next(x for x in lines if x.startswith("preflight | plan d12:"))
+    assert "trains the whole 31h budget" in plan_line and "(less if the stop at the val minimum ends it)" in plan_line
+    # AVERAGE=auto counts the average in the checkpoint the plan sizes; AVERAGE=none does not
+    _, plain = run_preflight(tmp_path, "--data_dir", corpus, "--depth", 12, "--average", "none", regime=True)
+    size = [float(re.search(r"checkpoint ([\d.]+) GB", next(x for x in ls if x.startswith("preflight | plan d12:")))[1])
+            for ls in (lines, plain)]
+    assert size[0] > size[1], size
     # AVERAGE=none keeps the cap, and so the guard against an explicit MAX_EPOCHS=0
     error, lines = run_preflight(tmp_path, "--data_dir", corpus, "--depth", 12, "--average", "none",
                                  "--max_epochs", 0, regime=True)
