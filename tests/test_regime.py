@@ -16,6 +16,7 @@ from test_guards import H100, run_preflight
 from experiment import autosize, guards, regime, train
 from experiment.config import TrainConfig, parse_args, resolve
 from experiment.distributed import Dist
+from experiment.report import markdown
 
 # TINY with the regime's three settings left to it again (TINY turns the recipe off for other tests).
 UNSET = ["--attn_dropout", "auto", "--average", "auto"]
@@ -183,6 +184,7 @@ def test_a_data_limited_run_trains_with_the_recipe_and_says_so(tmp_path, corpus)
     assert all(b.attn.dropout == 0.2 for b in t.model.blocks) and t.opt.average is not None
     assert t.max_tokens == math.inf and t.run_meta["train_config"]["attn_dropout"] == 0.2
     assert t.report.facts["regime"] == line.removeprefix("regime | ")
+    assert line.removeprefix("regime | ") in markdown(t.report, t.st, "running")  # report.md's regime row
     assert t.st.used_seconds > 0  # the measurement is counted in the budget
 
 
