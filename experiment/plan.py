@@ -279,8 +279,8 @@ def regime_lines(p: dict) -> list[str]:
     return [f"{head}, more than {regime.PASSES}: data-limited, so the trainer's defaults are {settings}: regularized, "
             f"it trains on past the pass cap until the stop at the val minimum, at most the whole "
             f"{r['hours_at_most']:.2f} h (${r['usd_at_most']:,.0f}): it may spend more than the hours above",
-            "recommendation | what those extra passes buy at this size is EXTRAPOLATED from 2-core CPU screens of "
-            "up to 1.1M characters (docs/performance.md, \"Defaults by regime\"); ATTN_DROPOUT=0 AVERAGE=none "
+            "recommendation | what those extra passes buy at this size is EXTRAPOLATED from 2-core CPU screens of up "
+            "to 1.1M characters and one H200 run on 9.9M (docs/performance.md, \"Defaults by regime\"); ATTN_DROPOUT=0 AVERAGE=none "
             "stops at the pass cap as before"]
 
 
