@@ -128,8 +128,9 @@ def mfu_table(gpu_name: str) -> tuple[dict[int, float], str, str]:
     return MEASURED_MFU[key]
 
 
-def mfu(depth: int, gpu_name: str) -> float:
-    table = mfu_table(gpu_name)[0]
+def mfu(depth: int, gpu_name: str, table: dict[int, float] | None = None) -> float:
+    """The MFU at the nearest depth of `table` (default: this GPU kind's, mfu_table)."""
+    table = table or mfu_table(gpu_name)[0]
     return table[min(table, key=lambda d: abs(d - depth))]
 
 
@@ -146,11 +147,12 @@ def flops_per_token(config: GPTConfig) -> float:
 
 
 def predicted_tok_per_s(config: GPTConfig, peak: float, gpus: int, link_gbps: float, weight_bytes: int = 4,
-                        tokens_per_step: int = config.CUDA_DEFAULTS["total_batch_size"], *, gpu_name: str) -> float:
+                        tokens_per_step: int = config.CUDA_DEFAULTS["total_batch_size"], *, gpu_name: str,
+                        mfu_by_depth: dict[int, float] | None = None) -> float:
     """A prediction, not a measurement: a step's compute at the nearest measured MFU (of this GPU's
-    kind, mfu_table) x the GPUs' dense bf16 peak (the model's training FLOPs per token), plus its
-    communication (comm_seconds)."""
-    compute = tokens_per_step * flops_per_token(config) / (mfu(config.depth, gpu_name) * peak * gpus)
+    kind, mfu_table, or `mfu_by_depth`: measured on the box itself) x the GPUs' dense bf16 peak (the
+    model's training FLOPs per token), plus its communication (comm_seconds)."""
+    compute = tokens_per_step * flops_per_token(config) / (mfu(config.depth, gpu_name, mfu_by_depth) * peak * gpus)
     return tokens_per_step / (compute + comm_seconds(config, gpus, link_gbps, weight_bytes))
 
 

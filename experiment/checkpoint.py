@@ -293,6 +293,32 @@ def load_model(path: Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     return model.eval(), meta
 
 
+def load_serving(spec: str | None, workspace: Path, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | None = None) -> list[tuple[GPT, dict, Path]]:
+    """(model, meta, path) of what the server or sample decodes: `spec` names one checkpoint (a model
+    file, an export or a run directory, as resolve_serving_checkpoint; None: the newest run's best),
+    or several separated by commas, an ensemble decoded as one model. Members whose tokenizers differ
+    are a CheckpointError naming both: their token ids would mean different characters."""
+    specs = [None] if spec is None else [one.strip() for one in spec.split(",")]
+    if "" in specs:
+        raise CheckpointError(f"--checkpoint {spec!r}: an empty name in the list (several are separated by commas)")
+    members: list[tuple[GPT, dict, Path]] = []
+    for one in specs:
+        path = resolve_serving_checkpoint(one, workspace)
+        model, meta = load_model(path, device, dtype)
+        if members and meta["tokenizer"] != members[0][1]["tokenizer"]:
+            raise CheckpointError(f"ensemble members need one tokenizer: {path} has {_tokenizer_words(meta)}, "
+                                  f"{members[0][2]} has {_tokenizer_words(members[0][1])}")
+        members.append((model, meta, path))
+    return members
+
+
+def _tokenizer_words(meta: dict) -> str:
+    t = meta["tokenizer"]
+    return (f"tiktoken {t['encoding']}" if t.get("encoding") else
+            f"{t['tokenizer']} over {len(t['chars'] or '')} characters {(t['chars'] or '')[:12]!r}...")
+
+
 def model_meta(path: Path) -> dict:
     """The meta of what load_model(path) loads, without building the model: a step's meta file, or an
     export's meta (its tensors memory-mapped, not read)."""

@@ -6,10 +6,15 @@ decode step for every running request at once, in which every matmul runs on blo
 number of rows (block_linear) and attention is one bmm entry per (row, head) over a span rounded up
 to DECODE_SPAN_STEP, so a row's sums are the same whatever the batch. The model module knows
 nothing of this file; the server (experiment/server.py) schedules a Batch from one engine thread.
+
+An ensemble is several models decoded as one: each runs its own prefill and decode steps on its own
+KV cache, and the token is drawn from the mean of their next-token probabilities (mix_logits). Each
+member's logits are batch-invariant, and the mean is taken row by row, so the ensemble is too.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -157,6 +162,30 @@ def decode_step(model: GPT, tokens: list[int], positions: list[int], cache: KVSl
     return block_linear(rms_norm(x), model.lm_head).float()[:, 0]  # fp32 logits, as forward
 
 
+def check_ensemble(models: list[GPT]) -> None:
+    """ValueError unless the models can be decoded as one: the same vocabulary and context (the
+    tokenizer itself is the caller's to compare: it lives in the checkpoints' meta)."""
+    first = models[0].config
+    for i, m in enumerate(models[1:], 1):
+        for name in ("vocab_size", "max_seq_len"):
+            if getattr(m.config, name) != getattr(first, name):
+                raise ValueError(f"ensemble member {i + 1} has {name} {getattr(m.config, name)}, member 1 has "
+                                 f"{getattr(first, name)}: an ensemble's members need the same")
+
+
+def mix_logits(logits: list[torch.Tensor], allowed_vocab: int | None = None) -> torch.Tensor:
+    """Log of the mean of the members' next-token probabilities (B, V), usable as logits: sampling
+    with temperature T from them draws from that mean raised to 1/T. One member: its own logits,
+    untouched, so a single model decodes exactly as before. Tokens at or past allowed_vocab (the
+    tokenizer's padding) are out before each member's softmax."""
+    if len(logits) == 1:
+        return logits[0]
+    logp = torch.stack([x.float() for x in logits])  # (members, B, V)
+    if allowed_vocab is not None:
+        logp[..., allowed_vocab:] = -float("inf")
+    return torch.logsumexp(logp.log_softmax(dim=-1), dim=0) - math.log(len(logits))
+
+
 @dataclass
 class _Member:
     id: int
@@ -176,12 +205,16 @@ class Batch:
     exactly those it gets in a Batch of its own, whoever else is in the batch and whenever it joined:
     the same prefill and context rebuild as generate (forward over its own tokens, alone), then
     batch-invariant decode steps (decode_step) and its own generator for sampling. No threads,
-    no I/O: the caller schedules.
+    no I/O: the caller schedules. `model` may be a list of models: an ensemble (mix_logits), each
+    with its own KV cache.
     """
 
-    def __init__(self, model: GPT, slots: int, allowed_vocab: int | None = None):
-        self.model, self.slots, self.allowed_vocab = model, slots, allowed_vocab  # allowed_vocab: see generate
-        self.cache = KVSlots(model.config, slots, model.wte.weight.device, model.wte.weight.dtype)
+    def __init__(self, model: GPT | list[GPT], slots: int, allowed_vocab: int | None = None):
+        self.models = list(model) if isinstance(model, (list, tuple)) else [model]
+        check_ensemble(self.models)
+        self.model, self.slots, self.allowed_vocab = self.models[0], slots, allowed_vocab  # allowed_vocab: see generate
+        self.caches = [KVSlots(m.config, slots, m.wte.weight.device, m.wte.weight.dtype) for m in self.models]
+        self.cache = self.caches[0]  # the (first) model's
         self.rows: list[_Member] = []  # rows[i] lives in slot i
         self._next_id = 0
 
@@ -206,7 +239,8 @@ class Batch:
         row = next(i for i, m in enumerate(self.rows) if m.id == member_id)
         last = len(self.rows) - 1
         if row != last:  # the last member moves into the gap: slots 0..n-1 stay the members'
-            self.cache.move(last, row, self.rows[last].pos)
+            for cache in self.caches:
+                cache.move(last, row, self.rows[last].pos)
             self.rows[row] = self.rows[last]
         self.rows.pop()
 
@@ -226,9 +260,10 @@ class Batch:
                 out[m.id] = self._prefill(row, context_window(m.tokens, ctx, rebuild=True))
         if len(out) == len(self.rows):  # every member was rebuilt: no decode left to do
             return out
-        none = self.model.config.bigram_vocab  # the bigram embedding's "no previous token"
-        logits = decode_step(self.model, [m.tokens[-1] for m in self.rows], [m.pos for m in self.rows], self.cache,
-                             [m.tokens[-2] if m.pos else none for m in self.rows])
+        tokens, positions = [m.tokens[-1] for m in self.rows], [m.pos for m in self.rows]
+        logits = mix_logits([decode_step(model, tokens, positions, cache,  # bigram_vocab: "no previous token"
+                                         [m.tokens[-2] if m.pos else model.config.bigram_vocab for m in self.rows])
+                             for model, cache in zip(self.models, self.caches)], self.allowed_vocab)
         # A member rebuilt above has its token; its decode just done (at the position its next step
         # writes again) is discarded.
         rows = [row for row, m in enumerate(self.rows) if m.id not in out]
@@ -241,9 +276,10 @@ class Batch:
         return out
 
     def _prefill(self, row: int, keep: list[int]) -> int:
-        cache = self.cache.slot(row)
-        logits = self.model(torch.tensor([keep], device=self.model.wte.weight.device), cache=cache)[:, -1]
-        self.rows[row].pos = cache.pos
+        slots = [cache.slot(row) for cache in self.caches]
+        logits = mix_logits([model(torch.tensor([keep], device=model.wte.weight.device), cache=slot)[:, -1]
+                             for model, slot in zip(self.models, slots)], self.allowed_vocab)
+        self.rows[row].pos = slots[0].pos
         return self._sample([self.rows[row]], logits)[0]
 
     def _sample(self, members: list[_Member], logits: torch.Tensor) -> list[int]:
@@ -265,7 +301,7 @@ def prompt_ids(tok, prompt: str, ctx: int) -> tuple[list[int], int]:
 
 
 @torch.no_grad()
-def generate(model: GPT, ids: list[int], max_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+def generate(model: GPT | list[GPT], ids: list[int], max_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, generator: torch.Generator | None = None,
              allowed_vocab: int | None = None):
     """Yields up to max_tokens new token ids for one prompt, decoded as the server decodes a request:

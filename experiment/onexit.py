@@ -17,7 +17,8 @@ without saying why), and runs COMMAND through the shell with:
     BEST_VAL_LOSS   its val loss (empty when there is none)
     BEST_EXPORT     <run directory>/best.pt, the best model as one bf16 file (empty when absent)
 
-e.g. ON_EXIT='runpodctl stop pod $RUNPOD_POD_ID' stops the pod that bills for idle GPUs.
+e.g. ON_EXIT='[ "$RUN_STATUS" != stopped ] && runpodctl stop pod $RUNPOD_POD_ID' stops the pod that bills
+for idle GPUs when the run finished or failed, and leaves it up after a Ctrl-C or a preemption.
 """
 
 from __future__ import annotations

@@ -71,6 +71,8 @@ class PlanConfig:
     disk_write_gbps: float = opt("the checkpoint disk's write rate, GB/s (a network volume's low end)",
                                  DISK_WRITE_GBPS)
     keep_last: int = opt("complete checkpoints kept, plus the best", 3)
+    gpucheck: str | None = opt("report.json of `bash run.sh gpucheck` on the rented box (or one like it): the MFU it "
+                               "measured per depth replaces the table's, so the tok/s rest on that box's own speed")
     max_seq_len: int = opt("context length", CUDA_DEFAULTS["max_seq_len"])
     json: int = opt("1: print one JSON object instead of the table", 0)
 
@@ -82,6 +84,34 @@ class Gpus:
     peak: float  # dense bf16 FLOP/s of one
     memory_bytes: int
     link_gbps: float  # the all-reduce's bus bandwidth between them
+    measured: tuple[dict[int, float], str, str] | None = None  # (MFU by depth, source, GPU) from a gpucheck report
+    link_source: str = "assumed: LINK_GBPS"  # where link_gbps comes from, in the plan line's words
+
+
+def gpucheck_link(items: dict) -> tuple[float, int] | None:
+    """(bus GB/s, GPUs) of the all-reduce a gpucheck report's ddp item measured over the box's GPUs, if any."""
+    runs = [r for r in (items.get("ddp") or {}).get("figures", {}).get("runs", []) if r.get("link_gbps")]
+    return (runs[-1]["link_gbps"], runs[-1]["world"]) if runs else None
+
+
+def gpucheck_mfu(path: str, gpus: Gpus) -> tuple[tuple[dict[int, float], str, str], tuple[float, int] | None]:
+    """((MFU by depth, its source, the GPU), the all-reduce's (GB/s, GPUs) or None) that a gpucheck
+    report.json measured; ValueError naming the file and what is missing or does not match the GPUS
+    being planned."""
+    try:
+        items = {i["name"]: i for i in json.loads(Path(path).read_text())["items"]}
+        gpu = items["env"]["figures"]["gpu"]
+        speed = items["speed"]["figures"]
+        link = gpucheck_link(items)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"GPUCHECK {path}: not a gpucheck report.json with its env and speed items ({e})") from None
+    table = {int(k.removeprefix("d")): r["mfu"] for k, r in speed.items() if r.get("mfu")}
+    if not table:
+        raise ValueError(f"GPUCHECK {path}: its speed item has no MFU (a run without CUDA, or on a GPU of unknown peak)")
+    if peak_flops(gpu) != gpus.peak:
+        raise ValueError(f"GPUCHECK {path}: measured on {gpu}, but GPUS is {gpus.count}x{gpus.name}: plan the GPUs "
+                         "it measured, or measure the ones you plan")
+    return (table, f"gpucheck {path}", gpu), link
 
 
 def parse_gpus(spec: str | None) -> Gpus:
@@ -127,7 +157,8 @@ def tok_per_s(config: GPTConfig, gpus: Gpus, count: int) -> tuple[float, float] 
     if fit is None:
         return None
     weight_bytes = autosize.WEIGHT_BYTES[fit.precision]
-    return (autosize.predicted_tok_per_s(config, gpus.peak, count, gpus.link_gbps, weight_bytes, gpu_name=gpus.name),
+    return (autosize.predicted_tok_per_s(config, gpus.peak, count, gpus.link_gbps, weight_bytes, gpu_name=gpus.name,
+                                         mfu_by_depth=gpus.measured and gpus.measured[0]),
             autosize.comm_seconds(config, count, gpus.link_gbps, weight_bytes))
 
 
@@ -138,7 +169,8 @@ def rung(depth: int, cfg: PlanConfig, gpus: Gpus, train_tokens: int, budget_s: f
     predicted = tok_per_s(config, gpus, gpus.count)
     fits = predicted is not None
     rate = predicted[0] if fits else autosize.predicted_tok_per_s(config, gpus.peak, gpus.count, gpus.link_gbps,
-                                                                  gpu_name=gpus.name)
+                                                                  gpu_name=gpus.name,
+                                                                  mfu_by_depth=gpus.measured and gpus.measured[0])
     c = autosize.candidate(config, rate, budget_s, train_tokens, CUDA_DEFAULTS["total_batch_size"])
     ckpt = checkpoint_bytes(config, gpus.count, gpus.memory_bytes)
     return {"depth": depth, "params": c.params, "tok_per_s": c.tok_per_s, "fits": fits,
@@ -165,14 +197,22 @@ def gpu_rows(cfg: PlanConfig, gpus: Gpus, config: GPTConfig, tokens: float, budg
     return rows
 
 
+def launch_budget(p: dict, cfg: PlanConfig, count: int) -> tuple[float, float]:
+    """(hours, dollars) of the launch line's run on `count` GPUs: the budget's dollars buy more hours
+    on fewer GPUs, capped at HOURS_AVAILABLE."""
+    hours = min(p["budget_usd"] / (cfg.gpu_hourly_usd * count), cfg.hours_available or math.inf)
+    return hours, hours * count * cfg.gpu_hourly_usd
+
+
 def launch_line(p: dict, cfg: PlanConfig, count: int) -> tuple[str, str]:
-    """What to paste on the rented box (with `count` GPUs), and the run directory it writes: the
-    plan's depth, explicit, with the default pass cap, the budget those GPUs' hours allow, and every
-    planned setting that is not the trainer's default, quoted for the shell."""
-    hours = p["budget_usd"] / (cfg.gpu_hourly_usd * count)
-    if cfg.hours_available is not None:
-        hours = min(hours, cfg.hours_available)
-    settings = {"DEPTH": p["depth"], "TRAINING_HOURS": f"{max(math.floor(hours * 1e4) / 1e4, 1e-4):g}"}  # never above
+    """What to paste on the rented box, and the run directory it writes: the GPU count it was planned
+    for (NPROC_PER_NODE, so a box with more GPUs does not spend more), the plan's depth, explicit,
+    with the default pass cap, the budget in dollars (BUDGET_USD: the trainer turns it into hours
+    on the GPUs it runs on, so the line means the same money on any count), and every planned
+    setting that is not the trainer's default, quoted for the shell."""
+    usd = launch_budget(p, cfg, count)[1]
+    settings = {"NPROC_PER_NODE": count, "DEPTH": p["depth"],
+                "BUDGET_USD": f"{max(math.floor(usd * 100) / 100, 0.01):g}"}  # cents, never above
     defaults = {f.name: f.default for f in dataclasses.fields(PlanConfig)}
     for name in ("tokenizer", "alphabet", "val_fraction", "gpu_hourly_usd", "keep_last"):
         if getattr(cfg, name) != defaults[name]:
@@ -185,8 +225,12 @@ def launch_line(p: dict, cfg: PlanConfig, count: int) -> tuple[str, str]:
 
 def plan(cfg: PlanConfig) -> dict:
     gpus = parse_gpus(cfg.gpus)
+    if cfg.gpucheck is not None:
+        gpus.measured, link = gpucheck_mfu(cfg.gpucheck, gpus)
+        if link is not None:
+            gpus.link_gbps, gpus.link_source = link[0], f"MEASURED by gpucheck over {link[1]} GPUs"
     if cfg.link_gbps is not None:
-        gpus.link_gbps = cfg.link_gbps
+        gpus.link_gbps, gpus.link_source = cfg.link_gbps, "LINK_GBPS"
     if cfg.hours_available is not None and cfg.hours_available <= 0:
         raise ValueError(f"HOURS_AVAILABLE must be > 0, got {cfg.hours_available:g}")
     tokens, counted = count_tokens(cfg)
@@ -200,23 +244,38 @@ def plan(cfg: PlanConfig) -> dict:
     best = autosize.choose([c for r, c in pairs if r["fits"]])
     chosen = next(r for r in rungs if r["depth"] == best.depth)
     per_hour = cfg.gpu_hourly_usd * gpus.count
-    by_depth, mfu_source, measured_on = autosize.mfu_table(gpus.name)
+    by_depth, mfu_source, measured_on = gpus.measured or autosize.mfu_table(gpus.name)
     rows = gpu_rows(cfg, gpus, model_config(best.depth, cfg, vocab), chosen["tokens"], hours * per_hour)
     in_time = [r["gpus"] for r in rows if r["in_time"] and r["in_budget"]]
     p = {"depth": chosen["depth"], "hours": chosen["useful_hours"], "usd": chosen["useful_hours"] * per_hour,
          "unspent_usd": (hours - chosen["useful_hours"]) * per_hour, "budget_hours": hours,
          "budget_usd": hours * per_hour, "usd_per_hour": per_hour, "tokens": tokens, "train_tokens": train_tokens,
-         "counted": counted, "gpus": f"{gpus.count} x {gpus.name}", "peak_flops": gpus.peak,
+         "counted": counted, "gpus": f"{gpus.count} x {gpus.name}", "gpu_count": gpus.count, "peak_flops": gpus.peak,
          "max_passes": chosen["epochs"], "stops_at_val_minimum": PLATEAU_EVALS > 0,
          "mfu_source": mfu_source, "mfu_measured_on": measured_on, "mfu_by_depth": by_depth,
+         "mfu_from_box": gpus.measured is not None,
          "pass_cap": best.cap,
          "rule": autosize.rule(best) + f"; never more than {best.cap:g} "
          "passes (repeated data is worth less and less: Muennighoff et al. 2023)", "rungs": rungs,
-         "link_gbps": gpus.link_gbps, "hours_available": cfg.hours_available, "gpu_table": rows,
+         "link_gbps": gpus.link_gbps, "link_source": gpus.link_source, "hours_available": cfg.hours_available, "gpu_table": rows,
          "recommended_gpus": min(in_time) if cfg.hours_available is not None and in_time else gpus.count}
+    recommend_on(p, cfg, rows)
     p["launch"], p["run_dir"] = launch_line(p, cfg, p["recommended_gpus"])
     p["regime"] = regime_plan(p, cfg, rows, best.tok_per_s)
     return p
+
+
+def recommend_on(p: dict, cfg: PlanConfig, rows: list[dict]) -> None:
+    """The recommendation's hours and dollars on the GPUs the launch line names (fewer than those
+    asked for when HOURS_AVAILABLE lets fewer finish): one GPU count from the recommendation to
+    the launch line. Unspent: what the launch line's budget leaves."""
+    count = p["recommended_gpus"]
+    hours, usd = launch_budget(p, cfg, count)
+    row = next(r for r in rows if r["gpus"] == count)
+    if count != p["gpu_count"]:  # else the table's own figures, for the GPUs asked for
+        p["hours"] = min(row["hours"], hours)
+        p["usd"] = p["hours"] * count * cfg.gpu_hourly_usd
+    p.update(launch_hours=hours, launch_usd=usd, unspent_usd=max(usd - p["usd"], 0.0))
 
 
 def regime_plan(p: dict, cfg: PlanConfig, rows: list[dict], rate: float) -> dict:
@@ -226,7 +285,7 @@ def regime_plan(p: dict, cfg: PlanConfig, rows: list[dict], rate: float) -> dict
     the whole budget."""
     count = p["recommended_gpus"]
     rate = next((r["tok_per_s"] for r in rows if r["gpus"] == count and r["fits"]), rate)
-    hours = min(p["budget_usd"] / (cfg.gpu_hourly_usd * count), cfg.hours_available or math.inf)
+    hours = launch_budget(p, cfg, count)[0]
     passes = rate * hours * 3600 / p["train_tokens"]
     limited = passes > regime.PASSES
     values = regime.RECIPE if limited else regime.OFF
@@ -244,9 +303,9 @@ def table(p: dict) -> str:
              f"plan | GPUs: {p['gpus']} at {p['peak_flops'] / 1e12:.0f} TFLOP/s bf16 each | "
              f"${p['usd_per_hour']:.2f}/hour | budget {p['budget_hours']:.1f} h = ${p['budget_usd']:,.0f}",
              f"plan | tok/s are PREDICTED: MFU measured on {p['mfu_measured_on']} ({p['mfu_source']}: {measured}) x "
-             f"peak x GPUs, less the gradient traffic at an assumed {p['link_gbps']:g} GB/s between GPUs (LINK_GBPS); "
-             f"not measured on these GPUs; * outside d{min(by_depth)}-d{max(by_depth)} the nearest measured MFU is "
-             "taken (small depths: an upper bound)",
+             f"peak x GPUs, less the gradient traffic at {p['link_gbps']:g} GB/s between GPUs ({p['link_source']}); "
+             + ("the MFU MEASURED on this box, one GPU at a time" if p["mfu_from_box"] else "not measured on these GPUs")
+             + f"; * outside d{min(by_depth)}-d{max(by_depth)} the nearest measured MFU is taken (small depths: an upper bound)",
              f"{'depth':>5} {'params':>8} {'tok/s':>11} {'1 pass h':>9} {'4 passes h':>11} "
              f"{cap_head:>11} {'useful h':>9} {'tok/param':>9} {'ckpt GB':>8} "
              f"{'disk GB':>8} {'save min':>8}"]
@@ -260,8 +319,9 @@ def table(p: dict) -> str:
                      f"{r['save_minutes']:>8.1f}" + ("" if r["fits"] else "  does not fit in memory"))
     lines += ["plan | disk GB: KEEP_LAST + the best + the one before the warmdown + the one being written; save min: one checkpoint at the "
               "disk's write rate",
-              f"recommendation | DEPTH={p['depth']} for {p['hours']:.2f} h (${p['usd']:,.0f}) of the "
-              f"{p['budget_hours']:.1f} h budget; ${p['unspent_usd']:,.0f} unspent",
+              f"recommendation | DEPTH={p['depth']} on {p['recommended_gpus']} GPU(s) for {p['hours']:.2f} h "
+              f"(${p['usd']:,.0f}) of the launch line's ${p['launch_usd']:,.0f} ({p['launch_hours']:.1f} h on "
+              f"{p['recommended_gpus']}); ${p['unspent_usd']:,.0f} unspent",
               f"recommendation | at most {p['max_passes']:.1f} passes"
               + ("; stops earlier when val stops improving (the warmdown starts at the val minimum: "
                  "docs/training.md)" if p["stops_at_val_minimum"] else ""),

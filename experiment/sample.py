@@ -32,7 +32,8 @@ SEPARATOR = "-" * 40  # between samples, as nanoGPT's sample.py prints them
 @dataclass
 class SampleConfig:
     checkpoint: str | None = opt("a run directory (its best), a model_<step>.pt (that step), an export (best.pt), or unset: the "
-                                 "newest run's best")
+                                 "newest run's best; several, separated by commas: an ensemble (the mean of their "
+                                 "next-token probabilities)")
     prompt: str = opt("the text the samples continue (empty: from the start of a document)", "")
     prompt_file: str | None = opt("a file of prompts, one per line; \\n in a line stands for a newline")
     num_samples: int = opt("samples per prompt", 1)
@@ -98,8 +99,8 @@ def run(cfg: SampleConfig) -> int:
     prompts = read_prompts(cfg)
     device = resolve_device(cfg.device)
     workspace = Path(cfg.workspace) if cfg.workspace else default_workspace()
-    path = ckpt.resolve_serving_checkpoint(cfg.checkpoint, workspace)
-    model, meta = ckpt.load_model(path, device, dtype=None if cfg.dtype == "auto" else DTYPES[cfg.dtype])
+    members = ckpt.load_serving(cfg.checkpoint, workspace, device, dtype=None if cfg.dtype == "auto" else DTYPES[cfg.dtype])
+    (model, meta, _), models = members[0], [m for m, _, _ in members]
     tok = tokenizer_from_meta(meta["tokenizer"])
     encoded = []
     for prompt in prompts:  # every prompt checked before the first sample is written
@@ -107,8 +108,9 @@ def run(cfg: SampleConfig) -> int:
             encoded.append(prompt_ids(tok, prompt, model.config.max_seq_len))
         except ValueError as e:
             raise ValueError(f"prompt {prompt[:40]!r}: {e}") from None
-    val = "n/a" if meta["val_loss"] is None else f"{meta['val_loss']:.4f}"
-    print(f"sample | {path} (step {meta['step']}, val_loss {val}) | {device}", file=sys.stderr)
+    served = " + ".join(f"{p} (step {m['step']}, val_loss {'n/a' if m['val_loss'] is None else format(m['val_loss'], '.4f')})"
+                        for _, m, p in members)
+    print(f"sample | {served} | {device}", file=sys.stderr)
     for prompt, (ids, dropped) in zip(prompts, encoded):
         if dropped:
             print(f"sample | the prompt's first {dropped} tokens are cut: the model sees its last "
@@ -117,7 +119,8 @@ def run(cfg: SampleConfig) -> int:
             sys.stdout.write(prompt)
             stream = Stream(tok)
             gen = torch.Generator().manual_seed(cfg.seed + i)
-            for token in generate(model, ids, cfg.max_tokens, cfg.temperature, cfg.top_k, cfg.top_p, gen, tok.n_real):
+            for token in generate(models if len(models) > 1 else model, ids, cfg.max_tokens, cfg.temperature,
+                                  cfg.top_k, cfg.top_p, gen, tok.n_real):
                 stream.add(token)
             stream.close()
             print(SEPARATOR, flush=True)

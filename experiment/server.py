@@ -44,6 +44,7 @@ from experiment.dataloader import tokenizer_from_meta
 from experiment.distributed import resolve_device
 from experiment.engine import Batch, KVSlots, prompt_ids
 from experiment.files import default_workspace
+from experiment.hardware import host_available_bytes
 from experiment.model import DTYPES
 from experiment.pages import prompt_page, report_page
 
@@ -72,17 +73,21 @@ OPENAI_NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "presen
 
 @dataclass
 class ServeConfig:
-    checkpoint: str | None = opt("model_*.pt, an export (best.pt) or a run directory (default: the newest run's best)")
+    checkpoint: str | None = opt("model_*.pt, an export (best.pt) or a run directory (default: the newest run's best); "
+                                 "several, separated by commas: an ensemble, decoded as one model from the mean of "
+                                 "their next-token probabilities")
     host: str = opt("bind address; 0.0.0.0 exposes the server to the network", "127.0.0.1")
     port: int = opt("0 picks a free port", 8000)
-    device: str = opt("where the model runs", "auto", choices=("auto", "cpu", "cuda"))
+    device: str = opt("where the model runs (mps: Apple silicon, where torch has it)", "auto",
+                      choices=("auto", "cpu", "cuda", "mps"))
     dtype: str = opt("weights (and KV cache) dtype; auto: the checkpoint's own", "auto",
                       choices=("auto", *DTYPES))
     workspace: str | None = opt("where to look for runs (default as in run.sh)")
     max_batch: int = opt("requests decoded together (KV-cache slots, allocated at start)", 32)
     max_queue: int = opt("requests waiting for a slot; more get 503 with Retry-After", 256)
     kv_cache_gib: float | None = opt("KV-cache memory cap in GiB: the batch is the most slots that fit, at "
-                                      "most max_batch (default: no cap)")
+                                      "most max_batch (default: half the memory free once the model is loaded: "
+                                      "available RAM on CPU and MPS, free GPU memory on CUDA)")
     threads: int = opt("torch CPU threads (0: 1 on CPU, where a decode step's ops are too small to split "
                         "across cores; torch's default with CUDA)", 0)
 
@@ -299,6 +304,36 @@ class Scheduler:
             self.idle = self.batch.free
 
 
+# The share of the memory free after the model loads that the KV cache takes by default: the rest is
+# for the decode step's activations and logits, prefill, and whatever else the machine runs. A d32
+# checkpoint's 32 slots (512 MiB each in bf16) would otherwise ask a 16 GB laptop for 16 GiB at start.
+KV_SHARE = 0.5
+
+
+def serving_device(flag: str) -> torch.device:
+    """--device auto|cpu|cuda|mps: the trainer's choice (auto: CUDA where it is), plus Apple's MPS on
+    request; asking for a device that is not there is a ValueError naming it."""
+    if flag == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError("--device mps, but MPS is not available here (Apple silicon with a torch built for it)")
+        return torch.device("mps")
+    return resolve_device(flag)
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory new allocations can take now: the GPU's free memory on CUDA, else the host's (MPS shares it)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host_available_bytes()
+
+
+def auto_kv_cache_gib(device: torch.device, slot_bytes: int) -> tuple[float, str]:
+    """The default KV-cache cap, KV_SHARE of the free memory, and the words the server says it in."""
+    free = free_bytes(device)
+    if KV_SHARE * free < slot_bytes:
+        raise ValueError(f"half of the {free / 2**30:.2f} GiB free on {device.type} holds no KV-cache slot "
+                         f"({slot_bytes / 2**20:.1f} MiB each for this model): free memory, or set --kv_cache_gib")
+    return KV_SHARE * free / 2**30, f"sized to half of the {free / 2**30:.1f} GiB free on {device.type} (--kv_cache_gib sets it)"
+
+
 def check_batching(max_batch, max_queue, kv_cache_gib) -> None:
     """ValueError unless max_batch >= 1, max_queue >= 0 and kv_cache_gib is None or finite and > 0."""
     if not _is_int(max_batch) or max_batch < 1:
@@ -313,21 +348,28 @@ class Engine:
     """The loaded model, its tokenizer, request validation and the scheduler that runs requests."""
 
     def __init__(self, model, meta: dict, path: Path, device: torch.device, max_batch: int = 32,
-                 max_queue: int = 256, kv_cache_gib: float | None = None):
+                 max_queue: int = 256, kv_cache_gib: float | None = None, kv_note: str = "",
+                 members: list[tuple[dict, Path]] | None = None):
+        """model: a GPT, or a list of them decoded as one (an ensemble: engine.Batch), whose (meta,
+        path) are `members`, the first's also `meta`, `path`; kv_cache_gib: the KV cache's cap (None:
+        max_batch slots, whatever they take); kv_note: how the cap was chosen, for the start line."""
         check_batching(max_batch, max_queue, kv_cache_gib)
-        self.model, self.meta, self.path, self.device = model, meta, path, device
+        self.models = list(model) if isinstance(model, (list, tuple)) else [model]
+        self.model, self.meta, self.path, self.device, self.kv_note = self.models[0], meta, path, device, kv_note
+        self.members = members or [(meta, path)]
         self.tok = tokenizer_from_meta(meta["tokenizer"])
-        # what /v1/models lists: the run directory's name, which an export records (it travels alone)
-        self.model_id = (meta["train_config"].get("model_tag") if "exported_from" in meta else None) or path.parent.name
+        # what /v1/models lists: the run directory's name, which an export records (it travels alone);
+        # an ensemble's members' names joined by "+"
+        self.model_id = "+".join((m["train_config"].get("model_tag") if "exported_from" in m else None) or p.parent.name
+                                 for m, p in self.members)
         self.created = int(path.stat().st_mtime) if path.exists() else int(time.time())
-        dtype = model.wte.weight.dtype
-        self.slot_bytes = KVSlots.bytes_per_slot(model.config, dtype)
+        self.slot_bytes = sum(KVSlots.bytes_per_slot(m.config, m.wte.weight.dtype) for m in self.models)
         slots = max_batch if kv_cache_gib is None else min(max_batch, int(kv_cache_gib * 2**30 // self.slot_bytes))
         if slots < 1:
             raise ValueError(f"--kv_cache_gib {kv_cache_gib} holds no KV-cache slot "
                              f"({self.slot_bytes / 2**20:.1f} MiB each for this model)")
         self.max_batch, self.max_queue = slots, max_queue
-        self.scheduler = Scheduler(model, slots, max_queue, self.tok.n_real)
+        self.scheduler = Scheduler(self.models, slots, max_queue, self.tok.n_real)
 
     def close(self) -> None:
         self.scheduler.close()
@@ -339,7 +381,9 @@ class Engine:
             "checkpoint": str(self.path), "step": m["step"], "val_loss": m["val_loss"],
             "report": "/report" if (self.path.parent / "report.md").is_file() else None,
             "tokens_seen": ckpt.run_state(m).tokens_seen, "model_config": m["model_config"],
-            "num_params": self.model.num_params(), "device": str(self.device),
+            "num_params": sum(m.num_params() for m in self.models), "device": str(self.device),
+            "ensemble": [{"checkpoint": str(p), "step": m["step"], "val_loss": m["val_loss"]} for m, p in self.members]
+            if len(self.members) > 1 else None,
             "dtype": str(self.model.wte.weight.dtype).removeprefix("torch."), "model_id": self.model_id,
             "vocabulary": {"tokenizer": tok["tokenizer"], "encoding": tok["encoding"], "characters": tok["chars"],
                            "size": self.tok.n_real, "padded_size": tok["vocab_size"]},
@@ -670,11 +714,16 @@ def make_server(engine: Engine, host: str, port: int) -> Server:
 
 
 def load_engine(cfg: ServeConfig) -> Engine:
-    dev = resolve_device(cfg.device)
+    """The model on its device, with a KV cache of --kv_cache_gib, else of half the memory left free."""
+    dev = serving_device(cfg.device)
     workspace = Path(cfg.workspace) if cfg.workspace else default_workspace()
-    path = ckpt.resolve_serving_checkpoint(cfg.checkpoint, workspace)
-    model, meta = ckpt.load_model(path, dev, dtype=None if cfg.dtype == "auto" else DTYPES[cfg.dtype])
-    return Engine(model, meta, path, dev, cfg.max_batch, cfg.max_queue, cfg.kv_cache_gib)
+    members = ckpt.load_serving(cfg.checkpoint, workspace, dev, dtype=None if cfg.dtype == "auto" else DTYPES[cfg.dtype])
+    models = [m for m, _, _ in members]
+    cap, note = cfg.kv_cache_gib, "capped by --kv_cache_gib"
+    if cap is None:
+        cap, note = auto_kv_cache_gib(dev, sum(KVSlots.bytes_per_slot(m.config, m.wte.weight.dtype) for m in models))
+    return Engine(models if len(models) > 1 else models[0], members[0][1], members[0][2], dev, cfg.max_batch,
+                  cfg.max_queue, cap, note, [(meta, path) for _, meta, path in members])
 
 
 def main(argv=None) -> int:
@@ -688,7 +737,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        threads = cfg.threads or (torch.get_num_threads() if resolve_device(cfg.device).type == "cuda" else 1)
+        threads = cfg.threads or (torch.get_num_threads() if serving_device(cfg.device).type != "cpu" else 1)
         torch.set_num_threads(threads)  # process-wide: set here, never by load_engine (tests share a process)
         engine = load_engine(cfg)
         server = make_server(engine, cfg.host, cfg.port)
@@ -696,12 +745,14 @@ def main(argv=None) -> int:
         print(f"error: no model served: {e}", file=sys.stderr)
         return 2
     host, port = server.server_address[:2]
-    m = engine.meta
-    val = "n/a (saved at a preemption, without an eval)" if m["val_loss"] is None else f"{m['val_loss']:.4f}"
+    served = " + ".join(f"{p} (step {m['step']}, val_loss "
+                        + ("n/a (saved at a preemption, without an eval)" if m["val_loss"] is None else f"{m['val_loss']:.4f}")
+                        + ")" for m, p in engine.members)
     print(f"batch | {engine.max_batch} slots x {engine.slot_bytes / 2**20:.1f} MiB KV cache "
-          f"({str(engine.model.wte.weight.dtype).removeprefix('torch.')}) | queue {engine.max_queue} | "
+          f"({str(engine.model.wte.weight.dtype).removeprefix('torch.')}), {engine.kv_note} | queue {engine.max_queue} | "
           f"threads {torch.get_num_threads()}", file=sys.stderr, flush=True)
-    print(f"serving {engine.path} (step {m['step']}, val_loss {val}) at http://{host}:{port}/", flush=True)
+    print(f"serving {served}{f' as one ensemble of {len(engine.members)}' if len(engine.members) > 1 else ''} "
+          f"at http://{host}:{port}/", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

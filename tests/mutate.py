@@ -48,6 +48,9 @@ TESTS = {
     "experiment/average.py": "tests/test_average.py",
     "experiment/regime.py": "tests/test_regime.py",
     "experiment/model.py": "tests/test_regularize.py tests/test_model.py",
+    "experiment/engine.py": "tests/test_engine.py",
+    "experiment/server.py": "tests/test_server.py -k 'kv or ensemble or mps or batching or cli'",
+    "experiment/checkpoint.py": "tests/test_server.py -k 'ensemble or cli' tests/test_checkpoint.py",
     "experiment/config.py": "tests/test_regularize.py tests/test_train.py::test_settings_that_cannot_work_are_named "
                             "tests/test_train.py::test_cpu_learning_rates_follow_the_depth_and_a_given_one_is_kept",
 }

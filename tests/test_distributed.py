@@ -187,6 +187,28 @@ def test_compiled_ddp_with_recompute_and_accumulation_matches_eager():
     for eager, compiled in zip(r["eager_losses"], r["compiled_losses"]):
         assert abs(eager - compiled) <= 1e-5 * eager
     assert r["max_param_diff"] < 1e-3 * r["max_param"]
+    # the all-reduce over both ranks, timed (gloo over loopback here; NCCL over the box's links on GPUs)
+    assert r["link_mb"] == 64 and 0 < r["link_gbps"] < 1000
+
+
+def test_link_bandwidth_is_the_bus_bandwidth_nccl_tests_report(monkeypatch):
+    """2 (n-1)/n x bytes / seconds per all-reduce (a ring moves that much over each link), timed over
+    the iterations after 2 warm-ups; none on one rank."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from experiment.distributed import Dist
+    from experiment.tools import ddpcheck
+
+    calls, clock = [], iter([10.0, 12.0])
+    monkeypatch.setattr(dist, "all_reduce", lambda x: calls.append(x.numel()))
+    monkeypatch.setattr(ddpcheck, "time", SimpleNamespace(perf_counter=lambda: next(clock)))  # its clock alone
+    d = Dist(0, 0, 4, torch.device("cpu"))
+    gbps = ddpcheck.link_bandwidth(d, mb=100, iters=4)
+    assert calls == [25_000_000] * 6  # 2 warm-ups + 4 timed, of 100 MB of fp32
+    assert gbps == pytest.approx(2 * 3 / 4 * 100e6 / 0.5 / 1e9)  # 4 in 2 s: 0.5 s each
+    assert ddpcheck.link_bandwidth(Dist(0, 0, 1, torch.device("cpu")), mb=100) is None
 
 
 def test_the_backend_and_gpu_of_each_local_rank():

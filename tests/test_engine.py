@@ -195,3 +195,51 @@ def test_a_step_that_rebuilds_every_member_runs_no_decode(monkeypatch):
     assert set(batch.step()) == {a, b} and decodes == [1]
     for prompt, member in ((list(range(16)), batch.rows[0]), (list(range(20, 36)), batch.rows[1])):
         assert member.tokens[16:] == list(model.generate(prompt, 3, 0.0))
+
+
+def other(seq: int, bigram: bool = False, seed: int = 2) -> GPT:
+    """A second model of tiny's shape with other weights: an ensemble member."""
+    model = tiny(seq, bigram)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model
+
+
+def test_an_ensemble_draws_from_the_mean_of_its_members_probabilities():
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, VOCAB, generator=gen) * 5, torch.randn(3, VOCAB, generator=gen) * 5
+    mean = (a[:, :ALLOWED].softmax(-1) + b[:, :ALLOWED].softmax(-1)) / 2  # the padding is out of each
+    mixed = engine.mix_logits([a, b], ALLOWED)
+    torch.testing.assert_close(mixed[:, :ALLOWED].exp(), mean)
+    assert torch.isinf(mixed[:, ALLOWED:]).all()
+    assert engine.mix_logits([a], ALLOWED) is a  # one model decodes exactly as before
+    # Greedy ensemble tokens are the argmax of the mean of the members' full-forward probabilities.
+    models, prompt = [tiny(seq=64), other(seq=64)], [3, 1, 4, 1, 5]
+    out = list(engine.generate(models, prompt, 30, 0.0, allowed_vocab=ALLOWED))
+    seq = list(prompt)
+    with torch.no_grad():
+        for token in out:
+            probs = sum(m(torch.tensor([seq]))[0, -1, :ALLOWED].softmax(-1) for m in models) / 2
+            assert token == int(probs.argmax())
+            seq.append(token)
+    alone = [list(engine.generate(m, prompt, 30, 0.0, allowed_vocab=ALLOWED)) for m in models]
+    assert out != alone[0] and out != alone[1]  # neither member's own tokens
+
+
+@pytest.mark.parametrize("bigram", [False, True])
+def test_an_ensembles_requests_get_exactly_what_they_get_alone(bigram):
+    """The batch invariance of a single model, for an ensemble: each member's decode is invariant and
+    the mean is taken row by row. Context 16: caches are rebuilt mid-batch, in every member."""
+    models = [tiny(seq=16, bigram=bigram), other(seq=16, bigram=bigram)]
+    requests = requests_for(4, n=10, longest=60)
+    batched = run_schedule(models, requests, 4, seed=4)
+    assert batched == [run_schedule(models, [r], 1, seed=0)[0] for r in requests]
+    assert run_schedule([models[0]], requests, 4, seed=4) == run_schedule(models[0], requests, 4, seed=4)
+    assert batched != run_schedule(models[0], requests, 4, seed=4)
+
+
+def test_an_ensembles_members_need_one_vocabulary_and_context():
+    with pytest.raises(ValueError, match="member 2 has max_seq_len 32, member 1 has 16"):
+        Batch([tiny(seq=16), tiny(seq=32)], 2)

@@ -10,7 +10,7 @@ from test_guards import run_preflight
 
 from experiment import autosize
 from experiment.memory import count_params
-from experiment.plan import PlanConfig, count_tokens, model_config, parse_gpus, plan, regime_lines
+from experiment.plan import PlanConfig, count_tokens, model_config, parse_gpus, plan, regime_lines, table as table_of
 
 
 def run_plan(*args, env=None, cwd=REPO):
@@ -39,13 +39,14 @@ def test_the_issue_example_as_json_and_as_a_table():
     compute = 524288 * autosize.flops_per_token(config) / (0.528 * 756e12 * 8)
     comm = 3 * 7 / 8 * count_params(config) * 4 / 20e9
     assert p["hours"] == pytest.approx(8 * 332_500_000 / (524288 / (compute + comm)) / 3600)
-    assert 3.7 < p["hours"] < 3.9 and p["launch"] == "DEPTH=32 TRAINING_HOURS=31 bash experiment/run.sh"
+    assert 3.7 < p["hours"] < 3.9 and p["launch"] == "NPROC_PER_NODE=8 DEPTH=32 BUDGET_USD=992 bash experiment/run.sh"
     one, eight = p["gpu_table"][0], p["gpu_table"][-1]
     assert (one["gpus"], eight["gpus"]) == (1, 8) and eight["hours"] == pytest.approx(p["hours"])
     assert 20.8 < one["hours"] < 21.0 and one["comm_share"] == 0 and one["usd"] < eight["usd"]  # no all-reduce
     table = run_plan(env=env).stdout
     assert "PREDICTED" in table and "MFU measured on one H100 80GB HBM3 (reports/gpucheck-h100.md" in table
-    assert f"recommendation | DEPTH={p['depth']} for {p['hours']:.2f} h" in table
+    assert f"recommendation | DEPTH={p['depth']} on 8 GPU(s) for {p['hours']:.2f} h (${p['usd']:,.0f}) of the launch " \
+        "line's $992 (31.0 h on 8); $870 unspent" in table
     assert p["max_passes"] == pytest.approx(autosize.MAX_EPOCHS)  # the data limits: all its passes
     assert f"at most {p['max_passes']:.1f} passes; stops earlier when val stops improving" in table
     assert p["stops_at_val_minimum"] is True
@@ -121,22 +122,29 @@ def test_hours_available_picks_the_fewest_gpus_and_the_launch_line_is_one_the_pr
         rows = {r["gpus"]: r for r in p["gpu_table"]}
         assert p["recommended_gpus"] == gpus and rows[gpus]["hours"] <= hours, (hours, rows)
         assert all(rows[n]["hours"] > hours for n in rows if n < gpus)
-        # the same $992 on fewer GPUs buys more hours, capped at the hours available
-        assert f"TRAINING_HOURS={min(hours, 992 / (4 * gpus)):g} " in p["launch"]
+        # One GPU count from the recommendation to the launch line: the line names the count (a box
+        # with more GPUs must not run on all of them) and a budget in dollars, which means the same
+        # money on any count; the same $992 on fewer GPUs buys more hours, capped at the hours available.
+        budget = min(hours, 992 / (4 * gpus)) * 4 * gpus
+        assert p["launch"] == f"NPROC_PER_NODE={gpus} DEPTH=32 BUDGET_USD={budget:g} bash experiment/run.sh"
+        assert (p["hours"], p["usd"]) == pytest.approx((rows[gpus]["hours"], rows[gpus]["usd"]))
+        assert p["launch_usd"] == pytest.approx(budget) and p["unspent_usd"] == pytest.approx(budget - p["usd"])
+        assert f"recommendation | DEPTH=32 on {gpus} GPU(s) for {p['hours']:.2f} h" in table_of(p)
     quoted = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", alphabet="ab c$'", max_seq_len=1024))
     assert "ALPHABET='ab c$'\"'\"'' MAX_SEQ_LEN=1024 bash experiment/run.sh" in quoted["launch"]  # pasteable
     table = run_plan(env={**env, "HOURS_AVAILABLE": "24"}).stdout
     assert "gpus | rent 1: the fewest that finish within HOURS_AVAILABLE=24 and the budget" in table
-    assert "launch | on the rented box, with the data in $WORKSPACE/data: DEPTH=32 TRAINING_HOURS=24 bash" in table
+    assert "launch | on the rented box, with the data in $WORKSPACE/data: NPROC_PER_NODE=1 DEPTH=32 BUDGET_USD=96 bash" in table
     assert "launch | it writes $WORKSPACE/checkpoints/d32" in table
     # On a small corpus (64-token context), the plan's launch line passes the pre-flight's guards on
     # the GPUs it recommends, and DEPTH=auto there picks the plan's depth.
     p = plan(PlanConfig(data_dir=str(corpus), gpus="8xH100-PCIe", max_seq_len=64, hours_available=1))
     settings = dict(kv.split("=") for kv in p["launch"].split(" bash")[0].split())
+    assert settings["NPROC_PER_NODE"] == str(p["recommended_gpus"])
     accepted, lines = run_preflight(tmp_path, "--data_dir", corpus, "--depth", settings["DEPTH"],
-                                    "--training_hours", settings["TRAINING_HOURS"], world_size=p["recommended_gpus"])
+                                    "--budget_usd", settings["BUDGET_USD"], world_size=p["recommended_gpus"])
     assert isinstance(accepted, dict) and p["recommended_gpus"] == 1, (accepted, p["gpu_table"])
-    auto, lines = run_preflight(tmp_path, "--data_dir", corpus, "--training_hours", settings["TRAINING_HOURS"],
+    auto, lines = run_preflight(tmp_path, "--data_dir", corpus, "--budget_usd", settings["BUDGET_USD"],
                                 world_size=p["recommended_gpus"])
     assert f"model d{p['depth']} (DEPTH=auto" in "\n".join(lines)
 
@@ -145,3 +153,36 @@ def test_bad_gpus_exit_2_naming_the_setting():
     proc = run_plan(env={"TOKENS": "1000", "GPUS": "8xTPU"})
     assert proc.returncode == 2 and "GPUS '8xTPU'" in proc.stderr
     assert parse_gpus("4xH200").memory_bytes == 141 * 2**30
+
+
+def test_a_gpucheck_report_from_the_box_replaces_the_mfu_table(tmp_path):
+    """The speed gpucheck measured on the box itself (its report.json) is what the plan predicts from,
+    and the plan says so; a report of another GPU kind, or without MFU (no CUDA), is refused naming it."""
+    report = tmp_path / "report.json"
+    speed = {"d12": {"mfu": 0.30, "tok_per_s": 1.0}, "d24": {"mfu": 0.40, "tok_per_s": 1.0}}
+    report.write_text(json.dumps({"header": "#", "items": [
+        {"name": "env", "figures": {"gpu": "NVIDIA H100 PCIe", "gpus": 8}},
+        {"name": "ddp", "figures": {"runs": [{"world": 1, "link_gbps": None}, {"world": 8, "link_gbps": 12.5}]}},
+        {"name": "speed", "figures": speed}]}))
+    base = dict(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31)
+    table, measured = plan(PlanConfig(**base)), plan(PlanConfig(**base, gpucheck=str(report)))
+    by_table, by_box = ({r["depth"]: r for r in p["rungs"]} for p in (table, measured))
+    config = model_config(24, PlanConfig(), 256)
+    assert by_box[24]["tok_per_s"] == pytest.approx(autosize.predicted_tok_per_s(  # the all-reduce measured too
+        config, 756e12, 8, 12.5, 4, gpu_name="H100 PCIe", mfu_by_depth={12: 0.30, 24: 0.40}))
+    assert measured["link_gbps"] == 12.5 and "at 12.5 GB/s between GPUs (MEASURED by gpucheck over 8 GPUs)" in \
+        table_of(measured)
+    assert plan(PlanConfig(**base, gpucheck=str(report), link_gbps=30))["link_source"] == "LINK_GBPS"  # set wins
+    assert by_box[24]["tok_per_s"] < by_table[24]["tok_per_s"]  # 40% measured against the table's 52.8%
+    assert measured["mfu_by_depth"] == {12: 0.30, 24: 0.40} and measured["mfu_measured_on"] == "NVIDIA H100 PCIe"
+    assert "MFU measured on NVIDIA H100 PCIe (gpucheck " in table_of(measured)
+    assert "the MFU MEASURED on this box" in table_of(measured) and "MEASURED on this box" not in table_of(table)
+    with pytest.raises(ValueError, match="measured on NVIDIA H100 PCIe, but GPUS is 8xH200"):
+        plan(PlanConfig(**{**base, "gpus": "8xH200"}, gpucheck=str(report)))
+    for item in speed.values():
+        item["mfu"] = None  # gpucheck on a CPU
+    report.write_text(json.dumps({"items": [{"name": "env", "figures": {"gpu": "x"}}, {"name": "speed", "figures": speed}]}))
+    proc = run_plan(env={"TOKENS": "350000000", "GPUS": "8xH100-PCIe", "GPUCHECK": str(report)})
+    assert proc.returncode == 2 and f"GPUCHECK {report}: its speed item has no MFU" in proc.stderr
+    (tmp_path / "bad.json").write_text("{}")
+    assert "not a gpucheck report.json" in run_plan(env={"TOKENS": "1000", "GPUCHECK": str(tmp_path / "bad.json")}).stderr

@@ -250,6 +250,26 @@ def test_the_trainer_lock_is_held_while_its_process_lives(tmp_path):
     hold_trainer_lock(tmp_path).close()
 
 
+def test_the_readmes_on_exit_example_stops_the_pod_when_the_run_finished_or_failed_not_on_a_ctrl_c(tmp_path):
+    """The README's ON_EXIT line, run by the real watcher (experiment.onexit) after each kind of end,
+    with a stand-in runpodctl on PATH: a Ctrl-C or a preemption (stopped) must leave the pod up."""
+    example = re.search(r"`ON_EXIT='([^`]*runpodctl[^`]*)'`", (REPO / "README.md").read_text()).group(1)
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    (bin_dir / "runpodctl").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "runpodctl").chmod(0o755)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for status in ("finished", "stopped", "failed"):
+        run_dir = tmp_path / status
+        run_dir.mkdir()
+        (run_dir / "metrics.jsonl").write_text(f'{{"kind": "end", "time": 100.0, "outcome": "{status}: why"}}\n')
+        env = {**ENV, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RUNPOD_POD_ID": f"pod-{status}"}
+        subprocess.run([sys.executable, "-m", "experiment.onexit", str(gone.pid), str(run_dir), "0", example],
+                       cwd=REPO, env=env, timeout=60, capture_output=True)
+    assert calls.read_text().splitlines() == ["stop pod pod-finished", "stop pod pod-failed"]
+
+
 def test_on_exit_runs_once_when_the_run_ends_however_it_ends(tmp_path, corpus):
     out = tmp_path / "on_exit.txt"
     env = {**ENV, "DEPTH": "2", "ASPECT_RATIO": "32", "HEAD_DIM": "32", "MAX_SEQ_LEN": "32", "DEVICE_BATCH_SIZE": "4",

@@ -62,3 +62,18 @@ def test_bad_input_exits_2_naming_what_is_wrong(workspace, tmp_path):
                           (["--checkpoint", run, "--prompt_file", tmp_path / "absent.txt"], "--prompt_file")):
         proc = sample(*args, check=False)
         assert proc.returncode == 2 and message in proc.stderr and proc.stdout == "", (args, proc.stderr)
+
+
+def test_several_checkpoints_sample_as_the_servers_ensemble(workspace):
+    """--checkpoint A,B decodes the ensemble the server decodes for the same seed (export and model
+    file of one run: one in bf16, one in fp32, so their probabilities differ)."""
+    run = workspace / "checkpoints/d2"
+    members = f"{run / 'best.pt'},{run}"
+    out = sample("--checkpoint", members, "--prompt", "12+", "--max_tokens", 24, "--seed", 3, "--temperature", 0.9)
+    assert out.stderr.count("(step 30,") == 2 and " + " in out.stderr
+    engine = load_engine(ServeConfig(checkpoint=members, device="cpu"))
+    try:
+        body = {"prompt": "12+", "max_tokens": 24, "temperature": 0.9, "seed": 3}
+        assert out.stdout == "12+" + server_text(engine, body) + "\n" + SEPARATOR + "\n"
+    finally:
+        engine.close()

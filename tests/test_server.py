@@ -14,6 +14,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from conftest import REPO
 from experiment import checkpoint as ckpt
@@ -385,6 +386,61 @@ def test_kv_cache_cap_sets_the_batch(workspace):
     assert engine.slot_bytes == slot and info["max_batch"] == 2 and info["kv_cache_bytes"] == 2 * slot
     with pytest.raises(ValueError, match="holds no KV-cache slot"):
         load_engine(ServeConfig(workspace=str(workspace), device="cpu", kv_cache_gib=1e-6))
+
+
+def test_the_kv_cache_is_sized_from_free_memory_by_default(workspace, monkeypatch):
+    """Without --kv_cache_gib the batch is the slots that fit in half the memory free once the model
+    is loaded (a d32 checkpoint's 32 slots would ask a laptop for 16 GiB at start), at most
+    max_batch; memory for none is one error naming the memory, not an out-of-memory mid-request."""
+    slot = 2 * 2 * 2 * 64 * 32 * 4
+    monkeypatch.setattr(server_module, "free_bytes", lambda device: 7 * slot)  # half: 3.5 slots
+    with serving(workspace, max_batch=32) as (engine, port):
+        info = request(port, "GET", "/info")[1]["batching"]
+    assert info["max_batch"] == 3 and info["kv_cache_bytes"] == 3 * slot
+    assert engine.kv_note == f"sized to half of the {7 * slot / 2**30:.1f} GiB free on cpu (--kv_cache_gib sets it)"
+    with serving(workspace, max_batch=2) as (engine, port):
+        assert engine.max_batch == 2  # max_batch still caps it
+    monkeypatch.setattr(server_module, "free_bytes", lambda device: slot)
+    with pytest.raises(ValueError, match=r"half of the .* GiB free on cpu holds no KV-cache slot .* set --kv_cache_gib"):
+        load_engine(ServeConfig(workspace=str(workspace), device="cpu"))
+    monkeypatch.undo()
+    assert server_module.free_bytes(torch.device("cpu")) > 0  # the real count: the host's available memory
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")
+def test_device_mps_where_there_is_none_exits_2_naming_it(workspace):
+    proc = subprocess.run([sys.executable, "-m", "experiment.server", "--device", "mps", "--port", "0",
+                           "--checkpoint", workspace / "checkpoints/d2"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "error: no model served: --device mps, but MPS is not available" in proc.stderr
+
+
+def test_several_checkpoints_are_served_as_one_ensemble(workspace):
+    """--checkpoint A,B: one model id, both members in /info, greedy tokens from the mean of their
+    probabilities (two copies of one run: its own greedy tokens)."""
+    run = workspace / "checkpoints" / "d2"
+    with serving(workspace, checkpoint=str(run)) as (engine, port):
+        alone = request(port, "POST", "/generate", {"prompt": "1+", "max_tokens": 12, "temperature": 0})[1]
+        single = engine.slot_bytes
+    with serving(workspace, checkpoint=f"{run},{run}") as (engine, port):
+        info = request(port, "GET", "/info")[1]
+        both = request(port, "POST", "/generate", {"prompt": "1+", "max_tokens": 12, "temperature": 0})[1]
+        assert request(port, "GET", "/v1/models")[1]["data"][0]["id"] == "d2+d2"
+    assert [m["step"] for m in info["ensemble"]] == [engine.meta["step"]] * 2
+    assert engine.slot_bytes == 2 * single  # a KV cache per member
+    assert both["text"] == alone["text"] and both["tokens"] == 12
+
+
+def test_an_ensemble_of_two_tokenizers_exits_2_naming_both(workspace, tmp_path):
+    export = workspace / "checkpoints" / "d2" / "best.pt"
+    obj = torch.load(export, weights_only=True)
+    obj["meta"]["tokenizer"]["chars"] = obj["meta"]["tokenizer"]["chars"][::-1]  # the same size, other ids
+    torch.save(obj, tmp_path / "other.pt")
+    proc = subprocess.run([sys.executable, "-m", "experiment.server", "--port", "0", "--checkpoint",
+                           f"{export},{tmp_path / 'other.pt'}"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "error: no model served: ensemble members need one tokenizer: " \
+        f"{tmp_path / 'other.pt'} has char over" in proc.stderr, proc.stderr
+    assert str(export) in proc.stderr
 
 
 # ---------------------------------------------------------------- OpenAI-style API

@@ -71,8 +71,8 @@ from experiment.memory import MODES, count_params, format_plan, plan_memory
 from experiment.model import GPT, GPTConfig, build_model
 from experiment.optim import LRS, ShardedOptimizer
 from experiment.step import forward_backward, optimizer_step
-from experiment.tools import (ablate, codecorpus, gpucheck, grid, loadtest, prepbench, reduceprec, repeats, savebench,
-                              stepprofile, versus)
+from experiment.tools import (ablate, codecorpus, ensemble, gpucheck, grid, loadtest, prepbench, reduceprec, repeats,
+                              savebench, stepprofile, versus)
 from experiment.tools.probes import cpu_matmul_peak, probe_peak_memory
 
 
@@ -237,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     codecorpus.add_arguments(sub.add_parser("corpus", help="a Python-source benchmark corpus from the standard library"))
     ablate.add_arguments(sub.add_parser("ablate", help="recipe variants side by side on corpora and budgets"))
     grid.add_arguments(sub.add_parser("grid", help="DEPTH=auto against a depth sweep on corpora x sizes x budgets"))
+    ensemble.add_arguments(sub.add_parser("ensemble", help="full-val loss of checkpoints and of ensembles of the best k"))
     return parser
 
 
@@ -278,7 +279,7 @@ def main(argv=None) -> int:
     commands = {"generate": cmd_generate, "plan": cmd_plan, "fitprobe": cmd_fitprobe, "throughput": cmd_throughput,
                 "speedrun": cmd_speedrun, "prepare": prepbench.main, "serve": loadtest.main, "versus": versus.main, "profile": stepprofile.main, "gpucheck": gpucheck.main,
                 "repeats": repeats.main, "save": savebench.main, "reduce": reduceprec.main,
-                "corpus": codecorpus.main, "ablate": ablate.main, "grid": grid.main}
+                "corpus": codecorpus.main, "ablate": ablate.main, "grid": grid.main, "ensemble": ensemble.main}
     return commands[args.command](args)
 
 

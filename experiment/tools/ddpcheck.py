@@ -8,8 +8,10 @@ accumulated under no_sync. Each rank builds the same model twice from one seed, 
 trainer does (distributed.wrap_ddp, also at world 1) and trains --steps steps of --accum
 micro-batches with each: one compiled, one eager, on the same data. Rank 0 prints one JSON line: the
 step losses of both, the largest parameter difference after the last step, whether every gradient
-was still a view into DDP's buckets, the compile and step seconds. gpucheck runs it on the GPU(s)
-(its "compiled DDP" item); tests/test_distributed.py runs it on CPU with 2 gloo ranks.
+was still a view into DDP's buckets, the compile and step seconds, and with more than one rank the
+bus bandwidth of an all-reduce of --link_mb MB over all of them (link_gbps: what plan's LINK_GBPS
+assumes). gpucheck runs it on the GPU(s) (its "compiled DDP" item: world 1, and world N over every
+GPU of the box); tests/test_distributed.py runs it on CPU with 2 gloo ranks.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--bucket_mb", type=float, default=None, help="DDP's bucket size (default: the trainer's)")
     p.add_argument("--graph_split", type=int, default=1, help="torch._dynamo.config.optimize_ddp (0: one graph)")
+    p.add_argument("--link_mb", type=float, default=64, help="the timed all-reduce's size (world > 1)")
     return p.parse_args(argv)
 
 
@@ -71,6 +74,26 @@ def train(args, d, compiled: bool, data: torch.Tensor) -> dict:
             "params": {n: p.detach().float().cpu() for n, p in model.named_parameters()}}
 
 
+def link_bandwidth(d, mb: float, iters: int = 5) -> float | None:
+    """Bus bandwidth (GB/s) of an all-reduce of `mb` MB of fp32 over every rank, counted as nccl-tests
+    count it (2 (n-1)/n x bytes / seconds: what a ring moves over each link), after 2 warm-ups; None
+    on one rank."""
+    if d.world_size == 1:
+        return None
+    import torch.distributed as dist
+
+    x = torch.ones(max(int(mb * 1e6 / 4), 1), device=d.device)
+    for _ in range(2):
+        dist.all_reduce(x)
+    sync(d.device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(x)
+    sync(d.device)
+    seconds = (time.perf_counter() - t0) / iters
+    return 2 * (d.world_size - 1) / d.world_size * x.numel() * 4 / seconds / 1e9
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     device = resolve_device(args.device)
@@ -86,6 +109,7 @@ def main(argv=None) -> int:
     eager = train(args, d, False, data)
     compiled = train(args, d, True, data)
     diff = max((compiled["params"][n] - p).abs().max().item() for n, p in eager["params"].items())
+    link = link_bandwidth(d, args.link_mb)
     scale = max(p.abs().max().item() for p in eager["params"].values())
     if d.rank == 0:
         print(json.dumps({
@@ -94,7 +118,7 @@ def main(argv=None) -> int:
             "eager_losses": eager["losses"], "compiled_losses": compiled["losses"],
             "buckets": compiled["buckets"], "max_param_diff": diff, "max_param": scale, "grads_in_buckets": compiled["in_buckets"] and eager["in_buckets"],
             "compile_step_seconds": compiled["seconds"][0], "compiled_step_seconds": compiled["seconds"][-1],
-            "eager_step_seconds": eager["seconds"][-1]}), flush=True)
+            "eager_step_seconds": eager["seconds"][-1], "link_mb": args.link_mb, "link_gbps": link}), flush=True)
     d.close()
     return 0
 

@@ -503,7 +503,7 @@ def _run_ddpcheck(ctx: Ctx, world: int) -> dict:
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            f"--master_port={port}", "-m", "experiment.tools.ddpcheck", "--device", ctx.device.type,
-           "--bucket_mb", "1", "--aspect_ratio", "128", "--head_dim", "64"]
+           "--bucket_mb", "1", "--aspect_ratio", "128", "--head_dim", "64", "--link_mb", "256" if ctx.cuda else "16"]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -513,8 +513,11 @@ def _run_ddpcheck(ctx: Ctx, world: int) -> dict:
 
 def check_ddp(ctx: Ctx) -> Item:
     """torch.compile over DDP with activation checkpointing and 3 accumulated micro-batches (the
-    trainer's GPU combination) against the same steps eager, at world 1 and, with two GPUs, 2."""
-    worlds = [1, 2] if ctx.cuda and torch.cuda.device_count() >= 2 else [1]
+    trainer's GPU combination) against the same steps eager, at world 1 and, with two GPUs or more,
+    over every GPU of the box, whose all-reduce bus bandwidth it measures (link_gbps: plan's
+    LINK_GBPS, read from this report by GPUCHECK)."""
+    gpus = torch.cuda.device_count() if ctx.cuda else 1
+    worlds = [1, gpus] if gpus >= 2 else [1]
     runs = [_run_ddpcheck(ctx, w) for w in worlds]
     tolerance = 1e-2 if ctx.cuda else 1e-4  # bf16 autocast on CUDA: compiled kernels round differently
     failed = False
@@ -529,9 +532,11 @@ def check_ddp(ctx: Ctx) -> Item:
                                    f"compiled losses within {r['loss_rel_diff']:.1e} of eager, grads in "
                                    f"{r['buckets']} buckets{'' if r['grads_in_buckets'] else ' NOT kept'}, compile "
                                    f"{r['compile_step_seconds']:.0f}s, step {r['compiled_step_seconds']:.3f}s "
-                                   f"compiled vs {r['eager_step_seconds']:.3f}s eager") for r in runs)
+                                   f"compiled vs {r['eager_step_seconds']:.3f}s eager"
+                                   + (f", all-reduce {r['link_gbps']:.1f} GB/s bus bandwidth over {r['world']}"
+                                      if r.get("link_gbps") else "")) for r in runs)
     if len(worlds) == 1 and ctx.cuda:
-        summary += " | world 2 not run: one GPU"
+        summary += " | world N not run: one GPU (no all-reduce bandwidth measured)"
     if ctx.cuda:
         summary += " | step times taken beside the other side-by-side items"
     return Item("ddp", _status(failed, False), summary, {"runs": runs})

@@ -205,3 +205,30 @@ def test_reduce_benchmark_prints_the_reductions_error_beside_its_floors():
     assert set(figures) >= {"bf16 ring all-reduce", "fp32 mean stored in bf16", "Muon's own bf16 Newton-Schulz"}
     # rounding at every hop of the ring loses more than rounding the exact mean once
     assert float(figures["bf16 ring all-reduce"]) > float(figures["fp32 mean stored in bf16"]) > 0
+
+
+def test_ensemble_benchmark_scores_members_and_their_mean(workspace):
+    """bench ensemble on two checkpoints of one run (its fp32 best and the bf16 export of it): each
+    member's full-val loss, and the ensemble's, which is the loss of the mean of their probabilities:
+    between the two (nearly equal) members' losses, at most the better one's plus rounding."""
+    run = workspace / "checkpoints" / "d2"
+    proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "ensemble", "--checkpoints", run,
+                           run / "best.pt", "--device", "cpu", "--workspace", workspace], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    members = [float(x) for x in re.findall(r"ensemble \| member .*: (\d\.\d{4})", proc.stdout)]
+    both = float(re.search(r"ensemble \| best 2: (\d\.\d{4}) \(([+-]\d\.\d{4}) against the best member\)",
+                           proc.stdout).group(1))
+    assert len(members) == 2 and members == sorted(members) and abs(members[0] - members[1]) < 0.02
+    assert both <= (members[0] + members[1]) / 2 + 1e-4  # the log of a mean is at least the mean of the logs
+
+
+def test_ensemble_loss_is_the_loss_of_the_mean_probability():
+    import math
+
+    import torch
+
+    from experiment.tools.ensemble import ensemble_loss
+    a, b = torch.log(torch.tensor([0.5, 0.25])), torch.log(torch.tensor([0.1, 0.75]))
+    assert ensemble_loss([a, b]) == pytest.approx(-(math.log(0.3) + math.log(0.5)) / 2)
+    assert ensemble_loss([a, a]) == pytest.approx(-a.double().mean().item())
