@@ -228,6 +228,9 @@ def fill_lrs(cfg: TrainConfig, cuda: bool) -> None:
 
 def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
     """Fill device-dependent defaults and check that the settings can work together."""
+    if cfg.budget_usd is not None and cfg.training_hours is not None:  # one would silently override the other
+        raise ConfigError(f"--budget_usd {cfg.budget_usd:g} and --training_hours {cfg.training_hours:g} are both set: "
+                          "give one (BUDGET_USD: dollars over the GPUs that run; TRAINING_HOURS: wall-clock hours)")
     defaults = CUDA_DEFAULTS if cuda else CPU_DEFAULTS
     cfg = dataclasses.replace(cfg, **{k: v for k, v in defaults.items() if getattr(cfg, k) is None})
     if not (cfg.depth == "auto" or isinstance(cfg.depth, int) and cfg.depth > 0):

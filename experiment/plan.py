@@ -49,6 +49,7 @@ from experiment.model import GPTConfig
 GPU_MEMORY_GIB = (("H200", 141), ("H100", 80), ("A100", 80))  # by name fragment, most specific first
 VOCAB_CHAR, VOCAB_TIKTOKEN = 256, 100352  # padded; the embedding barely moves the FLOPs
 GPU_COUNTS = (1, 2, 4, 8)  # the rows of the same run on fewer GPUs
+GPUS_PER_NODE = 8  # a rented box's GPUs at most: more come as several nodes (NNODES)
 
 
 @dataclass
@@ -89,9 +90,9 @@ class Gpus:
 
 
 def gpucheck_link(items: dict) -> tuple[float, int] | None:
-    """(bus GB/s, GPUs) of the all-reduce a gpucheck report's ddp item measured over the box's GPUs, if any."""
-    runs = [r for r in (items.get("ddp") or {}).get("figures", {}).get("runs", []) if r.get("link_gbps")]
-    return (runs[-1]["link_gbps"], runs[-1]["world"]) if runs else None
+    """(bus GB/s, GPUs) of the all-reduce a gpucheck report's link item timed over the box's GPUs, if any."""
+    link = (items.get("link") or {}).get("figures") or {}
+    return (link["link_gbps"], link["world"]) if link.get("link_gbps") and link.get("device") == "cuda" else None
 
 
 def gpucheck_mfu(path: str, gpus: Gpus) -> tuple[tuple[dict[int, float], str, str], tuple[float, int] | None]:
@@ -100,15 +101,18 @@ def gpucheck_mfu(path: str, gpus: Gpus) -> tuple[tuple[dict[int, float], str, st
     being planned."""
     try:
         items = {i["name"]: i for i in json.loads(Path(path).read_text())["items"]}
-        gpu = items["env"]["figures"]["gpu"]
+        gpu = items["env"]["figures"].get("gpu")
         speed = items["speed"]["figures"]
         link = gpucheck_link(items)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"GPUCHECK {path}: not a gpucheck report.json with its env and speed items ({e})") from None
     table = {int(k.removeprefix("d")): r["mfu"] for k, r in speed.items() if r.get("mfu")}
-    if not table:
-        raise ValueError(f"GPUCHECK {path}: its speed item has no MFU (a run without CUDA, or on a GPU of unknown peak)")
-    if peak_flops(gpu) != gpus.peak:
+    if gpu is None or not table:
+        raise ValueError(f"GPUCHECK {path}: " + ("it ran without CUDA (no GPU in its env item)" if gpu is None else
+                                                 "its speed item has no MFU (a GPU of unknown peak)")
+                         + ": there is no measured GPU speed to plan from")
+    kind = lambda name: next((f for f, _ in GPU_MEMORY_GIB if f.lower() in name.lower()), name)  # noqa: E731
+    if peak_flops(gpu) != gpus.peak or kind(gpu) != kind(gpus.name):  # H100 SXM and H200 share a peak
         raise ValueError(f"GPUCHECK {path}: measured on {gpu}, but GPUS is {gpus.count}x{gpus.name}: plan the GPUs "
                          "it measured, or measure the ones you plan")
     return (table, f"gpucheck {path}", gpu), link
@@ -128,6 +132,9 @@ def parse_gpus(spec: str | None) -> Gpus:
     if not sep or not count.isdigit() or int(count) < 1 or peak is None or memory is None:
         raise ValueError(f"GPUS {spec!r}: expected COUNTxNAME with a GPU whose peak is known, e.g. 8xH100-PCIe, "
                          "8xH100-SXM, 8xH200, 8xA100")
+    if int(count) > GPUS_PER_NODE and int(count) % GPUS_PER_NODE:
+        raise ValueError(f"GPUS {spec!r}: more than {GPUS_PER_NODE} GPUs come as nodes of {GPUS_PER_NODE} (NNODES): "
+                         f"plan a multiple of {GPUS_PER_NODE}")
     return Gpus(int(count), name, peak, memory * 2**30, link_gbps(name))
 
 
@@ -211,8 +218,9 @@ def launch_line(p: dict, cfg: PlanConfig, count: int) -> tuple[str, str]:
     on the GPUs it runs on, so the line means the same money on any count), and every planned
     setting that is not the trainer's default, quoted for the shell."""
     usd = launch_budget(p, cfg, count)[1]
-    settings = {"NPROC_PER_NODE": count, "DEPTH": p["depth"],
-                "BUDGET_USD": f"{max(math.floor(usd * 100) / 100, 0.01):g}"}  # cents, never above
+    nodes = {"NNODES": count // GPUS_PER_NODE} if count > GPUS_PER_NODE else {}  # and NODE_RANK, MASTER_ADDR
+    settings = {**nodes, "NPROC_PER_NODE": min(count, GPUS_PER_NODE), "DEPTH": p["depth"],
+                "BUDGET_USD": f"{max(math.floor(usd * 100) / 100, 0.01):.2f}".rstrip("0").rstrip(".")}  # cents, never above
     defaults = {f.name: f.default for f in dataclasses.fields(PlanConfig)}
     for name in ("tokenizer", "alphabet", "val_fraction", "gpu_hourly_usd", "keep_last"):
         if getattr(cfg, name) != defaults[name]:
@@ -273,8 +281,9 @@ def recommend_on(p: dict, cfg: PlanConfig, rows: list[dict]) -> None:
     hours, usd = launch_budget(p, cfg, count)
     row = next(r for r in rows if r["gpus"] == count)
     if count != p["gpu_count"]:  # else the table's own figures, for the GPUs asked for
-        p["hours"] = min(row["hours"], hours)
-        p["usd"] = p["hours"] * count * cfg.gpu_hourly_usd
+        p["hours"] = row["hours"]
+    p["hours"] = min(p["hours"], hours)  # at most what the launch line's budget buys
+    p["usd"] = p["hours"] * count * cfg.gpu_hourly_usd
     p.update(launch_hours=hours, launch_usd=usd, unspent_usd=max(usd - p["usd"], 0.0))
 
 

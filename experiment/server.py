@@ -320,14 +320,26 @@ def serving_device(flag: str) -> torch.device:
     return resolve_device(flag)
 
 
-def free_bytes(device: torch.device) -> int:
-    """Memory new allocations can take now: the GPU's free memory on CUDA, else the host's (MPS shares it)."""
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host_available_bytes()
+def free_bytes(device: torch.device) -> int | None:
+    """Memory new allocations can take now: the GPU's free memory on CUDA; on MPS what Metal recommends
+    less what torch holds; else the host's available memory; None where the machine does not say
+    (a host without /proc/meminfo whose sysconf lacks the free-page count, as macOS)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "mps" and hasattr(torch.mps, "recommended_max_memory"):
+        return torch.mps.recommended_max_memory() - torch.mps.current_allocated_memory()
+    try:
+        return host_available_bytes()
+    except (OSError, ValueError):
+        return None
 
 
-def auto_kv_cache_gib(device: torch.device, slot_bytes: int) -> tuple[float, str]:
-    """The default KV-cache cap, KV_SHARE of the free memory, and the words the server says it in."""
+def auto_kv_cache_gib(device: torch.device, slot_bytes: int) -> tuple[float | None, str]:
+    """The default KV-cache cap, KV_SHARE of the free memory (None, no cap, where the machine does not
+    say how much is free), and the words the server says it in."""
     free = free_bytes(device)
+    if free is None:
+        return None, "every --max_batch slot: this machine does not say how much memory is free (--kv_cache_gib caps it)"
     if KV_SHARE * free < slot_bytes:
         raise ValueError(f"half of the {free / 2**30:.2f} GiB free on {device.type} holds no KV-cache slot "
                          f"({slot_bytes / 2**20:.1f} MiB each for this model): free memory, or set --kv_cache_gib")

@@ -130,6 +130,15 @@ def test_hours_available_picks_the_fewest_gpus_and_the_launch_line_is_one_the_pr
         assert (p["hours"], p["usd"]) == pytest.approx((rows[gpus]["hours"], rows[gpus]["usd"]))
         assert p["launch_usd"] == pytest.approx(budget) and p["unspent_usd"] == pytest.approx(budget - p["usd"])
         assert f"recommendation | DEPTH=32 on {gpus} GPU(s) for {p['hours']:.2f} h" in table_of(p)
+    # none finishes within the hour available: the GPUs asked for, for that hour, never more than the line spends
+    p = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, hours_available=1))
+    assert p["recommended_gpus"] == 8 and p["launch"] == "NPROC_PER_NODE=8 DEPTH=32 BUDGET_USD=32 bash experiment/run.sh"
+    assert p["hours"] == 1 and p["usd"] == p["launch_usd"] == 32 and p["unspent_usd"] == 0
+    # more than one box: nodes of 8, the count of each, and cents, never rounded up
+    p = plan(PlanConfig(tokens=350_000_000, gpus="16xH100-PCIe", budget_usd=1234.567))
+    assert p["launch"].startswith("NNODES=2 NPROC_PER_NODE=8 DEPTH=") and "BUDGET_USD=1234.56 " in p["launch"]
+    with pytest.raises(ValueError, match="more than 8 GPUs come as nodes of 8"):
+        plan(PlanConfig(tokens=350_000_000, gpus="12xH100-PCIe"))
     quoted = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", alphabet="ab c$'", max_seq_len=1024))
     assert "ALPHABET='ab c$'\"'\"'' MAX_SEQ_LEN=1024 bash experiment/run.sh" in quoted["launch"]  # pasteable
     table = run_plan(env={**env, "HOURS_AVAILABLE": "24"}).stdout
@@ -162,7 +171,7 @@ def test_a_gpucheck_report_from_the_box_replaces_the_mfu_table(tmp_path):
     speed = {"d12": {"mfu": 0.30, "tok_per_s": 1.0}, "d24": {"mfu": 0.40, "tok_per_s": 1.0}}
     report.write_text(json.dumps({"header": "#", "items": [
         {"name": "env", "figures": {"gpu": "NVIDIA H100 PCIe", "gpus": 8}},
-        {"name": "ddp", "figures": {"runs": [{"world": 1, "link_gbps": None}, {"world": 8, "link_gbps": 12.5}]}},
+        {"name": "link", "figures": {"device": "cuda", "world": 8, "link_mb": 256, "link_gbps": 12.5}},
         {"name": "speed", "figures": speed}]}))
     base = dict(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31)
     table, measured = plan(PlanConfig(**base)), plan(PlanConfig(**base, gpucheck=str(report)))
@@ -179,8 +188,18 @@ def test_a_gpucheck_report_from_the_box_replaces_the_mfu_table(tmp_path):
     assert "the MFU MEASURED on this box" in table_of(measured) and "MEASURED on this box" not in table_of(table)
     with pytest.raises(ValueError, match="measured on NVIDIA H100 PCIe, but GPUS is 8xH200"):
         plan(PlanConfig(**{**base, "gpus": "8xH200"}, gpucheck=str(report)))
+    sxm = tmp_path / "sxm.json"  # an H100 SXM's peak is an H200's: the kind tells them apart
+    sxm.write_text(report.read_text().replace("NVIDIA H100 PCIe", "NVIDIA H100 80GB HBM3"))
+    assert plan(PlanConfig(**{**base, "gpus": "8xH100-SXM"}, gpucheck=str(sxm)))["mfu_from_box"]
+    with pytest.raises(ValueError, match="measured on NVIDIA H100 80GB HBM3, but GPUS is 8xH200"):
+        plan(PlanConfig(**{**base, "gpus": "8xH200"}, gpucheck=str(sxm)))
+    # gpucheck on a CPU: no GPU in env (its speed item has a CPU MFU), or a GPU of unknown peak: no MFU
+    report.write_text(json.dumps({"items": [{"name": "env", "figures": {"torch": "2.13"}},
+                                            {"name": "speed", "figures": speed}]}))
+    proc = run_plan(env={"TOKENS": "350000000", "GPUS": "8xH100-PCIe", "GPUCHECK": str(report)})
+    assert proc.returncode == 2 and f"GPUCHECK {report}: it ran without CUDA" in proc.stderr
     for item in speed.values():
-        item["mfu"] = None  # gpucheck on a CPU
+        item["mfu"] = None
     report.write_text(json.dumps({"items": [{"name": "env", "figures": {"gpu": "x"}}, {"name": "speed", "figures": speed}]}))
     proc = run_plan(env={"TOKENS": "350000000", "GPUS": "8xH100-PCIe", "GPUCHECK": str(report)})
     assert proc.returncode == 2 and f"GPUCHECK {report}: its speed item has no MFU" in proc.stderr

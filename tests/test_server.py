@@ -20,6 +20,7 @@ from conftest import REPO
 from experiment import checkpoint as ckpt
 from experiment import server as server_module
 from experiment.dataloader import demo_lines
+from experiment.engine import generate
 from experiment.server import MAX_BODY_BYTES, MAX_NEW_TOKENS, ServeConfig, load_engine, make_server
 
 
@@ -403,6 +404,13 @@ def test_the_kv_cache_is_sized_from_free_memory_by_default(workspace, monkeypatc
     monkeypatch.setattr(server_module, "free_bytes", lambda device: slot)
     with pytest.raises(ValueError, match=r"half of the .* GiB free on cpu holds no KV-cache slot .* set --kv_cache_gib"):
         load_engine(ServeConfig(workspace=str(workspace), device="cpu"))
+    # a machine that does not say (macOS has no /proc/meminfo nor sysconf's free pages): every slot, as before
+    def unknown():
+        raise ValueError("unrecognized configuration name")
+    monkeypatch.undo()  # the real free_bytes, over a host that does not say
+    monkeypatch.setattr(server_module, "host_available_bytes", unknown)
+    with serving(workspace, max_batch=5) as (engine, port):
+        assert engine.max_batch == 5 and "does not say how much memory is free" in engine.kv_note
     monkeypatch.undo()
     assert server_module.free_bytes(torch.device("cpu")) > 0  # the real count: the host's available memory
 
@@ -415,20 +423,30 @@ def test_device_mps_where_there_is_none_exits_2_naming_it(workspace):
     assert proc.returncode == 2 and "error: no model served: --device mps, but MPS is not available" in proc.stderr
 
 
-def test_several_checkpoints_are_served_as_one_ensemble(workspace):
-    """--checkpoint A,B: one model id, both members in /info, greedy tokens from the mean of their
-    probabilities (two copies of one run: its own greedy tokens)."""
+def test_several_checkpoints_are_served_as_one_ensemble(workspace, tmp_path):
+    """--checkpoint A,B: one model id, both members in /info, a KV cache each, and sampled tokens from
+    the mean of their probabilities: the run's fp32 best and a bf16 export of other weights, so the
+    ensemble's tokens are engine.generate's over both, not either member's alone."""
     run = workspace / "checkpoints" / "d2"
+    obj = torch.load(run / "best.pt", weights_only=True)
+    gen = torch.Generator().manual_seed(0)
+    obj["model"] = {k: v + (0.5 * v.float().std() * torch.randn(v.shape, generator=gen)).to(v.dtype) if v.numel() > 1
+                    else v for k, v in obj["model"].items()}
+    torch.save(obj, tmp_path / "other.pt")
     with serving(workspace, checkpoint=str(run)) as (engine, port):
-        alone = request(port, "POST", "/generate", {"prompt": "1+", "max_tokens": 12, "temperature": 0})[1]
         single = engine.slot_bytes
-    with serving(workspace, checkpoint=f"{run},{run}") as (engine, port):
+    body = {"prompt": "1+", "max_tokens": 40, "temperature": 1.5, "seed": 4}
+    with serving(workspace, checkpoint=f"{run},{tmp_path / 'other.pt'}") as (engine, port):
         info = request(port, "GET", "/info")[1]
-        both = request(port, "POST", "/generate", {"prompt": "1+", "max_tokens": 12, "temperature": 0})[1]
+        both = request(port, "POST", "/generate", body)[1]
         assert request(port, "GET", "/v1/models")[1]["data"][0]["id"] == "d2+d2"
-    assert [m["step"] for m in info["ensemble"]] == [engine.meta["step"]] * 2
-    assert engine.slot_bytes == 2 * single  # a KV cache per member
-    assert both["text"] == alone["text"] and both["tokens"] == 12
+        ids = engine.tok.encode("1+")
+        expected = [list(generate(m, ids, 40, 1.5, generator=torch.Generator().manual_seed(4),
+                                  allowed_vocab=engine.tok.n_real)) for m in (engine.models, *engine.models)]
+    assert [m["step"] for m in info["ensemble"]] == [engine.meta["step"]] * 2 and len(engine.models) == 2
+    assert engine.slot_bytes == single + single // 2  # a KV cache per member: fp32, then bf16
+    assert both["text"] == engine.tok.decode(expected[0]) and both["tokens"] == 40
+    assert expected[0] not in expected[1:]  # neither member alone
 
 
 def test_an_ensemble_of_two_tokenizers_exits_2_naming_both(workspace, tmp_path):

@@ -52,6 +52,9 @@ def test_settings_that_cannot_work_are_named():
         resolve(TrainConfig(device_batch_size=3), cuda=False, world_size=2)
     cfg = resolve(TrainConfig(budget_usd=8.0), cuda=True, world_size=8)
     assert cfg.training_hours == pytest.approx(0.25) and cfg.depth == "auto" and cfg.model_tag == "auto"
+    # the plan's launch line holds BUDGET_USD: a TRAINING_HOURS added to it would be ignored, so it is refused
+    with pytest.raises(ConfigError, match="--budget_usd 96 and --training_hours 40 are both set: give one"):
+        resolve(TrainConfig(budget_usd=96.0, training_hours=40.0), cuda=True, world_size=1)
     # KEEP_LAST=0 would have the prune delete the step it just completed, a preemption's save included
     with pytest.raises(ConfigError, match="--keep_last must be >= 1"):
         resolve(TrainConfig(keep_last=0), cuda=False, world_size=1)

@@ -10,8 +10,9 @@ micro-batches with each: one compiled, one eager, on the same data. Rank 0 print
 step losses of both, the largest parameter difference after the last step, whether every gradient
 was still a view into DDP's buckets, the compile and step seconds, and with more than one rank the
 bus bandwidth of an all-reduce of --link_mb MB over all of them (link_gbps: what plan's LINK_GBPS
-assumes). gpucheck runs it on the GPU(s) (its "compiled DDP" item: world 1, and world N over every
-GPU of the box); tests/test_distributed.py runs it on CPU with 2 gloo ranks.
+assumes; --link_only: that alone). gpucheck runs it on the GPU(s): its "compiled DDP" item at world 1
+and world N over every GPU of the box, beside other items; its "link" item --link_only, alone, so the
+links carry nothing else. tests/test_distributed.py runs it on CPU with 2 gloo ranks.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--bucket_mb", type=float, default=None, help="DDP's bucket size (default: the trainer's)")
     p.add_argument("--graph_split", type=int, default=1, help="torch._dynamo.config.optimize_ddp (0: one graph)")
-    p.add_argument("--link_mb", type=float, default=64, help="the timed all-reduce's size (world > 1)")
+    p.add_argument("--link_mb", type=float, default=64, help="the timed all-reduce's size (world > 1; 0: none)")
+    p.add_argument("--link_only", action="store_true", help="time the all-reduce only, no training")
     return p.parse_args(argv)
 
 
@@ -77,8 +79,8 @@ def train(args, d, compiled: bool, data: torch.Tensor) -> dict:
 def link_bandwidth(d, mb: float, iters: int = 5) -> float | None:
     """Bus bandwidth (GB/s) of an all-reduce of `mb` MB of fp32 over every rank, counted as nccl-tests
     count it (2 (n-1)/n x bytes / seconds: what a ring moves over each link), after 2 warm-ups; None
-    on one rank."""
-    if d.world_size == 1:
+    on one rank or with mb 0."""
+    if d.world_size == 1 or mb <= 0:
         return None
     import torch.distributed as dist
 
@@ -103,6 +105,13 @@ def main(argv=None) -> int:
 
         dist.init_process_group("nccl" if d.device.type == "cuda" else "gloo", rank=0, world_size=1,
                                 store=dist.HashStore())
+    if args.link_only:
+        link = link_bandwidth(d, args.link_mb)
+        if d.rank == 0:
+            print(json.dumps({"device": d.device.type, "world": d.world_size, "link_mb": args.link_mb,
+                              "link_gbps": link}), flush=True)
+        d.close()
+        return 0
     torch._dynamo.config.optimize_ddp = bool(args.graph_split)
     data = torch.randint(0, 256, (args.steps, args.accum, d.world_size, args.batch, args.seq),
                          generator=torch.Generator().manual_seed(11))

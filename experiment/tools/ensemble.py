@@ -2,17 +2,21 @@
 model `serve --checkpoint A,B,...` decodes (the mean of the members' next-token probabilities).
 
     python -m experiment.tools.bench ensemble --checkpoints RUN_A RUN_B RUN_C [--k 2 4] [--device cpu]
+                                              [--prepared_dir DIR]
 
 Each checkpoint is what the server would load for it (a run directory: its best). The members are
 ranked by their own loss; the ensemble of the best k for each k asked (default: 2, 4 and all that
 many there are). Every loss is over every whole window of the first member's val split (the members
-must share a tokenizer, a context and a val split: runs prepared from the same data), in nats per
-token, in the precision each checkpoint loads in. Prints one line per model and per ensemble.
+must share a tokenizer, a context and a val split: runs prepared from the same data, the same hash;
+--prepared_dir: where that data lies on this machine, if not where the first member was trained),
+in nats per token, in the precision each checkpoint loads in. Prints one line per model and per
+ensemble; a checkpoint or data it cannot use exits 2 with one line naming it.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -25,7 +29,7 @@ from experiment.files import default_workspace
 
 
 @torch.no_grad()
-def token_logprobs(models: list, tokens, seq_len: int, batch_size: int = 16) -> list[torch.Tensor]:
+def token_logprobs(models: list, tokens, seq_len: int, batch_size: int = 2) -> list[torch.Tensor]:
     """Per model, the log-probability of each target token over every whole val window (1-D, fp32)."""
     out = [[] for _ in models]
     for x, y in val_batches(tokens, seq_len, batch_size, len(tokens)):
@@ -47,19 +51,35 @@ def add_arguments(p) -> None:
     p.add_argument("--k", type=int, nargs="*", default=[2, 4], help="ensemble sizes besides all of them")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--workspace", default=None)
+    p.add_argument("--prepared_dir", default=None, help="the members' prepared data (default: the first one's)")
+
+
+def load(args) -> tuple[list, Prepared]:
+    """The members and their val data; ValueError naming what cannot be used."""
+    workspace = Path(args.workspace) if args.workspace else default_workspace()
+    members = ckpt.load_serving(",".join(map(str, args.checkpoints)), workspace, resolve_device(args.device))
+    (first_model, first, first_path) = members[0]
+    for model, meta, path in members[1:]:
+        if meta["prepared"]["hash"] != first["prepared"]["hash"] or model.config.max_seq_len != first_model.config.max_seq_len:
+            raise ValueError(f"{path} was prepared from other data or has another context than {first_path}: "
+                             "their val losses would not compare")
+    directory = Path(args.prepared_dir or first["prepared"]["dir"])
+    try:
+        prepared = Prepared.load(directory)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{directory}: the members' prepared data is not there ({e}); give --prepared_dir") from None
+    if prepared.meta["hash"] != first["prepared"]["hash"]:
+        raise ValueError(f"{directory} holds other data than the members were trained on")
+    return members, prepared
 
 
 def main(args) -> int:
-    device = resolve_device(args.device)
-    workspace = Path(args.workspace) if args.workspace else default_workspace()
-    members = ckpt.load_serving(",".join(map(str, args.checkpoints)), workspace, device)
-    first = members[0][1]
-    prepared = Prepared.load(first["prepared"]["dir"])
+    try:
+        members, prepared = load(args)
+    except (ValueError, ckpt.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     tokens, seq = prepared.tokens("val"), members[0][0].config.max_seq_len
-    for model, meta, path in members[1:]:
-        if meta["prepared"]["dir"] != first["prepared"]["dir"] or model.config.max_seq_len != seq:
-            raise SystemExit(f"ensemble: {path} was prepared from other data or has another context than "
-                             f"{members[0][2]}: their val losses would not compare")
     logprobs = token_logprobs([m for m, _, _ in members], tokens, seq)
     singles = sorted(((-lp.double().mean().item(), i) for i, lp in enumerate(logprobs)))
     print(f"ensemble | {len(logprobs[0]):,} val tokens, every whole {seq}-token window of {prepared.dir}")

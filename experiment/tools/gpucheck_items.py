@@ -34,7 +34,7 @@ from experiment.tools.probes import cpu_matmul_peak, measure_speed, probe_peak_m
 from experiment.saver import Saver
 from experiment.saving import checkpoint_share, restore_checkpoint, write_checkpoint
 
-ITEMS = ("env", "correctness", "ddp", "speed", "memory", "checkpoints", "e2e")
+ITEMS = ("env", "correctness", "ddp", "link", "speed", "memory", "checkpoints", "e2e")
 # Items whose verdicts rest on no speed target (pytest, compiled-vs-eager losses, a run's budget against
 # the reserve it measured itself, under the same load): on a GPU they run side by side, so the whole
 # check fits in 10 minutes. Their own timings (ddp's step times) are taken under that load.
@@ -495,7 +495,7 @@ def check_checkpoints(ctx: Ctx) -> Item:
 # ---------------------------------------------------------------- compiled DDP
 
 
-def _run_ddpcheck(ctx: Ctx, world: int) -> dict:
+def _run_ddpcheck(ctx: Ctx, world: int, *flags: str) -> dict:
     """experiment/tools/ddpcheck under torchrun: 1 MB buckets, so that even this small model is split
     into several compiled graphs, as a large one is at the trainer's bucket size."""
     with socket.socket() as sock:
@@ -503,7 +503,7 @@ def _run_ddpcheck(ctx: Ctx, world: int) -> dict:
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            f"--master_port={port}", "-m", "experiment.tools.ddpcheck", "--device", ctx.device.type,
-           "--bucket_mb", "1", "--aspect_ratio", "128", "--head_dim", "64", "--link_mb", "256" if ctx.cuda else "16"]
+           "--bucket_mb", "1", "--aspect_ratio", "128", "--head_dim", "64", *(flags or ("--link_mb", "0"))]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -514,8 +514,7 @@ def _run_ddpcheck(ctx: Ctx, world: int) -> dict:
 def check_ddp(ctx: Ctx) -> Item:
     """torch.compile over DDP with activation checkpointing and 3 accumulated micro-batches (the
     trainer's GPU combination) against the same steps eager, at world 1 and, with two GPUs or more,
-    over every GPU of the box, whose all-reduce bus bandwidth it measures (link_gbps: plan's
-    LINK_GBPS, read from this report by GPUCHECK)."""
+    over every GPU of the box."""
     gpus = torch.cuda.device_count() if ctx.cuda else 1
     worlds = [1, gpus] if gpus >= 2 else [1]
     runs = [_run_ddpcheck(ctx, w) for w in worlds]
@@ -532,14 +531,26 @@ def check_ddp(ctx: Ctx) -> Item:
                                    f"compiled losses within {r['loss_rel_diff']:.1e} of eager, grads in "
                                    f"{r['buckets']} buckets{'' if r['grads_in_buckets'] else ' NOT kept'}, compile "
                                    f"{r['compile_step_seconds']:.0f}s, step {r['compiled_step_seconds']:.3f}s "
-                                   f"compiled vs {r['eager_step_seconds']:.3f}s eager"
-                                   + (f", all-reduce {r['link_gbps']:.1f} GB/s bus bandwidth over {r['world']}"
-                                      if r.get("link_gbps") else "")) for r in runs)
+                                   f"compiled vs {r['eager_step_seconds']:.3f}s eager") for r in runs)
     if len(worlds) == 1 and ctx.cuda:
-        summary += " | world N not run: one GPU (no all-reduce bandwidth measured)"
+        summary += " | world N not run: one GPU"
     if ctx.cuda:
         summary += " | step times taken beside the other side-by-side items"
     return Item("ddp", _status(failed, False), summary, {"runs": runs})
+
+
+def check_link(ctx: Ctx) -> Item:
+    """The bus bandwidth of an all-reduce over every GPU of the box (256 MB of fp32, NCCL), timed alone:
+    what `plan` assumes as LINK_GBPS, which GPUCHECK=<this report.json> replaces with it. On a CPU, 2
+    gloo ranks over loopback prove the path (16 MB)."""
+    world = torch.cuda.device_count() if ctx.cuda else 2
+    if world < 2:
+        return Item("link", "SKIP", "one GPU: no all-reduce between GPUs to time")
+    r = _run_ddpcheck(ctx, world, "--link_only", "--link_mb", "256" if ctx.cuda else "16")
+    if "error" in r:
+        return Item("link", "FAIL", f"world {world}: FAILED ({r['error'][-200:]})", r)
+    return Item("link", "PASS", f"all-reduce of {r['link_mb']:g} MB over {world} "
+                f"{'GPUs' if ctx.cuda else 'gloo ranks'}: {r['link_gbps']:.1f} GB/s bus bandwidth", r)
 
 
 # ---------------------------------------------------------------- 6. end to end

@@ -221,6 +221,10 @@ def test_ensemble_benchmark_scores_members_and_their_mean(workspace):
                            proc.stdout).group(1))
     assert len(members) == 2 and members == sorted(members) and abs(members[0] - members[1]) < 0.02
     assert both <= (members[0] + members[1]) / 2 + 1e-4  # the log of a mean is at least the mean of the logs
+    proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "ensemble", "--checkpoints", run,
+                           workspace / "nothing", "--device", "cpu", "--workspace", workspace], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
 
 
 def test_ensemble_loss_is_the_loss_of_the_mean_probability():
