@@ -214,7 +214,6 @@ class Batch:
         check_ensemble(self.models)
         self.model, self.slots, self.allowed_vocab = self.models[0], slots, allowed_vocab  # allowed_vocab: see generate
         self.caches = [KVSlots(m.config, slots, m.wte.weight.device, m.wte.weight.dtype) for m in self.models]
-        self.cache = self.caches[0]  # the (first) model's
         self.rows: list[_Member] = []  # rows[i] lives in slot i
         self._next_id = 0
 

@@ -166,16 +166,16 @@ def test_top_p_samples_only_the_smallest_set_reaching_p():
 def test_leave_moves_only_the_live_prefix_and_clear_drops_every_member():
     model = tiny(seq=16)
     batch = Batch(model, 3)
-    batch.cache.k.normal_(), batch.cache.v.normal_()  # stale values past a member's positions
+    batch.caches[0].k.normal_(), batch.caches[0].v.normal_()  # stale values past a member's positions
     a, _ = batch.join([1, 2, 3], temperature=0)
     b, _ = batch.join([4, 5, 6, 7, 8], temperature=0)
     batch.step()
     n = batch.rows[1].pos
     assert n == 6
-    k1, v1, k0 = batch.cache.k[:, 1].clone(), batch.cache.v[:, 1].clone(), batch.cache.k[:, 0].clone()
+    k1, v1, k0 = batch.caches[0].k[:, 1].clone(), batch.caches[0].v[:, 1].clone(), batch.caches[0].k[:, 0].clone()
     batch.leave(a)  # b moves from slot 1 into slot 0: its n positions, not the whole slot
-    assert torch.equal(batch.cache.k[:, 0, :, :n], k1[:, :, :n]) and torch.equal(batch.cache.v[:, 0, :, :n], v1[:, :, :n])
-    assert torch.equal(batch.cache.k[:, 0, :, n:], k0[:, :, n:])
+    assert torch.equal(batch.caches[0].k[:, 0, :, :n], k1[:, :, :n]) and torch.equal(batch.caches[0].v[:, 0, :, :n], v1[:, :, :n])
+    assert torch.equal(batch.caches[0].k[:, 0, :, n:], k0[:, :, n:])
     assert [m.id for m in batch.rows] == [b] and batch.rows[0].pos == n
     batch.clear()
     assert batch.rows == [] and batch.free == 3 and batch.step() == {}
@@ -243,3 +243,13 @@ def test_an_ensembles_requests_get_exactly_what_they_get_alone(bigram):
 def test_an_ensembles_members_need_one_vocabulary_and_context():
     with pytest.raises(ValueError, match="member 2 has max_seq_len 32, member 1 has 16"):
         Batch([tiny(seq=16), tiny(seq=32)], 2)
+    with pytest.raises(ValueError, match="member 3 has max_seq_len 16, member 1 has 32"):
+        Batch([tiny(seq=32), tiny(seq=32), tiny(seq=16)], 2)
+    # equal settings are equal whatever objects hold them (300 and int("300") are two ints)
+    assert len(Batch([tiny(seq=300), other(seq=int("300"))], 2).caches) == 2
+
+
+def test_generate_samples_at_temperature_1_by_default():
+    model, prompt = tiny(seq=64), [3, 1, 4]
+    default = list(engine.generate(model, prompt, 20, generator=torch.Generator().manual_seed(5)))
+    assert default == list(engine.generate(model, prompt, 20, 1.0, generator=torch.Generator().manual_seed(5)))
