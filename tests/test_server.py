@@ -3,6 +3,7 @@
 import contextlib
 import http.client
 import json
+import re
 import os
 import shutil
 import socket
@@ -401,7 +402,10 @@ def test_the_kv_cache_is_sized_from_free_memory_by_default(workspace, monkeypatc
     assert engine.kv_note == f"sized to half of the {7 * slot / 2**30:.1f} GiB free on cpu (--kv_cache_gib sets it)"
     with serving(workspace, max_batch=2) as (engine, port):
         assert engine.max_batch == 2  # max_batch still caps it
-    monkeypatch.setattr(server_module, "free_bytes", lambda device: slot)
+    monkeypatch.setattr(server_module, "free_bytes", lambda device: 2 * slot)  # half holds exactly one
+    with serving(workspace, max_batch=32) as (engine, port):
+        assert engine.max_batch == 1
+    monkeypatch.setattr(server_module, "free_bytes", lambda device: 2 * slot - 1)
     with pytest.raises(ValueError, match=r"half of the .* GiB free on cpu holds no KV-cache slot .* set --kv_cache_gib"):
         load_engine(ServeConfig(workspace=str(workspace), device="cpu"))
     # a machine that does not say (macOS has no /proc/meminfo nor sysconf's free pages): every slot, as before
@@ -413,6 +417,15 @@ def test_the_kv_cache_is_sized_from_free_memory_by_default(workspace, monkeypatc
         assert engine.max_batch == 5 and "does not say how much memory is free" in engine.kv_note
     monkeypatch.undo()
     assert server_module.free_bytes(torch.device("cpu")) > 0  # the real count: the host's available memory
+
+
+def test_free_memory_is_the_gpus_on_cuda_and_metals_on_mps(monkeypatch):
+    """Read without the device (this machine has neither): the free figure each API gives."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (7_000, 80_000))  # (free, total)
+    assert server_module.free_bytes(torch.device("cuda")) == 7_000
+    monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 12_000)
+    monkeypatch.setattr(torch.mps, "current_allocated_memory", lambda: 5_000)
+    assert server_module.free_bytes(torch.device("mps")) == 7_000
 
 
 @pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")
@@ -435,6 +448,7 @@ def test_several_checkpoints_are_served_as_one_ensemble(workspace, tmp_path):
     torch.save(obj, tmp_path / "other.pt")
     with serving(workspace, checkpoint=str(run)) as (engine, port):
         single = engine.slot_bytes
+        assert request(port, "GET", "/info")[1]["ensemble"] is None  # one model: no ensemble
     body = {"prompt": "1+", "max_tokens": 40, "temperature": 1.5, "seed": 4}
     with serving(workspace, checkpoint=f"{run},{tmp_path / 'other.pt'}") as (engine, port):
         info = request(port, "GET", "/info")[1]
@@ -553,12 +567,16 @@ def test_cli_fails_fast_without_a_model_and_serves_with_one(tmp_path, workspace)
     proc = subprocess.run([*cmd, "--checkpoint", tmp_path / "model_000001.pt"], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "no such checkpoint file" in proc.stderr
+    err = (tmp_path / "stderr.txt").open("w")
     srv = subprocess.Popen([*cmd, "--checkpoint", workspace / "checkpoints/d2", "--dtype", "bf16", "--max_batch", "3"],
-                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                           cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True,
                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         line = srv.stdout.readline()
         assert line.startswith("serving ") and "127.0.0.1" in line
+        assert re.search(r"/d2/model_000030.pt \(step 30, val_loss \d\.\d{4}\) at http", line) and " ensemble" not in line
+        batch = next(x for x in (tmp_path / "stderr.txt").read_text().splitlines() if x.startswith("batch | "))
+        assert batch.startswith("batch | 3 slots x ") and "sized to half of the" in batch and batch.endswith("threads 1")
         port = int(line.rsplit(":", 1)[1].strip(" /\n"))
         assert request(port, "GET", "/health")[0] == 200
         info = request(port, "GET", "/info")[1]
