@@ -81,7 +81,9 @@ def test_a_preempted_run_keeps_the_eval_grid_of_the_uninterrupted_one(tmp_path, 
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0 and "received SIGTERM" in out, err[-2000:]
     stopped = ckpt.complete_steps(tmp_path / "b/checkpoints/d2")[-1]
-    assert 11 <= stopped < 40
+    # Step 11's own save, or an earlier best's whose background write was still in flight at the
+    # signal (the run then stops on that one: saving.maybe_save); a loaded machine makes the second.
+    assert 0 < stopped < 40
     run_train([*args, "--workspace", tmp_path / "b"])
 
     def evals(ws):
