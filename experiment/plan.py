@@ -88,6 +88,16 @@ class Gpus:
     measured: tuple[dict[int, float], str, str] | None = None  # (MFU by depth, source, GPU) from a gpucheck report
     link_source: str = "assumed: LINK_GBPS"  # where link_gbps comes from, in the plan line's words
 
+    @property
+    def mfu_by_depth(self) -> dict[int, float] | None:
+        """The MFU gpucheck measured on the box, if given: it replaces autosize's table."""
+        return self.measured[0] if self.measured else None
+
+
+def gpu_kind(name: str) -> tuple[str, int] | None:
+    """(name fragment, GPU memory GiB) of a GPU's kind (GPU_MEMORY_GIB), None if unknown."""
+    return next(((f, gib) for f, gib in GPU_MEMORY_GIB if f.lower() in name.lower()), None)
+
 
 def gpucheck_link(items: dict) -> tuple[float, int] | None:
     """(bus GB/s, GPUs) of the all-reduce a gpucheck report's link item timed over the box's GPUs, if any."""
@@ -111,8 +121,7 @@ def gpucheck_mfu(path: str, gpus: Gpus) -> tuple[tuple[dict[int, float], str, st
         raise ValueError(f"GPUCHECK {path}: " + ("it ran without CUDA (no GPU in its env item)" if gpu is None else
                                                  "its speed item has no MFU (a GPU of unknown peak)")
                          + ": there is no measured GPU speed to plan from")
-    kind = lambda name: next((f for f, _ in GPU_MEMORY_GIB if f.lower() in name.lower()), name)  # noqa: E731
-    if peak_flops(gpu) != gpus.peak or kind(gpu) != kind(gpus.name):  # H100 SXM and H200 share a peak
+    if peak_flops(gpu) != gpus.peak or gpu_kind(gpu) != gpu_kind(gpus.name):  # H100 SXM and H200 share a peak
         raise ValueError(f"GPUCHECK {path}: measured on {gpu}, but GPUS is {gpus.count}x{gpus.name}: plan the GPUs "
                          "it measured, or measure the ones you plan")
     return (table, f"gpucheck {path}", gpu), link
@@ -128,7 +137,8 @@ def parse_gpus(spec: str | None) -> Gpus:
     count, sep, name = spec.partition("x")
     name = name.replace("-", " ").strip()
     peak = peak_flops(name) or peak_flops(name + " SXM")
-    memory = next((gib for fragment, gib in GPU_MEMORY_GIB if fragment.lower() in name.lower()), None)
+    kind = gpu_kind(name)
+    memory = kind[1] if kind else None
     if not sep or not count.isdigit() or int(count) < 1 or peak is None or memory is None:
         raise ValueError(f"GPUS {spec!r}: expected COUNTxNAME with a GPU whose peak is known, e.g. 8xH100-PCIe, "
                          "8xH100-SXM, 8xH200, 8xA100")
@@ -165,7 +175,7 @@ def tok_per_s(config: GPTConfig, gpus: Gpus, count: int) -> tuple[float, float] 
         return None
     weight_bytes = autosize.WEIGHT_BYTES[fit.precision]
     return (autosize.predicted_tok_per_s(config, gpus.peak, count, gpus.link_gbps, weight_bytes, gpu_name=gpus.name,
-                                         mfu_by_depth=gpus.measured and gpus.measured[0]),
+                                         mfu_by_depth=gpus.mfu_by_depth),
             autosize.comm_seconds(config, count, gpus.link_gbps, weight_bytes))
 
 
@@ -177,7 +187,7 @@ def rung(depth: int, cfg: PlanConfig, gpus: Gpus, train_tokens: int, budget_s: f
     fits = predicted is not None
     rate = predicted[0] if fits else autosize.predicted_tok_per_s(config, gpus.peak, gpus.count, gpus.link_gbps,
                                                                   gpu_name=gpus.name,
-                                                                  mfu_by_depth=gpus.measured and gpus.measured[0])
+                                                                  mfu_by_depth=gpus.mfu_by_depth)
     c = autosize.candidate(config, rate, budget_s, train_tokens, CUDA_DEFAULTS["total_batch_size"])
     ckpt = checkpoint_bytes(config, gpus.count, gpus.memory_bytes)
     return {"depth": depth, "params": c.params, "tok_per_s": c.tok_per_s, "fits": fits,
@@ -212,11 +222,10 @@ def launch_budget(p: dict, cfg: PlanConfig, count: int) -> tuple[float, float]:
 
 
 def launch_line(p: dict, cfg: PlanConfig, count: int) -> tuple[str, str]:
-    """What to paste on the rented box, and the run directory it writes: the GPU count it was planned
-    for (NPROC_PER_NODE, so a box with more GPUs does not spend more), the plan's depth, explicit,
-    with the default pass cap, the budget in dollars (BUDGET_USD: the trainer turns it into hours
-    on the GPUs it runs on, so the line means the same money on any count), and every planned
-    setting that is not the trainer's default, quoted for the shell."""
+    """What to paste on the rented box, and the run directory it writes: the GPU count the plan priced
+    (NPROC_PER_NODE; past 8, nodes of 8), the plan's depth, explicit, with the default pass cap, the
+    budget in dollars (BUDGET_USD: the trainer turns it into hours on the GPUs it starts on), and
+    every planned setting that is not the trainer's default, quoted for the shell."""
     usd = launch_budget(p, cfg, count)[1]
     nodes = {"NNODES": count // GPUS_PER_NODE} if count > GPUS_PER_NODE else {}  # and NODE_RANK, MASTER_ADDR
     settings = {**nodes, "NPROC_PER_NODE": min(count, GPUS_PER_NODE), "DEPTH": p["depth"],

@@ -21,10 +21,10 @@ import torch
 from experiment import checkpoint as ckpt
 from experiment.config import opt, parse_flags
 from experiment.dataloader import tokenizer_from_meta
-from experiment.distributed import resolve_device
 from experiment.engine import generate, prompt_ids
 from experiment.files import default_workspace
 from experiment.model import DTYPES
+from experiment.servemem import served_line, serving_device
 
 SEPARATOR = "-" * 40  # between samples, as nanoGPT's sample.py prints them
 
@@ -42,7 +42,8 @@ class SampleConfig:
     top_k: int | None = opt("sample from the k most likely tokens only (default: all)")
     top_p: float | None = opt("nucleus sampling: the smallest set of tokens with this much probability")
     seed: int = opt("sample i of a prompt uses seed + i", 1337)
-    device: str = opt("where the model runs", "auto", choices=("auto", "cpu", "cuda"))
+    device: str = opt("where the model runs (mps: Apple silicon, where torch has it)", "auto",
+                      choices=("auto", "cpu", "cuda", "mps"))
     dtype: str = opt("weights dtype; auto: the checkpoint's own", "auto", choices=("auto", *DTYPES))
     workspace: str | None = opt("where to look for runs (default as in run.sh)")
 
@@ -97,7 +98,7 @@ class Stream:
 def run(cfg: SampleConfig) -> int:
     check(cfg)
     prompts = read_prompts(cfg)
-    device = resolve_device(cfg.device)
+    device = serving_device(cfg.device)
     workspace = Path(cfg.workspace) if cfg.workspace else default_workspace()
     members = ckpt.load_serving(cfg.checkpoint, workspace, device, dtype=None if cfg.dtype == "auto" else DTYPES[cfg.dtype])
     (model, meta, _), models = members[0], [m for m, _, _ in members]
@@ -108,9 +109,7 @@ def run(cfg: SampleConfig) -> int:
             encoded.append(prompt_ids(tok, prompt, model.config.max_seq_len))
         except ValueError as e:
             raise ValueError(f"prompt {prompt[:40]!r}: {e}") from None
-    served = " + ".join(f"{p} (step {m['step']}, val_loss {'n/a' if m['val_loss'] is None else format(m['val_loss'], '.4f')})"
-                        for _, m, p in members)
-    print(f"sample | {served} | {device}", file=sys.stderr)
+    print(f"sample | {served_line([(m, p) for _, m, p in members])} | {device}", file=sys.stderr)
     for prompt, (ids, dropped) in zip(prompts, encoded):
         if dropped:
             print(f"sample | the prompt's first {dropped} tokens are cut: the model sees its last "

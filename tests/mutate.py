@@ -50,6 +50,7 @@ TESTS = {
     "experiment/model.py": "tests/test_regularize.py tests/test_model.py",
     "experiment/engine.py": "tests/test_engine.py",
     "experiment/server.py": "tests/test_server.py -k 'kv or ensemble or mps or batching or cli'",
+    "experiment/servemem.py": "tests/test_server.py -k 'kv or free_memory or mps or cli or ensemble'",
     "experiment/checkpoint.py": "tests/test_server.py -k 'ensemble or cli' tests/test_checkpoint.py",
     "experiment/config.py": "tests/test_regularize.py tests/test_train.py::test_settings_that_cannot_work_are_named "
                             "tests/test_train.py::test_cpu_learning_rates_follow_the_depth_and_a_given_one_is_kept",

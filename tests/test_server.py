@@ -20,6 +20,7 @@ import torch
 from conftest import REPO
 from experiment import checkpoint as ckpt
 from experiment import server as server_module
+from experiment import servemem
 from experiment.dataloader import demo_lines
 from experiment.engine import generate
 from experiment.server import MAX_BODY_BYTES, MAX_NEW_TOKENS, ServeConfig, load_engine, make_server
@@ -395,37 +396,37 @@ def test_the_kv_cache_is_sized_from_free_memory_by_default(workspace, monkeypatc
     is loaded (a d32 checkpoint's 32 slots would ask a laptop for 16 GiB at start), at most
     max_batch; memory for none is one error naming the memory, not an out-of-memory mid-request."""
     slot = 2 * 2 * 2 * 64 * 32 * 4
-    monkeypatch.setattr(server_module, "free_bytes", lambda device: 7 * slot)  # half: 3.5 slots
+    monkeypatch.setattr(servemem, "free_bytes", lambda device: 7 * slot)  # half: 3.5 slots
     with serving(workspace, max_batch=32) as (engine, port):
         info = request(port, "GET", "/info")[1]["batching"]
     assert info["max_batch"] == 3 and info["kv_cache_bytes"] == 3 * slot
     assert engine.kv_note == f"sized to half of the {7 * slot / 2**30:.1f} GiB free on cpu (--kv_cache_gib sets it)"
     with serving(workspace, max_batch=2) as (engine, port):
         assert engine.max_batch == 2  # max_batch still caps it
-    monkeypatch.setattr(server_module, "free_bytes", lambda device: 2 * slot)  # half holds exactly one
+    monkeypatch.setattr(servemem, "free_bytes", lambda device: 2 * slot)  # half holds exactly one
     with serving(workspace, max_batch=32) as (engine, port):
         assert engine.max_batch == 1
-    monkeypatch.setattr(server_module, "free_bytes", lambda device: 2 * slot - 1)
+    monkeypatch.setattr(servemem, "free_bytes", lambda device: 2 * slot - 1)
     with pytest.raises(ValueError, match=r"half of the .* GiB free on cpu holds no KV-cache slot .* set --kv_cache_gib"):
         load_engine(ServeConfig(workspace=str(workspace), device="cpu"))
     # a machine that does not say (macOS has no /proc/meminfo nor sysconf's free pages): every slot, as before
     def unknown():
         raise ValueError("unrecognized configuration name")
     monkeypatch.undo()  # the real free_bytes, over a host that does not say
-    monkeypatch.setattr(server_module, "host_available_bytes", unknown)
+    monkeypatch.setattr(servemem, "host_available_bytes", unknown)
     with serving(workspace, max_batch=5) as (engine, port):
         assert engine.max_batch == 5 and "does not say how much memory is free" in engine.kv_note
     monkeypatch.undo()
-    assert server_module.free_bytes(torch.device("cpu")) > 0  # the real count: the host's available memory
+    assert servemem.free_bytes(torch.device("cpu")) > 0  # the real count: the host's available memory
 
 
 def test_free_memory_is_the_gpus_on_cuda_and_metals_on_mps(monkeypatch):
     """Read without the device (this machine has neither): the free figure each API gives."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (7_000, 80_000))  # (free, total)
-    assert server_module.free_bytes(torch.device("cuda")) == 7_000
+    assert servemem.free_bytes(torch.device("cuda")) == 7_000
     monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 12_000)
     monkeypatch.setattr(torch.mps, "current_allocated_memory", lambda: 5_000)
-    assert server_module.free_bytes(torch.device("mps")) == 7_000
+    assert servemem.free_bytes(torch.device("mps")) == 7_000
 
 
 @pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")
