@@ -203,24 +203,71 @@ def repair_best(run_dir: Path, best_val: float, best_step: int) -> bool:
     # A later step than the recorded best is another branch's (a --resume to an earlier step): it stands.
     if best is not None and int(best["step"]) in steps and int(best["step"]) >= best_step:
         return False
-    weights = read_meta(run_dir, best_step).get("weights", "raw")  # what that step's model files hold
-    atomic_write_json(Path(run_dir) / "best.json", {"step": best_step, "val_loss": best_val, "weights": weights})
+    atomic_write_json(Path(run_dir) / "best.json", best_record(best_step, best_val, read_meta(run_dir, best_step)))
     return True
 
 
+def best_record(step: int, val_loss: float, meta: dict) -> dict:
+    """best.json: the step, its val loss and which weights its model files hold; with BEST_BY naming
+    a metric also that and the step's score (lower is better: experiment/metric.py), by which a
+    sweep's members compare."""
+    record = {"step": step, "val_loss": val_loss, "weights": meta.get("weights", "raw")}
+    state = meta.get("state", {})
+    if state.get("best_by", "val_loss") != "val_loss" and state.get("best_step") == step:
+        record.update(best_by=state["best_by"], score=state["best_score"])
+    return record
+
+
+SWEEP_RECORD = "sweep.json"  # a sweep directory's table (experiment/sweep.py)
+
+
+def sweep_winner(path: Path) -> Path | None:
+    """A sweep directory's winner, its run directory, found afresh from its members' best.json (a
+    member may have gone on after the table was written); None when `path` is no sweep directory."""
+    record_path = Path(path) / SWEEP_RECORD
+    if not record_path.is_file():
+        return None
+    members = [Path(path) / m["member"] for m in read_json(record_path).get("members", [])]
+    best = pick_winner([(m, _best_or_none(m)) for m in members])
+    if best is None:
+        raise CheckpointError(f"{path}: the sweep has no winner yet (no member has a best checkpoint)")
+    return best
+
+
+def pick_winner(bests: list[tuple]) -> object | None:
+    """The key of the best of (key, best.json) pairs: the lowest score where every member with a best
+    was chosen by the same BEST_BY metric, else the lowest val loss; None when none has a best."""
+    scored = [(k, b) for k, b in bests if b is not None and math.isfinite(b["val_loss"])]
+    if not scored:
+        return None
+    by = {b.get("best_by", "val_loss") for _, b in scored}
+    key = (lambda kb: kb[1]["score"]) if len(by) == 1 and by != {"val_loss"} else (lambda kb: kb[1]["val_loss"])
+    return min(scored, key=key)[0]
+
+
+def _best_or_none(run_dir: Path) -> dict | None:
+    try:
+        return read_best(run_dir)
+    except CheckpointError:
+        return None
+
+
 def resolve_serving_checkpoint(path: str | Path | None, workspace: Path) -> Path:
-    """A model_*.pt as given; a run directory -> its best (else latest); None -> newest run's best.
+    """A model_*.pt as given; a run directory -> its best (else latest); a sweep directory -> its
+    winner's best; None -> newest run's best (a sweep counts as its winner).
 
     A step saved in per-rank parts is named by model_<step>.pt (what the trainer prints), though
     that file does not exist, or by any of its model_<step>_rank<r>.pt."""
     if path is None:
         root = Path(workspace) / "checkpoints"
-        runs = [d for d in root.iterdir() if d.is_dir() and complete_steps(d)] if root.is_dir() else []
+        dirs = [d for d in root.iterdir() if d.is_dir()] if root.is_dir() else []
+        runs = [r for r in (_winner_or(d) for d in dirs) if r is not None and r.is_dir() and complete_steps(r)]
         if not runs:
             raise CheckpointError(f"no complete checkpoint under {root}; train first (bash run.sh)")
         path = max(runs, key=lambda d: max(meta_path(d, s).stat().st_mtime for s in complete_steps(d)))
     path = Path(path)
     if path.is_dir():
+        path = sweep_winner(path) or path
         best = read_best(path)
         steps = complete_steps(path)
         if best is not None and int(best["step"]) in steps:
@@ -231,6 +278,13 @@ def resolve_serving_checkpoint(path: str | Path | None, workspace: Path) -> Path
     if not path.is_file() and not _names_step_in_parts(path):
         raise CheckpointError(f"{path}: no such checkpoint file")
     return path
+
+
+def _winner_or(run_or_sweep: Path) -> Path | None:
+    try:
+        return sweep_winner(run_or_sweep) or run_or_sweep
+    except CheckpointError:  # a sweep with no winner yet has nothing to serve
+        return None
 
 
 def _names_step_in_parts(path: Path) -> bool:
@@ -381,6 +435,10 @@ class RunState:
     best_val: float = math.inf
     best_step: int = -1
     best_weights: str = "raw"  # the best step's model: its "raw" weights or their "average" (AVERAGE)
+    # What BEST_BY compares, lower for better: the best step's val loss, or its metric's number (metric.BestBy),
+    # and the BEST_BY it was measured by (a resume under another one holds no best to beat).
+    best_score: float = math.inf
+    best_by: str = "val_loss"
     # The stop at the val minimum (plateau.py, plateau_check): the level of the last eval that gained
     # (at the peak LR its val loss, PLATEAU_MARGIN below the one before; in a warmdown the mean of the
     # warmdown's last plateau.WARMDOWN_WINDOW val losses, held in warmdown_window, below its best so far), the
@@ -418,6 +476,13 @@ class RunState:
     save_waits: int = 0  # saves that came due while the one before was still writing, and waited
     save_wait_seconds: float = 0.0
 
+    def best(self) -> tuple:
+        """The best as one value: what a failed save of a new best falls back to (Loop.saved_best)."""
+        return self.best_val, self.best_step, self.best_weights, self.best_score
+
+    def set_best(self, best: tuple) -> None:
+        self.best_val, self.best_step, self.best_weights, self.best_score = best
+
 
 def run_state(meta: dict) -> RunState:
     """The RunState a meta records."""
@@ -433,10 +498,13 @@ def run_state(meta: dict) -> RunState:
             st.warmup_progress = 1.0
         if "last_eval_tokens" not in meta["state"]:
             st.last_eval_step, st.last_eval_tokens = st.step, st.tokens_seen  # the eval grid from the resumed step
+        if "best_score" not in meta["state"]:  # written before BEST_BY: its best was by val loss
+            st.best_score = st.best_val
         return st
     # Metas written before the state was one dict hold its fields at the top level.
     flat = {f.name: meta[f.name] for f in fields(RunState) if f.name in meta}
-    return RunState(**flat, best_val=meta["best_val_loss"] if meta["best_step"] >= 0 else math.inf,
+    best = meta["best_val_loss"] if meta["best_step"] >= 0 else math.inf
+    return RunState(**flat, best_val=best, best_score=best,
                     data_state=meta["data_positions"][0], last_eval_step=meta["step"],
                     last_eval_tokens=flat.get("tokens_seen", 0))
 
@@ -492,8 +560,7 @@ def complete_step(run_dir: Path, step: int, error: str | None, files: dict, meta
         try:
             atomic_write_json(meta_path(run_dir, step), {**meta, "files": files})
             if meta["state"]["best_step"] == step:
-                atomic_write_json(run_dir / "best.json", {"step": step, "val_loss": meta["val_loss"],
-                                                          "weights": meta.get("weights", "raw")})
+                atomic_write_json(run_dir / "best.json", best_record(step, meta["val_loss"], meta))
         except OSError as e:
             # meta's or best.json's write: either way the step is reported not saved, so it must not
             # stay complete on disk while best.json names an earlier step. Rank 0 must still reach

@@ -100,8 +100,8 @@ class TrainConfig:
     data_dir: str | None = opt("directory of *.txt (or one .txt); default $WORKSPACE/data, demo if empty")
     workspace: str | None = opt("root of data, prepared, checkpoints, tensorboard "
                                  "(default /workspace/<project> if writable, else the repo)")
-    data_mix: str | None = opt("source weights, e.g. web=0.65,code=0.34,math=0.01 (each *.txt or sub-directory "
-                                "of DATA_DIR is a source; default: by size)")
+    data_mix: str | None = opt("source weights, e.g. web=0.65,code=0.34,math=0.01 (each sub-directory of "
+                                "DATA_DIR is a source, its top-level *.txt files one more; default: by size)")
     init_from: str | None = opt("start a fresh run from a trained model's weights: a best.pt, a model_<step>.pt or a "
                                  "run directory (its best); its shape and vocabulary are kept, the new data may use "
                                  "only its characters, and MODEL_TAG defaults to its tag + '-ft'")
@@ -137,6 +137,12 @@ class TrainConfig:
     sample_tokens: int = opt("tokens sampled at each eval", 64)
     eval_prompt: str | None = opt("the text each eval's sample continues, so samples compare from eval to eval "
                                   "(default: the first 32 tokens of the val split)")
+    eval_metric: str | None = opt("your own metric, path/to/file.py:function, called at every eval on rank 0 as "
+                                  "function(generate, tokenizer) -> dict of names to numbers (the demo: "
+                                  "experiment/demo_metric.py:sums)")
+    eval_metric_seconds: float = opt("the time bound of one EVAL_METRIC call; past it that eval has no numbers", 120.0)
+    best_by: str = opt("what chooses the best checkpoint: val_loss, or a name EVAL_METRIC returns (higher is "
+                       "better; min:<name> for lower)", "val_loss")
     log_every_steps: int = opt("step-line cadence", 10)
     matrix_lr: float | None = opt("Muon learning rate, hidden matrices (default 0.02 with CUDA; without, by "
                                   "depth: 0.02 up to d4, 0.01 deeper)")
@@ -279,7 +285,21 @@ def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
         raise ConfigError("--warmup_frac + --warmdown_frac must lie in [0, 1]")
     check_warmups(cfg)
     check_regularizers(cfg)
+    check_metric(cfg)
     return cfg
+
+
+# Other ranks wait in the eval's next collective while rank 0 runs EVAL_METRIC: well inside the
+# process group's timeout.
+MAX_METRIC_SECONDS = 300.0
+
+
+def check_metric(cfg: TrainConfig) -> None:
+    if not 0 < cfg.eval_metric_seconds <= MAX_METRIC_SECONDS:
+        raise ConfigError(f"--eval_metric_seconds must lie in (0, {MAX_METRIC_SECONDS:g}], got {cfg.eval_metric_seconds}")
+    from experiment.metric import parse_best_by  # metric imports this module
+
+    parse_best_by(cfg.best_by)  # its spelling; whether a metric returns the name: the trainer's dry call
 
 
 def check_regularizers(cfg: TrainConfig) -> None:

@@ -48,6 +48,9 @@ PROGRESS_SECONDS = 5.0
 # A file whose mtime or ctime is this recent is not trusted to be identified by its stat (see _stat_trusted).
 STAT_TRUST_SECONDS = 2.0
 STAT_KEY_VERSION = 2
+# The least a file gives val as its tail (tokens; the default context on GPUs): a smaller share waits
+# for a file it covers whole, so val holds whole records or long tails, not scraps cut mid-record.
+MIN_VAL_PIECE = 2048
 
 
 class DataError(Exception):
@@ -118,8 +121,8 @@ def tokenizer_from_meta(meta: dict):
 
 
 def list_sources(data_dir: Path) -> list[Path]:
-    """A directory's *.txt files and those under its sub-directories (sorted by relative path, so
-    each sub-directory's files are contiguous), or a single .txt file. Hidden directories
+    """A directory's *.txt files and those under its sub-directories (the top-level files first, then
+    each sub-directory's, each by relative path: a source's files are contiguous), or a single .txt file. Hidden directories
     (.ipynb_checkpoints, .git) are skipped; symlinked ones are followed, once each."""
     data_dir = Path(data_dir)
     if data_dir.is_file():
@@ -137,25 +140,27 @@ def list_sources(data_dir: Path) -> list[Path]:
         seen.add(real)
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         files += [Path(parent) / n for n in names if n.endswith(".txt") and (Path(parent) / n).is_file()]
-    files.sort(key=lambda p: p.relative_to(data_dir).parts)
+    # The top-level files first (they are one source), then each sub-directory's: a source's files
+    # are contiguous in the stream.
+    files.sort(key=lambda p: (p.parent != data_dir, p.relative_to(data_dir).parts))
     if not files:
         raise DataError(f"{data_dir}: no *.txt files (expected UTF-8 text files)")
     return files
 
 
 def source_names(data_dir: Path, files: list[Path]) -> list[str]:
-    """Each file's source: a *.txt directly in data_dir is one, named by its stem; a sub-directory is
-    one, named by the sub-directory, whatever *.txt it holds."""
+    """Each file's source: the *.txt files directly in data_dir are one, named by the directory (a
+    flat directory of many record files is one corpus); a sub-directory is one, named by the
+    sub-directory, whatever *.txt it holds; a single file is one, named by its stem."""
     data_dir = Path(data_dir)
     if data_dir.is_file():
         return [data_dir.stem]
-    names = [p.stem if p.parent == data_dir else p.relative_to(data_dir).parts[0] for p in files]
-    kinds = {}
-    for p, name in zip(files, names):
-        kind = "file" if p.parent == data_dir else "directory"
-        if kinds.setdefault(name, kind) != kind:
-            raise DataError(f"{data_dir}: {name}.txt and the directory {name}/ would both be the source {name!r}; "
-                            "rename one")
+    top = data_dir.resolve().name or "data"
+    names = [top if p.parent == data_dir else p.relative_to(data_dir).parts[0] for p in files]
+    sub_directories = {n for p, n in zip(files, names) if p.parent != data_dir}
+    if top in sub_directories and any(p.parent == data_dir for p in files):
+        raise DataError(f"{data_dir}: its top-level *.txt files and its sub-directory {top}/ would both be the "
+                        f"source {top!r}; move the files into a sub-directory, or rename {top}/")
     return names
 
 
@@ -311,21 +316,57 @@ def _scan(files: list[Path], stats, plans, alphabet: str | None, pool: chunks.Po
     return scans
 
 
-def source_parts(names: list[str], counts: list[int], val_fraction: float) -> list[dict]:
-    """Per source (its files contiguous in the stream): where its tokens start in the stream, and the
-    [start, stop) of its first part in train.bin and of its last val_fraction in val.bin."""
+def file_parts(names: list[str], counts: list[int], val_fraction: float) -> list[dict]:
+    """Per file (each source's files contiguous in the stream): where its tokens start in the stream, and
+    the [start, stop) of its first part in train.bin and of its last part in val.bin (val_shares)."""
     parts, stream, train_at, val_at = [], 0, 0, 0
     for name, group in itertools.groupby(zip(names, counts), key=lambda nc: nc[0]):
-        n = sum(c for _, c in group)
-        n_val = int(n * val_fraction)
-        parts.append({"name": name, "stream": stream, "train": [train_at, train_at + n - n_val],
-                      "val": [val_at, val_at + n_val]})
-        stream, train_at, val_at = stream + n, train_at + n - n_val, val_at + n_val
+        sizes = [n for _, n in group]
+        for n, n_val in zip(sizes, val_shares(sizes, val_fraction)):
+            parts.append({"name": name, "stream": stream, "train": [train_at, train_at + n - n_val],
+                          "val": [val_at, val_at + n_val]})
+            stream, train_at, val_at = stream + n, train_at + n - n_val, val_at + n_val
+    if len({p["name"] for p in parts}) != len(list(itertools.groupby(p["name"] for p in parts))):
+        raise AssertionError("a source's files must be contiguous (list_sources' order)")
+    return parts
+
+
+def val_shares(sizes: list[int], val_fraction: float) -> list[int]:
+    """How many of each file's last tokens go to val: int(sum(sizes) x val_fraction) in all, drawn
+    across the files by the running total, not from the last ones (records kept in time order, or one
+    file per writer, are measured from the first to the last). A file whose share owed so far covers
+    it goes whole (its BOS first, so val records never run into each other); one that owes at least
+    MIN_VAL_PIECE tokens gives its tail; a smaller share waits for a later file. What the last file
+    cannot give comes from the tails of the files before it. One file is its own tail, as ever."""
+    shares, held = [], 0
+    total = 0
+    for i, n in enumerate(sizes):
+        total += n
+        owed = int(total * val_fraction) - held
+        share = n if owed >= n else owed if owed >= MIN_VAL_PIECE or i == len(sizes) - 1 else 0
+        shares.append(share)
+        held += share
+    short = int(total * val_fraction) - held
+    for i in reversed(range(len(sizes))):
+        if short <= 0:
+            break
+        more = min(short, sizes[i] - shares[i])
+        shares[i], short = shares[i] + more, short - more
+    return shares
+
+
+def source_parts(files: list[dict]) -> list[dict]:
+    """file_parts grouped by source: a source's files are contiguous in train.bin and in val.bin."""
+    parts = []
+    for name, group in itertools.groupby(files, key=lambda f: f["name"]):
+        group = list(group)
+        parts.append({"name": name, "train": [group[0]["train"][0], group[-1]["train"][1]],
+                      "val": [group[0]["val"][0], group[-1]["val"][1]]})
     return parts
 
 
 def _target(train: str, val: str, part: dict, at: int) -> chunks.Target:
-    """Stream position `at` of source `part`: its train tokens first, then its val tokens."""
+    """Stream position `at` of file `part`: its train tokens first, then its val tokens."""
     local = at - part["stream"]
     return chunks.Target(train, val, part["train"][1], part["train"][0] + local, part["val"][0])
 
@@ -333,16 +374,15 @@ def _target(train: str, val: str, part: dict, at: int) -> chunks.Target:
 def _encode_chars(names: list[str], plans, chunk_chars, tok: CharTokenizer, dtype: str, val_fraction: float,
                   tmp: Path, pool: chunks.Pool, progress: _Progress) -> tuple[list[int], list[dict]]:
     """Pass 2, characters: every file's length and each chunk's place are known from pass 1, so each
-    worker writes its chunk's ids straight into train.bin or val.bin; returns the tokens per file and
-    the source parts."""
+    worker writes its chunk's ids straight into train.bin or val.bin; returns the tokens and the
+    file_parts of every file."""
     codes = np.frombuffer(tok.chars.encode("utf-32-le"), dtype=np.uint32)
     cc = chunks.CharCodes(bytes(codes[codes < 0x80].astype(np.uint8)), codes[codes >= 0x80], dtype)
     counts = [0] * len(names)
     for (i, _), n in zip(plans, chunk_chars):
         counts[i] += n
     counts = [n + 1 for n in counts]  # BOS before every file: the model learns where documents start
-    parts = source_parts(names, counts, val_fraction)
-    part_of = {p["name"]: p for p in parts}
+    parts = file_parts(names, counts, val_fraction)
     itemsize = np.dtype(dtype).itemsize
     for split in ("train", "val"):
         with open(tmp / f"{split}.bin", "wb") as f:
@@ -350,7 +390,7 @@ def _encode_chars(names: list[str], plans, chunk_chars, tok: CharTokenizer, dtyp
     train, val = str(tmp / "train.bin"), str(tmp / "val.bin")
     targets, at = [], 0
     for (i, c), n in zip(plans, chunk_chars):
-        part = part_of[names[i]]
+        part = parts[i]
         if c.offset == 0:
             chunks.write_at(np.array([tok.bos_id], dtype=dtype), _target(train, val, part, at))
             at += 1
@@ -391,8 +431,8 @@ def _split_off_val(train: Path, val: Path, n_val: int, itemsize: int, step: int 
         src.truncate(cut)
 
 
-def _split_sources(stream: Path, val: Path, parts: list[dict], itemsize: int, step: int = 1 << 26) -> None:
-    """Several sources: each one's train part stays in `stream` (compacted), its val part goes to `val`."""
+def _split_files(stream: Path, val: Path, parts: list[dict], itemsize: int, step: int = 1 << 26) -> None:
+    """Several files: each one's train part stays in `stream` (compacted), its val part goes to `val`."""
     compact = stream.with_suffix(".compact")
     with open(stream, "rb") as src, open(compact, "wb") as train, open(val, "wb") as dst:
         for p in parts:
@@ -447,8 +487,9 @@ def prepare(
     settings = {"tokenizer": tokenizer, "alphabet": alphabet, "val_fraction": val_fraction}
     if chars is not None and tokenizer == "char":
         settings["chars"] = chars
-    if len(set(names)) > 1:  # each source's own val tail: another layout than the one-source stream's tail
-        settings["val"] = "per source"
+    if len(files) > 1:  # val across the files (file_parts): another layout than the one-file stream's tail
+        settings["val"] = "per file"
+        settings["sources"] = list(dict.fromkeys(names))  # the top-level source is named by its directory
     stats, stat_at = [p.stat() for p in files], time.time_ns()
     remembered = root / ".stat" / f"{_stat_key(settings, relative, files, stats)}.json"
     prepared = _remembered(root, remembered)  # unchanged files: a hit without reading them
@@ -482,7 +523,7 @@ def validate(data_dir: Path, tokenizer: str = "char", alphabet: str | None = Non
     with chunks.Pool(min(workers, len(plans))) as pool:
         scans = _scan(files, stats, plans, alphabet, pool, log)
     counts = [sum(s.chunk_chars) if tokenizer == "char" else s.size // 4 for s in scans]
-    parts = source_parts(names, counts, val_fraction)
+    parts = source_parts(file_parts(names, counts, val_fraction))
     split = {"train_tokens": sum(p["train"][1] - p["train"][0] for p in parts),
              "val_tokens": sum(p["val"][1] - p["val"][0] for p in parts)}
     check_seq_len({"split": split, "source_splits": parts}, max_seq_len, str(data_dir))
@@ -515,19 +556,19 @@ def _prepare_files(files, names, relative, stats, settings: dict, max_seq_len: i
 
 def _tokens(tmp: Path, tok, dtype: str, names: list[str], stats, plans, scans, val_fraction: float,
             pool: chunks.Pool, log) -> tuple[list[int], list[dict]]:
-    """Pass 2: tmp/train.bin and tmp/val.bin, each source's last val_fraction in val (one source: the
-    tail of the stream); returns the tokens per file and the source parts."""
+    """Pass 2: tmp/train.bin and tmp/val.bin, each file's tail in val (file_parts; one file: the tail
+    of the stream); returns the tokens and the file_parts of every file."""
     progress = _Progress("encode", sum(s.st_size for s in stats), log)
     itemsize = np.dtype(dtype).itemsize
     if isinstance(tok, CharTokenizer):
         chunk_chars = [n for s in scans for n in s.chunk_chars]
         return _encode_chars(names, plans, chunk_chars, tok, dtype, val_fraction, tmp, pool, progress)
     counts = _encode_stream(len(names), plans, tok, dtype, tmp / "train.bin", pool, progress)
-    parts = source_parts(names, counts, val_fraction)
+    parts = file_parts(names, counts, val_fraction)
     if len(parts) == 1:
         _split_off_val(tmp / "train.bin", tmp / "val.bin", parts[0]["val"][1] - parts[0]["val"][0], itemsize)
     else:
-        _split_sources(tmp / "train.bin", tmp / "val.bin", parts, itemsize)
+        _split_files(tmp / "train.bin", tmp / "val.bin", parts, itemsize)
     return counts, parts
 
 
@@ -544,9 +585,10 @@ def _write(files, names, stats, plans, scans, settings: dict, max_seq_len: int, 
         except Exception:
             _check_unchanged(files, stats)  # a file rewritten since pass 1 breaks pass 2: say that, if so
             raise
-        meta = _meta(final.name, settings, tok, dtype, parts, tmp / "val.bin",
+        meta = _meta(final.name, settings, tok, dtype, source_parts(parts), tmp / "val.bin",
                      [{"path": str(p.resolve()), "source": name, "sha256": s.sha.hexdigest(), "bytes": st.st_size,
-                       "tokens": count} for p, name, s, st, count in zip(files, names, scans, stats, counts)])
+                       "tokens": count, "train": part["train"], "val": part["val"]}
+                      for p, name, s, st, count, part in zip(files, names, scans, stats, counts, parts)])
         check_seq_len(meta, max_seq_len, where)
         _check_unchanged(files, stats)
         for split in ("train", "val"):
@@ -581,7 +623,6 @@ def _tokenizer(settings: dict, scans: list[_FileScan]):
 def _meta(key: str, settings: dict, tok, dtype: str, parts: list[dict], val: Path, sources: list[dict]) -> dict:
     char = settings["tokenizer"] == "char"
     for part in parts:  # bits per character need the characters behind each val token
-        part.pop("stream")
         part["val_chars"] = (part["val"][1] - part["val"][0] if char
                              else _decoded_chars(tok, val, dtype, *part["val"]))
     n_train, n_val = (sum(p[split][1] - p[split][0] for p in parts) for split in ("train", "val"))

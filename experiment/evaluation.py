@@ -1,5 +1,5 @@
-"""What the trainer (and the bench) measure of a model: the val loss summed over ranks, a sample,
-and on the built-in demo corpus the fraction of held-out sums it completes."""
+"""What the trainer (and the bench) measure of a model: the val loss summed over ranks, and a sample
+(the user's own metric, and the demo's sums, are experiment/metric.py's)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import torch
 
 from experiment.batches import val_batches, val_window_count
-from experiment.dataloader import Prepared, demo_lines
+from experiment.dataloader import Prepared
 from experiment.distributed import Dist, autocast_for
 from experiment.engine import generate
 from experiment.model import GPT
@@ -87,18 +87,4 @@ def sample_text(model: GPT, tok, prompt: list[int], n_tokens: int) -> str:
     with evaluating(model):
         out = list(generate(model, prompt, n_tokens, temperature=0.8, generator=gen, allowed_vocab=tok.n_real))
     return tok.decode(out)
-
-
-def demo_accuracy(model: GPT, prepared: Prepared, n: int = 50) -> tuple[int, int]:
-    """For the built-in arithmetic corpus: how many of n held-out sums the model completes exactly."""
-    tok = prepared.tokenizer()
-    correct = 0
-    with evaluating(model):
-        for line in demo_lines(n, seed=99):
-            prompt, answer = line.split("=")
-            # In the corpus a line follows a newline (BOS only opens the file), so the prompt does too.
-            ids = tok.encode("\n" + prompt + "=")
-            out = model.generate(ids, len(answer) + 1, temperature=0, allowed_vocab=tok.n_real)
-            correct += tok.decode(list(out)).split("\n")[0] == answer.strip()
-    return correct, n
 

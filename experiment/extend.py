@@ -88,7 +88,8 @@ def too_short(cfg: TrainConfig, st: RunState, step: int, start_tokens: int, trai
 def rewound(start: RunState, latest: RunState) -> RunState:
     """The state an extended run starts from: the warmdown start's weights-side state (tokens seen,
     data position, the val minimum's reference) with the latest step's counters, no warmdown begun."""
-    keep = ("step", "used_seconds", "best_val", "best_step", "best_weights", "eval_seconds", "save_seconds", "step_seconds",
+    keep = ("step", "used_seconds", "best_val", "best_step", "best_weights", "best_score", "best_by", "eval_seconds",
+            "save_seconds", "step_seconds",
             "nonfinite_steps", "save_waits", "save_wait_seconds", "restart_seconds")
     # The eval grid counts from the rewound start's tokens; no eval at the resumed step number.
     return dataclasses.replace(start, **{k: getattr(latest, k) for k in keep}, warmdown_begun=False, warmdown_step=-1,

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from experiment import autosize, regime
+from experiment import autosize, regime, servemem
 from experiment.guards import DISK_WRITE_GBPS, EXTRA_CHECKPOINTS
 from experiment.config import CUDA_DEFAULTS, PLATEAU_EVALS, opt, parse_flags
 from experiment.dataloader import DataError, validate
@@ -48,6 +48,7 @@ from experiment.model import GPTConfig
 
 GPU_MEMORY_GIB = (("H200", 141), ("H100", 80), ("A100", 80))  # by name fragment, most specific first
 VOCAB_CHAR, VOCAB_TIKTOKEN = 256, 100352  # padded; the embedding barely moves the FLOPs
+CHARS_PER_TOKEN = {"char": 1.0, "tiktoken": 4.0}  # tiktoken: the bytes / 4 the count above assumes
 GPU_COUNTS = (1, 2, 4, 8)  # the rows of the same run on fewer GPUs
 GPUS_PER_NODE = 8  # a rented box's GPUs at most: more come as several nodes (NNODES)
 
@@ -195,7 +196,8 @@ def rung(depth: int, cfg: PlanConfig, gpus: Gpus, train_tokens: int, budget_s: f
             "tokens": c.tokens, "tokens_per_param": c.tokens_per_param, "epochs": c.epochs,
             "budget_epochs": c.budget_epochs,
             "checkpoint_gb": ckpt / 1e9, "disk_peak_gb": (cfg.keep_last + EXTRA_CHECKPOINTS) * ckpt / 1e9,
-            "save_minutes": ckpt / (cfg.disk_write_gbps * 1e9) / 60}, c
+            "save_minutes": ckpt / (cfg.disk_write_gbps * 1e9) / 60,
+            **servemem.serving_needs(config, c.params, CHARS_PER_TOKEN["char" if cfg.tokenizer == "char" else "tiktoken"])}, c
 
 
 def gpu_rows(cfg: PlanConfig, gpus: Gpus, config: GPTConfig, tokens: float, budget_usd: float) -> list[dict]:
@@ -326,7 +328,7 @@ def table(p: dict) -> str:
              + f"; * outside d{min(by_depth)}-d{max(by_depth)} the nearest measured MFU is taken (small depths: an upper bound)",
              f"{'depth':>5} {'params':>8} {'tok/s':>11} {'1 pass h':>9} {'4 passes h':>11} "
              f"{cap_head:>11} {'useful h':>9} {'tok/param':>9} {'ckpt GB':>8} "
-             f"{'disk GB':>8} {'save min':>8}"]
+             f"{'disk GB':>8} {'save min':>8} {'serve GB':>8} {'CPU ch/s':>9}"]
     for r in p["rungs"]:
         measured_depth = min(by_depth) <= r["depth"] <= max(by_depth)
         rate = f"{r['tok_per_s']:,.0f}" + ("" if measured_depth else "*")
@@ -334,9 +336,16 @@ def table(p: dict) -> str:
                      f"{r['hours_per_pass']:>9.2f} {4 * r['hours_per_pass']:>11.2f} "
                      f"{p['pass_cap'] * r['hours_per_pass']:>11.2f} {r['useful_hours']:>9.2f} "
                      f"{r['tokens_per_param']:>9.1f} {r['checkpoint_gb']:>8.1f} {r['disk_peak_gb']:>8.0f} "
-                     f"{r['save_minutes']:>8.1f}" + ("" if r["fits"] else "  does not fit in memory"))
+                     f"{r['save_minutes']:>8.1f} {r['serve_gb']:>8.1f} "
+                     f"{r['cpu_chars_per_s']:>8.1f}{' ' if r['cpu_measured'] else '*'}"
+                     + ("" if r["fits"] else "  does not fit in memory"))
     lines += ["plan | disk GB: KEEP_LAST + the best + the one before the warmdown + the one being written; save min: one checkpoint at the "
               "disk's write rate",
+              "plan | serve GB: the bf16 weights and one request's KV cache (each more concurrent request adds "
+              f"{p['rungs'][-1]['kv_slot_gb']:.2f} GB at d{p['rungs'][-1]['depth']}); CPU ch/s: one request decoding on "
+              f"{servemem.CPU_DECODE_MACHINE}, MEASURED at d{' and d'.join(map(str, servemem.CPU_DECODE_TOK_S))}, "
+              "* scaled from the nearest by the weights a step multiplies (below d12 an upper bound: a step's fixed costs "
+              "dominate); a GPU decodes far faster",
               f"recommendation | DEPTH={p['depth']} on {p['recommended_gpus']} GPU(s) for {p['hours']:.2f} h "
               f"(${p['usd']:,.0f}) of the launch line's ${p['launch_usd']:,.0f} ({p['launch_hours']:.1f} h on "
               f"{p['recommended_gpus']}); ${p['unspent_usd']:,.0f} unspent",

@@ -105,7 +105,8 @@ def markdown(report: RunReport, st, status: str) -> str:
         ("best", f"val loss {st.best_val:.4f} at step {st.best_step}: {f['best_file'].format(step=st.best_step)}"
                  + (", the weight average (AVERAGE), which beat the raw weights" if st.best_weights == "average"
                     else ", the raw weights: their average (AVERAGE) did not beat them"
-                    if f["config"].get("average", "none") != "none" else "") if st.best_step >= 0
+                    if f["config"].get("average", "none") != "none" else "")
+                 + _best_by(f["config"].get("best_by", "val_loss"), evals, st.best_step) if st.best_step >= 0
                  else "no checkpoint yet"),
     ] + [(k, f[k]) for k in ("eval", "plan", "auto", "regime") if f.get(k)]
     if status == "running" and f.get("projected end"):  # the step line's eta, as of the latest step line
@@ -119,13 +120,24 @@ def markdown(report: RunReport, st, status: str) -> str:
     return "\n".join(lines)
 
 
+def _best_by(best_by: str, evals: list[dict], best_step: int) -> str:
+    """The best's line when BEST_BY names an EVAL_METRIC number: which, and its value at the best step."""
+    if best_by == "val_loss":
+        return ""
+    name = best_by.split(":", 1)[1] if best_by.startswith(("min:", "max:")) else best_by
+    value = next(((r.get("metric") or {}).get(name) for r in reversed(evals) if r["step"] == best_step), None)
+    return f"; chosen by {best_by}" + (f" ({name} {value:.4f})" if value is not None else "")
+
+
 def _eval_table(evals: list[dict]) -> list[str]:
     if not evals:
         return []
     sources = list(evals[-1].get("val_loss_by_source") or {})
-    head = ["step", "budget used", "tokens", "val loss", "val bpc", *sources]
+    metrics = list(dict.fromkeys(n for r in evals[-TABLE_ROWS:] for n in (r.get("metric") or {})))
+    head = ["step", "budget used", "tokens", "val loss", "val bpc", *sources, *metrics]
     rows = [[str(r["step"]), _duration(r["used_seconds"]), f"{r['tokens_seen']:,}", f"{r['val_loss']:.4f}",
-             f"{r['val_bpc']:.4f}", *(f"{(r.get('val_loss_by_source') or {}).get(s, math.nan):.4f}" for s in sources)]
+             f"{r['val_bpc']:.4f}", *(f"{(r.get('val_loss_by_source') or {}).get(s, math.nan):.4f}" for s in sources),
+             *(f"{(r.get('metric') or {}).get(n, math.nan):.4f}" for n in metrics)]
             for r in evals[-TABLE_ROWS:]]
     return [f"## Evals (the latest {len(rows)} of {len(evals)})", "", _row(head), _row(["---"] * len(head)),
             *map(_row, rows), ""]

@@ -19,7 +19,7 @@ for arg in "$@"; do
 done
 # Relative paths mean relative to where the user stands, not to the repo this script moves into
 # (PYTHON only when it is a path: python3 stays a name looked up on the PATH).
-for var in DATA_DIR WORKSPACE INIT_FROM PREPARED_DIR PYTHON; do
+for var in DATA_DIR WORKSPACE INIT_FROM PREPARED_DIR PYTHON EVAL_METRIC; do
     if [ -n "${!var:-}" ] && [[ "${!var}" != /* ]] && { [ "$var" != PYTHON ] || [[ "$PYTHON" == */* ]]; }; then
         printf -v "$var" '%s' "$PWD/${!var}"
     fi
@@ -45,7 +45,7 @@ SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-}
 
 # Map env overrides to flags; the flag list comes from TrainConfig itself, so the two never drift.
 fields=$("$PYTHON" -c "import dataclasses, experiment.config as c; print(*[f.name for f in dataclasses.fields(c.TrainConfig)])")
-launcher="NPROC_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT MAX_RESTARTS SHUTDOWN_TIMEOUT PREFLIGHT_WAIT_MINUTES PYTHON PYTHON_CHECK ON_EXIT"
+launcher="NPROC_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT MAX_RESTARTS SHUTDOWN_TIMEOUT PREFLIGHT_WAIT_MINUTES PYTHON PYTHON_CHECK ON_EXIT SWEEP SWEEP_TAG SWEEP_PARALLEL"
 known=" ${fields^^} $launcher "
 for name in "${given[@]}"; do
     if [[ "$known" != *" $name "* ]]; then
@@ -53,6 +53,10 @@ for name in "${given[@]}"; do
         exit 2
     fi
 done
+# A sweep: each member is this launcher again, with its own settings (experiment/sweep.py, docs/sweep.md).
+if [ -n "${SWEEP:-}" ]; then
+    exec "$PYTHON" -m experiment.sweep
+fi
 flags=()
 for name in $fields; do
     var=${name^^}

@@ -12,8 +12,9 @@ import traceback
 from pathlib import Path
 
 from experiment.checkpoint import RunState
-from experiment.dataloader import DEMO_FILE, Prepared
-from experiment.evaluation import demo_accuracy, sample_text
+from experiment.dataloader import Prepared
+from experiment.evaluation import sample_text
+from experiment.metric import BestBy
 from experiment.mixture import epochs_per_source
 from experiment.model import GPT
 
@@ -91,17 +92,26 @@ def report_eval(step: int, raw: tuple, average: tuple | None, weights: str, st: 
     return record
 
 
-def report_sample(step: int, model: GPT, prepared: Prepared, prompt: list[int], n_tokens: int, log: RunLog, writer,
+def record_metric(step: int, values: dict[str, float] | None, best_by: BestBy, st: RunState, log: RunLog,
+                  writer) -> dict:
+    """EVAL_METRIC's line and TensorBoard scalars (val/metric/<name>); the eval record's part."""
+    if values is None:
+        return {}
+    best = f" | best by {best_by.describe(st.best_score)} @ {st.best_step:06d}" if best_by.name and st.best_step >= 0 else ""
+    log(f"step {step:06d} | metric | " + " | ".join(f"{n} {v:.4f}" for n, v in values.items()) + best)
+    for name, value in values.items():
+        writer.add_scalar(f"val/metric/{name}", value, step)
+    writer.flush()
+    return {"metric": values}
+
+
+def report_sample(step: int, model: GPT, prepared: Prepared, prompt: list[int], n_tokens: int, log: RunLog,
                   report) -> None:
-    """Rank 0: the model's continuation of the eval prompt and (on the demo corpus) its accuracy."""
+    """Rank 0: the model's continuation of the eval prompt."""
     tok = prepared.tokenizer()
     text = sample_text(model, tok, prompt, n_tokens)
     log(f"sample | {tok.decode(prompt)!r} -> {text!r}")
     report.sample(step, tok.decode(prompt), text)
-    if any(Path(s["path"]).name == DEMO_FILE for s in prepared.meta["sources"]):
-        ok, n = demo_accuracy(model, prepared)
-        log(f"demo | {ok}/{n} sums of a separate draw completed correctly (greedy)")
-        writer.add_scalar("val/demo_accuracy", ok / n, step)
 
 
 def log_step(log: RunLog, writer, step: int, loss: float, lr: float, lr_mult: float, dt: float, tok_s: float,

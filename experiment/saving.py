@@ -158,7 +158,7 @@ def name_resumed_best(t: Trainer, loop: Loop) -> None:
     """The resumed step's own eval made it the best: a preemption saved the step before the eval it
     skipped, and the resume ran that eval. Its checkpoint is complete and holds these weights, so
     best.json names it (a second save of the step would rewrite a complete checkpoint in place)."""
-    loop.saved_best = (t.st.best_val, t.st.best_step, t.st.best_weights)
+    loop.saved_best = t.st.best()
     if t.d.master:
         repair_best(t.run_dir, t.st, t.log, "the resumed checkpoint, whose eval is the best so far")
 
@@ -180,8 +180,7 @@ def finish_save(t: Trainer, loop: Loop, wait: bool = False) -> None:
                   "ok": error is None})
     if error is None:
         loop.last_complete_step = p.step
-        saved = p.meta["state"]
-        loop.saved_best = (saved["best_val"], saved["best_step"], saved.get("best_weights", "raw"))
+        loop.saved_best = ckpt.run_state(p.meta).best()
         if st.warmdown_begun and not p.meta["state"]["warmdown_begun"]:
             st.warmdown_step = p.step  # begun before the warmdown, completed in it: the newest from before it
         if t.d.master:
@@ -205,11 +204,11 @@ def finish_save(t: Trainer, loop: Loop, wait: bool = False) -> None:
         t.log("save | every later save blocks training: a save failed, and the host memory staged for saves "
               "is given back")
     if st.best_step == p.step:  # best.json must name a checkpoint that exists; evals stay counted
-        st.best_val, st.best_step, st.best_weights = loop.saved_best
-        if p.step < st.last_eval_step == st.step and loop.val_loss < st.best_val:
+        st.set_best(loop.saved_best)
+        if p.step < st.last_eval_step == st.step and loop.score < st.best_score:
             # this step's eval (made while that earlier write was in flight) beats the best that
             # stands: its save, begun next, makes it the best
-            st.best_val, st.best_step, st.best_weights = loop.val_loss, st.step, loop.weights
+            st.set_best((loop.val_loss, st.step, loop.weights, loop.score))
 
 
 def volume_text(run_dir: Path) -> str:

@@ -4,9 +4,13 @@ Shared by experiment/server.py and experiment/sample.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from experiment.distributed import resolve_device
+from experiment.engine import KVSlots
+from experiment.model import GPTConfig
 from experiment.hardware import host_available_bytes
 
 
@@ -57,3 +61,32 @@ def served_line(members) -> str:
     return " + ".join(f"{path} (step {meta['step']}, val_loss "
                       + ("n/a (saved at a preemption, without an eval)" if meta["val_loss"] is None
                          else f"{meta['val_loss']:.4f}") + ")" for meta, path in members)
+
+
+
+# Decode speed of one request (the KV-cache path) on a 2-core CPU, tokens/s, the best of fp32 and bf16 at 1
+# and 2 threads, fresh models of a GPU run's shape (width 64 per layer, heads of 128, context 2048, vocabulary
+# 128): `bench generate --depth D --dtype X --threads N --naive 0` (docs/serving.md, "Speed"). Other
+# depths are scaled from the nearest by the weights a decode step multiplies (decode_weights).
+CPU_DECODE_TOK_S = {12: 34.4, 20: 11.3}  # fp32 at 2 threads, the best of the four; reports/serve-cpu-2026-11-27.md
+CPU_DECODE_VOCAB = 128
+CPU_DECODE_MACHINE = "a 2-core CPU VM (fp32 matmul peak 293 GFLOP/s)"
+
+
+def decode_weights(config: GPTConfig, vocab: int) -> int:
+    """The weights one decode step multiplies: the blocks' matrices (12 x width^2 per layer) and the
+    output head; the embedding tables are looked up, a row per token."""
+    return 12 * config.n_layer * config.n_embd**2 + vocab * config.n_embd
+
+
+def serving_needs(config: GPTConfig, params: int, chars_per_token: float) -> dict:
+    """What serving a model of this shape needs: memory for its bf16 weights (`params`, the tables
+    included) and one request's KV slot (each more concurrent request adds one), and the characters
+    per second one request decodes on CPU_DECODE_MACHINE: measured at its depths, scaled elsewhere."""
+    nearest = min(CPU_DECODE_TOK_S, key=lambda d: (abs(d - config.depth), d))
+    ref = dataclasses.replace(config, depth=nearest)
+    tok_s = CPU_DECODE_TOK_S[nearest] * decode_weights(ref, CPU_DECODE_VOCAB) / decode_weights(
+        config, config.vocab_size)
+    slot = KVSlots.bytes_per_slot(config, torch.bfloat16)
+    return {"serve_gb": (2 * params + slot) / 1e9, "kv_slot_gb": slot / 1e9,
+            "cpu_chars_per_s": tok_s * chars_per_token, "cpu_measured": nearest == config.depth}

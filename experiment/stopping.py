@@ -105,5 +105,6 @@ STOP_MARGIN_SECONDS = 60.0
 
 
 def stop_grace(t: Trainer) -> float:
-    """Seconds a stopping rank gets: twice its step and its longest save plus a margin."""
-    return STOP_MARGIN_SECONDS + 2 * (t.st.step_seconds + save_seconds(t))
+    """Seconds a stopping rank gets: twice its step and its longest save plus a margin, and its longest
+    eval (a signal may come in one: EVAL_METRIC gives way at its next generate step)."""
+    return STOP_MARGIN_SECONDS + 2 * (t.st.step_seconds + save_seconds(t)) + t.st.eval_seconds

@@ -17,6 +17,7 @@ records they share are trainer.py's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from experiment import autosize, extend, finetune, guards, launch, regime, restarts
+from experiment import autosize, extend, finetune, guards, launch, metric, regime, restarts
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError, RunState, pick_resume_step
 from experiment.config import ConfigError, TrainConfig, checkpoint_meta, fill_lrs, parse_args, resolve
@@ -47,7 +48,7 @@ from experiment.optim import ShardedOptimizer
 from experiment.plateau import WARMDOWN_WINDOW, plateau_check
 from experiment.progress import begin_step, record_step
 from experiment.report import NullReport, RunReport
-from experiment.runlog import NullWriter, RunLog, log_crash, report_eval, report_sample
+from experiment.runlog import NullWriter, RunLog, log_crash, record_metric, report_eval, report_sample
 from experiment.saving import (checkpoint_seconds, export_best, finish_save, make_saver, maybe_save, repair_best,
                                restore_checkpoint, save_seconds)
 from experiment.stopping import decide, last_outcome, stop_grace, stopped_at_minimum, unspent_text
@@ -158,6 +159,8 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         if resume_step is not None:
             repair_best(run_dir, st, log)
     weights = source_weights(prepared.meta, cfg.data_mix)
+    own_metric = metric.setup(cfg, d, model, prepared, log)  # the dry call, before any step
+    metric.adopt_best_by(st, cfg.best_by, log)
     ddp = wrap_ddp(model, d)
     use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda)
     torch._dynamo.config.optimize_ddp = bool(cfg.ddp_graph_split)  # read when the compiled DDP step is traced
@@ -185,7 +188,8 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         max_tokens=cfg.max_epochs * prepared.meta["split"]["train_tokens"] if cfg.max_epochs else math.inf,
         saver=make_saver(cfg, d, model, run_dir, log), first_save_seconds=checkpoint_seconds(model, d.world_size, cfg.average != "none"),
         eval_every_tokens=cfg.eval_every_epochs * prepared.meta["split"]["train_tokens"] or math.inf,
-        eval_coverage=coverage, launched=launched, lost_seconds=lost)
+        eval_coverage=coverage, launched=launched, lost_seconds=lost, metric=own_metric,
+        best_by=metric.parse_best_by(cfg.best_by))
     log(f"model {model.num_params():,} params (d{cfg.depth}, width {model_config.n_embd}, "
         f"{model_config.n_head} heads) | {t.flops_per_token:.3e} FLOP/token | batch {cfg.device_batch_size} x "
         f"{cfg.max_seq_len} x {d.world_size} ranks x {t.grad_accum} accum = {cfg.total_batch_size:,} tokens/step | "
@@ -311,7 +315,7 @@ def start_loop(t: Trainer) -> Loop:
                 last_eval_time=now, last_save_time=now, last_saved_step=first,
                 # An extended run's weights are the rewound step's, not those saved as step `first`.
                 last_complete_step=first if t.rewind_step is None else t.rewind_step,
-                saved_best=(t.st.best_val, t.st.best_step, t.st.best_weights))  # a resume's best: its checkpoint is complete
+                saved_best=t.st.best())  # a resume's best: its checkpoint is complete
     return loop
 
 
@@ -331,6 +335,7 @@ def train_loop(t: Trainer) -> int:
     d, log = t.d, t.log
     loop = start_loop(t)
     with StopSignal(announce=d.master, grace=lambda: stop_grace(t)) as stop_signal:
+        loop.stop_signal = stop_signal  # an EVAL_METRIC call in progress gives way to the save
         for step in range(t.st.step, t.max_steps + 1):
             t.st.step, t.st.used_seconds = step, loop.used()
             # The final eval, save and step (the LR schedule ends where they begin)
@@ -394,17 +399,34 @@ def maybe_eval(t: Trainer, loop: Loop) -> None:
     better = average is not None and average[0] < raw[0] and step != loop.last_saved_step
     loop.weights = "average" if better else "raw"
     loop.val_loss, val_bpc, by_source = average if loop.weights == "average" else raw
+    values = eval_metric(t, loop)
+    loop.score = t.best_by.score(loop.val_loss, values)
     st.last_eval_step, st.last_eval_tokens, loop.last_eval_time = step, st.tokens_seen, time.time()
-    new_best = step > 0 and loop.val_loss < st.best_val
-    if new_best:
-        st.best_val, st.best_step, st.best_weights = loop.val_loss, step, loop.weights
-    t.report.add(report_eval(step, raw, average, loop.weights, st, t.eval_coverage, t.log, t.writer))
+    if step > 0 and loop.score < st.best_score:
+        st.set_best((loop.val_loss, step, loop.weights, loop.score))
+    t.report.add(report_eval(step, raw, average, loop.weights, st, t.eval_coverage, t.log, t.writer)
+                 | record_metric(step, values, t.best_by, st, t.log, t.writer))
     if t.d.master and cfg.sample_tokens > 0:
-        report_sample(step, t.model, t.prepared, t.eval_prompt, cfg.sample_tokens, t.log, t.writer, t.report)
+        report_sample(step, t.model, t.prepared, t.eval_prompt, cfg.sample_tokens, t.log, t.report)
     t.report.write(st, "running")
     if step > 0 and cfg.plateau_evals and loop.end is None:  # the final eval decides nothing
         plateau_check(t, loop)
     st.eval_seconds = max(st.eval_seconds, time.time() - t0)
+
+
+def eval_metric(t: Trainer, loop: Loop) -> dict[str, float] | None:
+    """EVAL_METRIC's numbers for the weights this eval chose, measured on rank 0 and the same on every
+    rank (BEST_BY may choose by them); None without a metric, or when it failed this time (logged)."""
+    if t.metric is None:
+        return None
+    values, problem = None, None
+    with t.opt.average.swapped_in() if loop.weights == "average" else contextlib.nullcontext():  # a collective
+        if t.d.master:
+            values, problem = metric.measure(t.metric.fn, t.model, t.metric.tok, t.metric.seconds,
+                                             lambda: bool(loop.stop_signal and loop.stop_signal.signum))
+    if problem is not None:
+        t.log(f"step {t.st.step:06d} | metric | {t.metric.spec} {problem}; this eval has no metric")
+    return broadcast_object(values, t.d)
 
 
 def finish(t: Trainer, loop: Loop) -> None:

@@ -18,6 +18,7 @@ from experiment.config import TrainConfig
 from experiment.batches import TokenBatches
 from experiment.dataloader import Prepared
 from experiment.distributed import PHASE_TIMEOUTS, Dist
+from experiment.metric import BestBy, EvalMetric
 from experiment.mixture import MixedBatches
 from experiment.model import GPT
 from experiment.optim import ShardedOptimizer
@@ -59,6 +60,8 @@ class Trainer:
     eval_coverage: tuple[int, int, bool]  # (tokens an eval predicts, tokens in the val split, all of it)
     launched: float  # time.time() when this process's trainer began: a restart's setup counts from there
     lost_seconds: float  # rank 0's: what the last launch trained past the resumed checkpoint (restarts.py)
+    metric: EvalMetric | None = None  # EVAL_METRIC (experiment/metric.py), or the demo's
+    best_by: BestBy = BestBy()  # BEST_BY: what chooses the best checkpoint
     restart_lost: float = 0.0  # a resume's cost, charged at its first step (restarts.charge), rank 0's
     restart_setup: float = 0.0
 
@@ -82,9 +85,11 @@ class Loop:
     reserve_seconds: float = 0.0  # measured: the final eval + save + one step fit in what is left
     val_loss: float = math.nan  # the latest eval's, of the weights it chose (`weights`)
     weights: str = "raw"  # which weights the latest eval chose, and a save writes: "raw", or "average" (AVERAGE)
-    # The best of the latest completed save, (val, step, weights): what a failed best save falls back to (an
+    # The best of the latest completed save (RunState.best()): what a failed best save falls back to (an
     # eval's own "before" could name a step whose background save is still in flight, then fails).
-    saved_best: tuple = (math.inf, -1, "raw")
+    saved_best: tuple = (math.inf, -1, "raw", math.inf)
+    score: float = math.nan  # the latest eval's, as BEST_BY compares it (lower is better)
+    stop_signal: object = None  # the loop's StopSignal: its signum once a stop signal came
     progress: float = 0.0  # the fraction of the LR schedule done at this step: rank 0's, from decide
     split: int = 1  # the step's early-schedule phase, rank 0's (decide): sequences cut into this many
     halve: int = 0  # 1: the step's tokens in two updates of half the rows each

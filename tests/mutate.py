@@ -52,6 +52,9 @@ TESTS = {
     "experiment/server.py": "tests/test_server.py -k 'kv or ensemble or mps or batching or cli'",
     "experiment/servemem.py": "tests/test_server.py -k 'kv or free_memory or mps or cli or ensemble'",
     "experiment/checkpoint.py": "tests/test_server.py -k 'ensemble or cli' tests/test_checkpoint.py",
+    "experiment/metric.py": "tests/test_metric.py -k 'not sweep and not demo and not best_by_a_metric and not cannot_run'",
+    "experiment/sweep.py": "tests/test_sweep.py",
+    "experiment/dataloader.py": "tests/test_dataloader.py",
     "experiment/config.py": "tests/test_regularize.py tests/test_train.py::test_settings_that_cannot_work_are_named "
                             "tests/test_train.py::test_cpu_learning_rates_follow_the_depth_and_a_given_one_is_kept",
 }

@@ -27,6 +27,7 @@ from experiment.distributed import Dist
 from experiment.evaluation import evaluate
 from experiment.memory import checkpoint_bytes_per_rank, count_params, plan_memory, staged_bytes_per_rank
 from experiment.guards import DISK_WRITE_GBPS
+from experiment.metric import BestBy
 from experiment.model import GPT, GPTConfig, build_model
 from experiment.saver import HOST_STAGING_FRACTION
 from experiment.optim import LRS, ShardedOptimizer
@@ -348,11 +349,12 @@ def _eval_at(step, last_saved_step, raw, average, monkeypatch):
     """train.maybe_eval at `step` with evaluate giving `raw`, then `average` (loss, bpc, None)."""
     results = iter([(raw, 1.0, None), (average, 1.0, None)])
     monkeypatch.setattr(train, "evaluate", lambda *args: next(results))
-    st = ckpt.RunState(step=step, best_val=3.0, best_step=3)
+    st = ckpt.RunState(step=step, best_val=3.0, best_step=3, best_score=3.0)
     cfg = SimpleNamespace(max_seq_len=32, device_batch_size=4, eval_tokens=512, sample_tokens=0, plateau_evals=0)
     t = SimpleNamespace(cfg=cfg, st=st, opt=SimpleNamespace(average=_Swap()), model=None, prepared=None, d=CPU,
                         weights=None, report=SimpleNamespace(add=lambda r: None, write=lambda *a: None),
-                        eval_coverage=(512, 1000, False), log=lambda line: None, writer=_Writer())
+                        eval_coverage=(512, 1000, False), log=lambda line: None, writer=_Writer(), metric=None,
+                        best_by=BestBy())
     loop = _loop(last_saved_step)
     train.maybe_eval(t, loop)
     return st, loop

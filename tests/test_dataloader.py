@@ -6,6 +6,7 @@ import random
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -66,12 +67,13 @@ def test_prepare_vocab_split_and_cache(tmp_path):
     p = prepare(data, ws, val_fraction=0.1, max_seq_len=32)
     m = p.meta
     assert m["chars"] == "\nabcxyz" and m["vocab_size"] == 64 and m["dtype"] == "uint8"
-    # Two sources (a, b): each gives its own last 10% to val, so both are measured.
+    # One source (the directory's files): 10% of it to val, a's share too small to cut (MIN_VAL_PIECE),
+    # so the last file gives the source's 200 tokens as its tail.
     train, val = p.tokens("train"), p.tokens("val")
-    streams = [np.concatenate([train[slice(*s["train"])], val[slice(*s["val"])]]) for s in m["source_splits"]]
-    assert [s["name"] for s in m["source_splits"]] == ["a", "b"] and [len(s) for s in streams] == [1201, 801]
-    assert [s["val"][1] - s["val"][0] for s in m["source_splits"]] == [120, 80] == [s["val_chars"] for s in
-                                                                                   m["source_splits"]]
+    streams = [np.concatenate([train[slice(*s["train"])], val[slice(*s["val"])]]) for s in m["sources"]]
+    assert [s["name"] for s in m["source_splits"]] == ["data"] and [len(s) for s in streams] == [1201, 801]
+    assert [s["val"][1] - s["val"][0] for s in m["sources"]] == [0, 200]
+    assert m["source_splits"][0]["val"] == [0, 200] == [0, m["source_splits"][0]["val_chars"]]
     assert len(train) + len(val) == 2 + 1200 + 800 and m["split"]["val_tokens"] == 200
     tok = p.tokenizer()
     assert streams[0][0] == tok.bos_id and streams[1][0] == tok.bos_id  # BOS opens every file
@@ -198,10 +200,10 @@ def _random_text(rng, n):
 
 
 def _stream(p) -> np.ndarray:
-    """The token stream in file order: each source's train part, then its val part (its last tokens)."""
+    """The token stream in file order: each file's train part, then its val part (its last tokens)."""
     train, val = p.tokens("train"), p.tokens("val")
     return np.concatenate([np.concatenate([train[slice(*s["train"])], val[slice(*s["val"])]])
-                           for s in p.meta["source_splits"]])
+                           for s in p.meta["sources"]])
 
 
 def _val_tokens(p, fraction: float) -> int:
@@ -221,7 +223,7 @@ def test_chunked_prepare_gives_the_whole_file_encoding(tmp_path, monkeypatch, se
     assert _stream(p).tolist() == expected
     assert p.meta["split"]["val_tokens"] == len(p.tokens("val")) == _val_tokens(p, 0.1)
     assert [len(texts[n]) + 1 for n in sorted(texts)] == [sum(map(lambda r: r[1] - r[0], (s["train"], s["val"])))
-                                                         for s in p.meta["source_splits"]]
+                                                         for s in p.meta["sources"]]
     assert [s["tokens"] for s in p.meta["sources"]] == [len(texts[n]) + 1 for n in sorted(texts)]
 
 
@@ -349,26 +351,50 @@ def test_tiktoken_chunks_encode_as_the_whole_file(tmp_path, monkeypatch, pattern
                                                for s in p.meta["source_splits"])
 
 
-def test_each_file_or_sub_directory_is_a_source_with_its_own_val_tail(tmp_path):
-    data = _files(tmp_path, **{"web.txt": "abc\n" * 300})
+def test_the_top_level_files_are_one_source_and_each_sub_directory_another(tmp_path):
+    data = _files(tmp_path, **{"web.txt": "abc\n" * 300, "web2.txt": "abd\n" * 50})
     (data / "code").mkdir()
     (data / "code" / "x.txt").write_text("xyz\n" * 100)
     (data / "code" / "y.txt").write_text("xy\n" * 100)
     p = prepare(data, tmp_path / "ws", val_fraction=0.1, max_seq_len=16)
     splits = p.meta["source_splits"]
-    assert [s["name"] for s in splits] == ["code", "web"]
-    assert [s["source"] for s in p.meta["sources"]] == ["code", "code", "web"]
-    assert [s["val"][1] - s["val"][0] for s in splits] == [int(0.1 * (401 + 301)), int(0.1 * 1201)]
+    assert [s["name"] for s in splits] == ["data", "code"]  # the top-level files first
+    assert [s["source"] for s in p.meta["sources"]] == ["data", "data", "code", "code"]
+    assert [s["val"][1] - s["val"][0] for s in splits] == [int(0.1 * (1201 + 201)), int(0.1 * (401 + 301))]
     tok, val = p.tokenizer(), p.tokens("val")
-    assert tok.decode(val[slice(*splits[1]["val"])].tolist()) == ("abc\n" * 300)[-120:]  # web's own tail
-    (data / "web").mkdir()
-    (data / "web" / "z.txt").write_text("abc\n")
-    with pytest.raises(DataError, match=r"web.txt and the directory web/ would both be the source 'web'"):
+    web2 = p.meta["sources"][1]
+    assert tok.decode(val[slice(*web2["val"])].tolist()) == ("abd\n" * 50)[-140:]  # the last file's tail
+    assert splits[0]["val"] == [p.meta["sources"][0]["val"][0], p.meta["sources"][1]["val"][1]]
+    (data / "data").mkdir()
+    (data / "data" / "z.txt").write_text("abc\n")
+    with pytest.raises(DataError, match=r"top-level \*.txt files and its sub-directory data/ would both be the "
+                                        r"source 'data'"):
         prepare(data, tmp_path / "ws", max_seq_len=16)
 
 
+def test_a_flat_directory_of_many_small_record_files_is_one_corpus_with_val_across_the_files(tmp_path):
+    """Records kept one per file, in time order: val holds whole records (each after its BOS, none cut
+    mid-record) spread from the first files to the last, 5% of the tokens in all, and a file far
+    smaller than one val window is no error."""
+    rng = random.Random(3)
+    texts = {f"rec{k:04d}.txt": f"record {k}: " + _random_text(rng, rng.randint(20, 200)) for k in range(300)}
+    p = prepare(_files(tmp_path, **texts), tmp_path / "ws", val_fraction=0.05, max_seq_len=32, workers=2)
+    assert [s["name"] for s in p.meta["source_splits"]] == ["data"]
+    tok, val, files = p.tokenizer(), p.tokens("val"), p.meta["sources"]
+    assert p.meta["split"]["val_tokens"] == len(val) == int(sum(f["tokens"] for f in files) * 0.05)
+    held = [i for i, f in enumerate(files) if f["val"][1] > f["val"][0]]
+    whole = [i for i in held if files[i]["val"][1] - files[i]["val"][0] == files[i]["tokens"]]
+    assert held[:-1] == whole[: len(held) - 1] and 10 <= len(whole)  # whole records (the last may be a tail)
+    assert held[0] < 40 and held[-2] > 250  # from the first records to the last ones
+    for i in whole:
+        ids = val[slice(*files[i]["val"])]
+        assert ids[0] == tok.bos_id and tok.decode(ids[1:].tolist()) == texts[Path(files[i]["path"]).name]
+
+
 def test_a_source_too_small_for_one_val_sequence_is_named(tmp_path):
-    data = _files(tmp_path, **{"big.txt": "abc\n" * 1000, "tiny.txt": "xyz\n" * 20})
+    data = _files(tmp_path, **{"big.txt": "abc\n" * 1000})
+    (data / "tiny").mkdir()
+    (data / "tiny" / "t.txt").write_text("xyz\n" * 20)
     with pytest.raises(DataError, match=r"source tiny gives 8 tokens to val, fewer than one sequence needs"):
         prepare(data, tmp_path / "ws", val_fraction=0.1, max_seq_len=16)
 
@@ -386,9 +412,9 @@ def test_hidden_directories_are_skipped_symlinked_ones_followed_and_data_dir_nam
     os.symlink(elsewhere, data / "code")
     os.symlink(data, elsewhere / "loop")  # a symlink loop is walked once
     p = prepare(data, tmp_path / "ws", val_fraction=0.1, max_seq_len=16)
-    assert [s["name"] for s in p.meta["source_splits"]] == ["code", "web"]
-    # The same files under another DATA_DIR are another corpus (source x, not code), also when their
-    # stat is remembered from the first prepare.
+    assert [s["name"] for s in p.meta["source_splits"]] == ["data", "code"]
+    # The same files under another DATA_DIR are another corpus (top-level files, not a sub-directory),
+    # also when their stat is remembered from the first prepare.
     only = tmp_path / "only"
     (only / "code").mkdir(parents=True)
     (only / "code" / "x.txt").write_text("xyz\n" * 300)
@@ -396,4 +422,4 @@ def test_hidden_directories_are_skipped_symlinked_ones_followed_and_data_dir_nam
     first = prepare(only, tmp_path / "ws", val_fraction=0.1, max_seq_len=16)
     again = prepare(only / "code", tmp_path / "ws", val_fraction=0.1, max_seq_len=16)
     assert [s["name"] for s in first.meta["source_splits"]] == ["code"]
-    assert [s["name"] for s in again.meta["source_splits"]] == ["x"]
+    assert again.dir != first.dir and [s["path"] for s in again.meta["sources"]] == [str(only / "code" / "x.txt")]

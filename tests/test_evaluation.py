@@ -1,5 +1,5 @@
 """What an eval measures: the val loss over its windows, the sample as the server decodes it, the
-demo's sums counted exactly."""
+demo's sums (its EVAL_METRIC) counted exactly."""
 
 import torch
 import torch.nn.functional as F
@@ -10,7 +10,8 @@ from experiment.batches import val_batches
 from experiment.dataloader import demo_lines, prepare, write_demo_corpus
 from experiment.distributed import Dist
 from experiment.engine import generate
-from experiment.evaluation import demo_accuracy, evaluate, sample_text
+from experiment import demo_metric, metric
+from experiment.evaluation import evaluate, sample_text
 from experiment.model import build_model
 
 CPU = Dist(0, 0, 1, torch.device("cpu"))
@@ -67,12 +68,13 @@ class _Answers:
         return iter(self.tok.encode(text)[:n])
 
 
-def test_the_demo_counts_exactly_the_sums_completed_within_their_length_plus_a_newline(tmp_path):
+def test_the_demo_counts_exactly_the_sums_completed_within_their_length_plus_a_newline(tmp_path, monkeypatch):
     prepared, _ = _demo(tmp_path)
     tok = prepared.tokenizer()
     for right in (0, 3, 10):
         model = _Answers(tok, right)
         model.lines = list(demo_lines(10, seed=99))
-        assert demo_accuracy(model, prepared, n=10) == (right, 10)
+        monkeypatch.setattr(demo_metric, "N_SUMS", 10)
+        assert metric.measure(demo_metric.sums, model, tok, 60) == ({"sums_correct": right / 10}, None)
         # room for the answer and the newline that ends it, no more
         assert model.calls == [len(line.split("=")[1]) + 1 for line in model.lines]

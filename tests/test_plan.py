@@ -8,7 +8,7 @@ import pytest
 from conftest import ENV, REPO
 from test_guards import run_preflight
 
-from experiment import autosize
+from experiment import autosize, servemem
 from experiment.memory import count_params
 from experiment.plan import PlanConfig, count_tokens, model_config, parse_gpus, plan, regime_lines, table as table_of
 
@@ -103,16 +103,18 @@ def test_the_plan_refuses_data_the_preflight_would_refuse(tmp_path):
     binary and invalid UTF-8 files are named, as the rented box's pre-flight would name them."""
     data = tmp_path / "data"
     data.mkdir()
+    (data / "small").mkdir()
     (data / "big.txt").write_text("x" * 60_000)
-    (data / "small.txt").write_text("y" * 30_000)
+    (data / "small" / "s.txt").write_text("y" * 30_000)
     proc = run_plan(env={"DATA_DIR": str(data), "GPUS": "8xH100-PCIe"})
     assert proc.returncode == 2 and "source small gives 1,500 tokens to val" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
-    (data / "small.txt").write_bytes(b"ok\n\xff\xfe")
+    small = data / "small" / "s.txt"
+    small.write_bytes(b"ok\n\xff\xfe")
     proc = run_plan(env={"DATA_DIR": str(data), "GPUS": "8xH100-PCIe"})
-    assert proc.returncode == 2 and f"{data / 'small.txt'}: invalid UTF-8 at byte offset 3" in proc.stderr
-    (data / "small.txt").write_text("")
-    assert f"{data / 'small.txt'}: file is empty" in run_plan(env={"DATA_DIR": str(data)}).stderr
+    assert proc.returncode == 2 and f"{small}: invalid UTF-8 at byte offset 3" in proc.stderr
+    small.write_text("")
+    assert f"{small}: file is empty" in run_plan(env={"DATA_DIR": str(data)}).stderr
 
 
 def test_hours_available_picks_the_fewest_gpus_and_the_launch_line_is_one_the_preflight_accepts(tmp_path, corpus):
@@ -205,3 +207,23 @@ def test_a_gpucheck_report_from_the_box_replaces_the_mfu_table(tmp_path):
     assert proc.returncode == 2 and f"GPUCHECK {report}: its speed item has no MFU" in proc.stderr
     (tmp_path / "bad.json").write_text("{}")
     assert "not a gpucheck report.json" in run_plan(env={"TOKENS": "1000", "GPUCHECK": str(tmp_path / "bad.json")}).stderr
+
+
+def test_each_depth_says_what_serving_it_needs():
+    """bf16 weights plus one request's KV cache (d32: 2 x 32 layers x 16 heads x 2048 x 128 x 2 bytes
+    = 0.537 GB a request), and one request's decode speed on CPU: measured at d12 and d20, elsewhere
+    scaled from the nearest by the weights a step multiplies."""
+    p = json.loads(run_plan("--json", env={"TOKENS": "350000000", "GPUS": "8xH100-PCIe"}).stdout)
+    rungs = {r["depth"]: r for r in p["rungs"]}
+    d32, d12, d20 = rungs[32], rungs[12], rungs[20]
+    assert d32["kv_slot_gb"] == 2 * 32 * 16 * 2048 * 128 * 2 / 1e9
+    assert d32["serve_gb"] == pytest.approx(2 * d32["params"] / 1e9 + d32["kv_slot_gb"])
+    assert d12["cpu_measured"] and d20["cpu_measured"] and not d32["cpu_measured"]
+    assert d12["cpu_chars_per_s"] == pytest.approx(servemem.CPU_DECODE_TOK_S[12] * servemem.decode_weights(
+        model_config(12, PlanConfig(), 128), 128) / servemem.decode_weights(model_config(12, PlanConfig(), 256), 256))
+    ratio = servemem.decode_weights(model_config(20, PlanConfig(), 128), 128) / servemem.decode_weights(
+        model_config(32, PlanConfig(), 256), 256)
+    assert d32["cpu_chars_per_s"] == pytest.approx(servemem.CPU_DECODE_TOK_S[20] * ratio)  # from d20, the nearest
+    assert d32["cpu_chars_per_s"] < d20["cpu_chars_per_s"] < d12["cpu_chars_per_s"]
+    table = run_plan(env={"TOKENS": "350000000", "GPUS": "8xH100-PCIe"}).stdout
+    assert "serve GB  CPU ch/s" in table and "MEASURED at d12 and d20" in table

@@ -12,10 +12,11 @@ from conftest import TINY, run_train, tiny_config
 from test_step import PLAIN, _one_trainer_step
 
 from experiment import checkpoint as ckpt
+from experiment import demo_metric, metric
 from experiment.config import ConfigError, TrainConfig, resolve
 from experiment.dataloader import prepare, write_demo_corpus
 from experiment.distributed import Dist
-from experiment.evaluation import demo_accuracy, evaluate, sample_text
+from experiment.evaluation import evaluate, sample_text
 from experiment.model import build_model, rms_norm
 from experiment.optim import LRS, ShardedOptimizer, uses_muon
 from experiment.step import forward_backward
@@ -87,7 +88,7 @@ def test_evals_samples_and_the_demo_check_inside_training_never_drop(tmp_path):
     for model in (plain, dropped):
         before = torch.get_rng_state()
         results.append((evaluate(model, prepared, 32, 4, 2048, cpu)[0], sample_text(model, tok, prompt, 16),
-                        demo_accuracy(model, prepared, n=5)))
+                        metric.measure(demo_metric.sums, model, tok, 60)))
         assert torch.equal(before, torch.get_rng_state()) and model.training
     assert results[0] == results[1]
 

@@ -195,13 +195,13 @@ def test_a_best_eval_made_while_a_failed_best_save_was_in_flight_becomes_the_bes
         t.saver.begin(step, {"w": torch.ones(10)}, {}, meta, background=True, context={"final": False})
 
     st.step, st.last_eval_step, loop.val_loss = 2, 2, 2.0
-    st.best_val, st.best_step = 2.0, 2
+    st.best_val, st.best_step, st.best_score, loop.score = 2.0, 2, 2.0, 2.0
     save(2, fails=False)
     saving.finish_save(t, loop, wait=True)
     st.step, st.last_eval_step, loop.val_loss = 3, 3, 1.5
-    st.best_val, st.best_step = 1.5, 3
+    st.best_val, st.best_step, st.best_score, loop.score = 1.5, 3, 1.5, 1.5
     save(3, fails=True)
-    st.step, st.last_eval_step, loop.val_loss = 4, 4, 1.8  # step 4's eval: no new best while step 3 stands
+    st.step, st.last_eval_step, loop.val_loss, loop.score = 4, 4, 1.8, 1.8  # step 4's eval: no new best while step 3 stands
     saving.finish_save(t, loop, wait=True)  # step 4's save first completes step 3's: failed
     assert (st.best_val, st.best_step) == (1.8, 4)
     save(4, fails=False)
@@ -246,16 +246,16 @@ def test_a_resumed_steps_own_eval_that_beats_the_best_names_its_checkpoint_best(
     assert ckpt.read_best(tmp_path) == {"step": 2, "val_loss": 2.0, "weights": "raw"}
     written = ckpt.meta_path(tmp_path, 4).stat().st_mtime_ns
     for val, named in ((2.5, 2), (1.5, 4)):
-        st, lines = RunState(step=4, best_val=2.0, best_step=2, last_eval_step=4), []
+        st, lines = RunState(step=4, best_val=2.0, best_step=2, best_score=2.0, last_eval_step=4), []
         t, loop = _trainer(tmp_path, st, lines.append)
         loop.last_saved_step = loop.last_complete_step = 4  # the resumed step (train.start_loop)
-        loop.saved_best, loop.val_loss = (2.0, 2, "raw"), val
-        if val < st.best_val:  # maybe_eval's best tracking
-            st.best_val, st.best_step = val, 4
+        loop.saved_best, loop.val_loss, loop.score = (2.0, 2, "raw", 2.0), val, val
+        if val < st.best_score:  # maybe_eval's best tracking
+            st.best_val, st.best_step, st.best_score = val, 4, val
         saving.maybe_save(t, loop, save_due=False, preempted=False)
         assert ckpt.read_best(tmp_path)["step"] == named and t.saver.pending is None
         assert ckpt.meta_path(tmp_path, 4).stat().st_mtime_ns == written  # step 4 not written again
-    assert ckpt.read_best(tmp_path) == {"step": 4, "val_loss": 1.5, "weights": "raw"} and loop.saved_best == (1.5, 4, "raw")
+    assert ckpt.read_best(tmp_path) == {"step": 4, "val_loss": 1.5, "weights": "raw"} and loop.saved_best == (1.5, 4, "raw", 1.5)
     assert any("best.json names step 000004" in line for line in lines)
 
 

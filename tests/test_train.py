@@ -304,6 +304,8 @@ def _two_sources(parent):
     from conftest import write_corpus
 
     d = write_corpus(parent)
+    (d / "sums").mkdir()
+    (d / "sums.txt").rename(d / "sums" / "sums.txt")
     (d / "words").mkdir()
     (d / "words" / "a.txt").write_text("the cat sat on the mat\n" * 1500)
     return d

@@ -68,7 +68,7 @@ from experiment.distributed import resolve_device, sync
 from experiment.files import default_workspace
 from experiment.hardware import peak_flops
 from experiment.memory import MODES, count_params, format_plan, plan_memory
-from experiment.model import GPT, GPTConfig, build_model
+from experiment.model import DTYPES, GPT, GPTConfig, build_model
 from experiment.optim import LRS, ShardedOptimizer
 from experiment.step import forward_backward, optimizer_step
 from experiment.tools import (ablate, codecorpus, ensemble, gpucheck, grid, loadtest, prepbench, reduceprec, repeats,
@@ -76,10 +76,10 @@ from experiment.tools import (ablate, codecorpus, ensemble, gpucheck, grid, load
 from experiment.tools.probes import cpu_matmul_peak, probe_peak_memory
 
 
-def bench_generate(model: GPT, n_tokens: int, device: torch.device, allowed_vocab: int) -> dict:
+def bench_generate(model: GPT, n_tokens: int, device: torch.device, allowed_vocab: int, naive: bool = True) -> dict:
     prompt = [0]
     results = {}
-    for name, use_cache in (("kv_cache", True), ("naive", False)):
+    for name, use_cache in (("kv_cache", True), ("naive", False))[: 2 if naive else 1]:
         list(model.generate(prompt, 8, temperature=1.0, generator=torch.Generator().manual_seed(0),
                             use_cache=use_cache, allowed_vocab=allowed_vocab))  # warm-up
         sync(device)
@@ -195,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max_seq_len", type=int, default=256, help="context of the fresh model")
     g.add_argument("--tokens", type=int, default=1024, help="tokens to generate")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    g.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the weights' dtype")
+    g.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    g.add_argument("--naive", type=int, default=1, help="0: the KV-cache path only (the naive one is slow on a big model)")
     def shape_flags(p, depth_default=None):
         p.add_argument("--depth", type=int, required=depth_default is None, default=depth_default)
         p.add_argument("--aspect_ratio", type=int, default=64)
@@ -244,7 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_generate(args) -> int:
     try:
         device = resolve_device(args.device)
-        config = GPTConfig(vocab_size=128, depth=args.depth, max_seq_len=args.max_seq_len) if args.depth else None
+        # A fresh model of the shape a GPU run trains (aspect 64, heads of 128), without the bigram table.
+        config = (GPTConfig(vocab_size=128, depth=args.depth, head_dim=128, max_seq_len=args.max_seq_len)
+                  if args.depth else None)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -260,11 +265,18 @@ def cmd_generate(args) -> int:
             print(f"error: {e} (or pass --depth to bench a fresh model)", file=sys.stderr)
             return 2
         source, allowed = str(path), meta["tokenizer"]["vocab_used"]
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    model = model.to(DTYPES[args.dtype])
     c = model.config
     print(f"generate | {source} | d{c.depth} width {c.n_embd} ctx {c.max_seq_len} | {model.num_params():,} params | "
           f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} | torch {torch.__version__} "
-          f"| threads {torch.get_num_threads()}")
-    r = bench_generate(model, args.tokens, device, allowed)
+          f"| threads {torch.get_num_threads()} | {args.dtype} | weights {model.num_params() * (2 if args.dtype == 'bf16' else 4) / 1e9:.2f} GB")
+    r = bench_generate(model, args.tokens, device, allowed, bool(args.naive))
+    if not args.naive:
+        print(f"generate | kv_cache | {r['kv_cache']['tokens']} tokens in {r['kv_cache']['seconds']:.2f}s | "
+              f"{r['kv_cache']['tok_per_s']:,.1f} tok/s")
+        return 0
     for name in ("kv_cache", "naive"):
         print(f"generate | {name:8s} | {r[name]['tokens']} tokens in {r[name]['seconds']:.2f}s | "
               f"{r[name]['tok_per_s']:,.1f} tok/s")

@@ -32,6 +32,10 @@ LAUNCHER = (
     ("ON_EXIT", "unset", "a shell command run once when the launch ends (once torchrun has started: a pre-flight "
                 "refusal exits 2 first), with RUN_STATUS, RUN_OUTCOME, RUN_DIR, BEST_CHECKPOINT, BEST_EXPORT (best.pt, "
                 "when written) and BEST_VAL_LOSS set (output: on_exit.log in the run directory)"),
+    ("SWEEP", "unset", "several runs side by side, one per GPU: members separated by spaces, a member's settings by "
+                       "+ (`DEPTH=8 DEPTH=12+WEIGHT_DECAY=0.2`); the budget counts the whole box (docs/sweep.md)"),
+    ("SWEEP_TAG", "sweep", "the sweep's directory under $WORKSPACE/checkpoints/, its members' run directories in it"),
+    ("SWEEP_PARALLEL", "visible GPUs, or 1 without CUDA", "members that run at once, each on one GPU"),
 )
 
 HEADER = """# Settings

@@ -1,0 +1,125 @@
+"""SWEEP: several runs side by side from one launcher command, their table and winner, a failing
+member, a second sweep refused, and the same command after a kill."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import ENV, REPO, write_corpus
+
+from experiment import checkpoint as ckpt
+from experiment import sweep
+
+# The trainer's tiny shape (conftest.TINY) as settings every member shares.
+TINY_ENV = {"ASPECT_RATIO": "32", "HEAD_DIM": "32", "MAX_SEQ_LEN": "32", "DEVICE_BATCH_SIZE": "4",
+            "SAMPLE_TOKENS": "0", "EVAL_TOKENS": "512", "ATTN_DROPOUT": "0", "AVERAGE": "none",
+            "TOTAL_BATCH_SIZE": "256", "EVAL_EVERY_STEPS": "3", "SAVE_EVERY_STEPS": "3", "MAX_RESTARTS": "0"}
+
+
+def launch(tmp_path, members: str, extra=None, wait=True):
+    env = {**ENV, **TINY_ENV, "WORKSPACE": str(tmp_path / "ws"), "DATA_DIR": str(tmp_path / "corpus"),
+           "SWEEP": members, "TRAINING_HOURS": "1", **(extra or {})}
+    cmd = ["bash", str(REPO / "experiment" / "run.sh")]
+    if not wait:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_members_parse_to_settings_and_tags_and_the_budget_counts_the_box():
+    members = sweep.parse_members("DEPTH=8 DEPTH=12+WEIGHT_DECAY=0.2")
+    assert members == [{"DEPTH": "8"}, {"DEPTH": "12", "WEIGHT_DECAY": "0.2"}]
+    assert [sweep.member_tag(m) for m in members] == ["d8", "d12-weight_decay0.2"]
+    assert sweep.member_tag({"EVAL_METRIC": "/a b/m.py:f"}) == "eval_metric_a_b_m.py_f"
+    for text, message in (("DEPTH=8 NOPE=1", "NOPE is no setting"), ("DEPTH8", "'DEPTH8' is not KEY=VALUE"),
+                          ("DEPTH=8 DEPTH=8", "two members are the same"), ("", "SWEEP is empty"),
+                          ("MODEL_TAG=x", "MODEL_TAG is the sweep's to set")):
+        with pytest.raises(sweep.SweepError, match=message):
+            sweep.parse_members(text)
+    # $1000 on 8 GPUs at $4: 31.25 h of the box; TRAINING_HOURS is the box's wall clock
+    assert sweep.box_hours({"BUDGET_USD": "1000"}, 8, True) == 31.25
+    assert sweep.box_hours({"BUDGET_USD": "100", "GPU_HOURLY_USD": "2"}, 1, False) == 50
+    assert sweep.box_hours({"TRAINING_HOURS": "3"}, 8, True) == 3
+    with pytest.raises(sweep.SweepError, match="both set"):
+        sweep.box_hours({"BUDGET_USD": "1", "TRAINING_HOURS": "1"}, 1, False)
+
+
+def test_a_sweep_trains_its_members_side_by_side_reports_a_winner_and_a_failing_member(tmp_path):
+    write_corpus(tmp_path)
+    bad = tmp_path / "bad_metric.py"
+    bad.write_text("def f(generate, tokenizer):\n    raise ValueError('broken')\n")  # fails in the trainer, past the pre-flight
+    members = f"DEPTH=1+SEED=3 DEPTH=2+SEED=3 DEPTH=2+EVAL_METRIC={bad}:f"
+    marker = tmp_path / "on_exit.txt"
+    on_exit = f'echo "$RUN_STATUS $BEST_VAL_LOSS $RUN_DIR" >> {marker}'
+    proc = launch(tmp_path, members, {"MAX_STEPS": "6", "SWEEP_PARALLEL": "2", "ON_EXIT": on_exit})
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # a member failed
+    sweep_dir = tmp_path / "ws/checkpoints/sweep"
+    record = json.loads((sweep_dir / "sweep.json").read_text())
+    rows = {r["member"]: r for r in record["members"]}
+    good = [rows["d1-seed3"], rows["d2-seed3"]]
+    assert [r["status"] for r in good] == ["finished", "finished"]
+    assert all(r["outcome"] == "finished: max_steps reached" for r in good)
+    failed = rows[sweep.member_tag({"DEPTH": "2", "EVAL_METRIC": f"{bad}:f"})]
+    assert failed["status"] == "failed" and failed["val_loss"] is None
+    assert record["winner"] == min(good, key=lambda r: r["val_loss"])["member"]
+    best = rows[record["winner"]]
+    assert best["val_loss"] == ckpt.read_best(sweep_dir / record["winner"])["val_loss"] and best["passes"] > 0
+    assert "3 members in" in proc.stdout and "2 at a time (CPU) | 2 wave(s) of 0.500 h each" in proc.stdout
+    table = (sweep_dir / "sweep.md").read_text()
+    assert f"| {record['winner']} **winner** |" in table and "| failed |" in table and table in proc.stdout + "\n"
+    # ON_EXIT once, for the sweep, with the winner's loss
+    assert marker.read_text() == f"failed {best['val_loss']:.6f} {sweep_dir}\n"
+    # serve and sample given the sweep directory use the winner's best
+    assert ckpt.resolve_serving_checkpoint(sweep_dir, tmp_path) == ckpt.resolve_serving_checkpoint(
+        sweep_dir / record["winner"], tmp_path)
+    # The same command again: the finished members are skipped, the failed one is tried again.
+    again = launch(tmp_path, members, {"MAX_STEPS": "6", "SWEEP_PARALLEL": "2"})
+    assert again.returncode == 1 and "d1-seed3 started" not in again.stdout and "d2-seed3 started" not in again.stdout
+    assert f"{failed['member']} started on CPU" in again.stdout
+
+
+def test_a_bad_member_stops_the_sweep_before_any_member_starts_and_a_second_sweep_is_refused(tmp_path):
+    write_corpus(tmp_path)
+    proc = launch(tmp_path, "DEPTH=2 DEPTH=2+MAX_SEQ_LEN=30", {"MAX_STEPS": "6"})
+    assert proc.returncode == 2 and "started on" not in proc.stdout
+    assert "error: member d2-max_seq_len30 (DEPTH=2 MAX_SEQ_LEN=30): --total_batch_size 256 is not a multiple" \
+        in proc.stderr, proc.stderr
+    assert not list((tmp_path / "ws/checkpoints/sweep").rglob("model_*.pt"))
+    held = open(tmp_path / "ws/checkpoints/sweep" / sweep.LOCK, "a+")
+    import fcntl
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    proc = launch(tmp_path, "DEPTH=2", {"MAX_STEPS": "6"})
+    assert proc.returncode == 2 and "is in use by a running sweep" in proc.stderr
+    held.close()
+
+
+def test_the_same_command_after_a_kill_minus_9_resumes_every_member(tmp_path):
+    """The sweep and its member killed -9 mid-run (a reboot): the same command resumes the member from
+    its checkpoint and ends it as an uninterrupted run would (the same final step and weights)."""
+    write_corpus(tmp_path)
+    extra = {"MAX_STEPS": "30", "SAVE_EVERY_STEPS": "5", "SEED": "4"}
+    first = launch(tmp_path, "DEPTH=2", extra, wait=False)
+    run_dir = tmp_path / "ws/checkpoints/sweep/d2"
+    deadline = time.time() + 300
+    while not [s for s in (ckpt.complete_steps(run_dir) if run_dir.is_dir() else []) if 5 <= s < 30]:
+        assert time.time() < deadline and first.poll() is None, first.stdout.read() if first.poll() is not None else ""
+        time.sleep(0.5)
+    member_pid = int((run_dir / ".lock").read_text().split()[1])
+    os.killpg(first.pid, signal.SIGKILL)
+    os.killpg(os.getpgid(member_pid), signal.SIGKILL)  # the member has a session of its own
+    first.wait()
+    time.sleep(1)
+    again = launch(tmp_path, "DEPTH=2", extra)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert "resumed from" in (run_dir / "training.log").read_text()
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    write_corpus(ref)
+    assert launch(ref, "DEPTH=2", extra).returncode == 0  # the same sweep, never interrupted
+    got, want = (ckpt.load_model_state(d, 30) for d in (run_dir, ref / "ws/checkpoints/sweep/d2"))
+    assert all((got[n] == want[n]).all() for n in want)
+
