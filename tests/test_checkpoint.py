@@ -420,3 +420,26 @@ def test_a_checkpoint_without_the_warmups_progress_resumes_past_them():
     # written before the early-schedule warmups: a resume under way must not switch to them mid-run
     assert ckpt.run_state({"state": {"step": 40, "tokens_seen": 163840}}).warmup_progress == 1.0
     assert ckpt.run_state({"state": {"step": 4, "warmup_progress": 0.12}}).warmup_progress == 0.12
+
+
+def test_best_json_names_the_metric_that_chose_it_and_a_sweep_directory_serves_its_winner(tmp_path):
+    state = {"best_by": "acc", "best_score": -0.75, "best_step": 5}
+    assert ckpt.best_record(5, 1.2, {"weights": "average", "state": state}) == {
+        "step": 5, "val_loss": 1.2, "weights": "average", "best_by": "acc", "score": -0.75}
+    assert ckpt.best_record(5, 1.2, {"state": {**state, "best_by": "val_loss"}}) == {
+        "step": 5, "val_loss": 1.2, "weights": "raw"}
+    sweep_dir = tmp_path / "checkpoints" / "sweep"
+    assert ckpt.sweep_winner(sweep_dir) is None  # no sweep.json: no sweep
+    for name, step, val in (("a", 2, 1.5), ("b", 4, 1.2), ("c", None, None)):
+        (sweep_dir / name).mkdir(parents=True)
+        if step is not None:
+            meta = {"step": step, "val_loss": val, "state": {"best_val": val, "best_step": step}, "world_size": 1,
+                    "model_parts": 1}
+            assert ckpt.save_checkpoint(sweep_dir / name, step, {"w": torch.ones(2)}, {}, meta) is None
+    (sweep_dir / "sweep.json").write_text(json.dumps({"members": [{"member": m} for m in "abc"], "winner": "a"}))
+    assert ckpt.sweep_winner(sweep_dir) == sweep_dir / "b"  # found afresh from the members' best.json
+    assert ckpt.resolve_serving_checkpoint(sweep_dir, tmp_path) == ckpt.model_path(sweep_dir / "b", 4)
+    assert ckpt.resolve_serving_checkpoint(None, tmp_path) == ckpt.model_path(sweep_dir / "b", 4)
+    (sweep_dir / "sweep.json").write_text(json.dumps({"members": [{"member": "c"}]}))
+    with pytest.raises(ckpt.CheckpointError, match="the sweep has no winner yet"):
+        ckpt.sweep_winner(sweep_dir)

@@ -213,3 +213,36 @@ def test_a_relative_eval_metric_is_relative_to_where_the_launcher_is_started(tmp
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"metric | {tmp_path / 'm.py'}:f | before training: ok 1.0000" in proc.stdout
+
+
+def test_the_demo_runs_its_sums_unless_eval_metric_names_another_and_a_changed_best_by_restarts_the_best(tmp_path):
+    from experiment.checkpoint import RunState
+    from experiment.dataloader import write_demo_corpus
+    from experiment.distributed import Dist
+
+    cpu, lines = Dist(0, 0, 1, torch.device("cpu")), []
+    demo = prepare(write_demo_corpus(tmp_path / "demo", n_lines=3000).parent, tmp_path / "ws", max_seq_len=32)
+    model = build_model(tiny_config(vocab_size=demo.meta["vocab_size"]), seed=1)
+    m = metric.setup(TrainConfig(), cpu, model, demo, lines.append)
+    assert m.spec == metric.DEMO_METRIC and m.seconds == 120.0 and "sums_correct 0.0000" in lines[-1]
+    other = _metric_file(tmp_path, _function("return {'x': 2}"))
+    m = metric.setup(TrainConfig(eval_metric=f"{other}:f", best_by="min:x"), cpu, model, demo, lines.append)
+    assert m.spec == f"{other}:f" and lines[-1].endswith("best by min:x") and "x 2.0000" in lines[-1]
+    plain, _ = _model_and_tok(tmp_path)
+    prepared = prepare(tmp_path / "corpus", tmp_path / "ws", max_seq_len=32)
+    assert metric.setup(TrainConfig(), cpu, plain, prepared, lines.append) is None
+    with pytest.raises(ConfigError, match="BEST_BY=acc: names a metric, and EVAL_METRIC is not set"):
+        metric.setup(TrainConfig(best_by="acc"), cpu, plain, prepared, lines.append)
+    with pytest.raises(ConfigError, match="BEST_BY=y: EVAL_METRIC returns x, not y"):
+        metric.setup(TrainConfig(eval_metric=f"{other}:f", best_by="y"), cpu, model, demo, lines.append)
+    st = RunState(best_val=1.5, best_step=4, best_score=1.5)
+    metric.adopt_best_by(st, "val_loss", lines.append)
+    assert (st.best_score, st.best_by) == (1.5, "val_loss")
+    metric.adopt_best_by(st, "acc", lines.append)
+    assert (st.best_score, st.best_by, st.best_step) == (float("inf"), "acc", 4) and "BEST_BY was val_loss" in lines[-1]
+    st.best_score, n = -0.5, len(lines)
+    metric.adopt_best_by(st, "max:acc", lines.append)  # the same, spelled otherwise
+    assert st.best_score == -0.5 and len(lines) == n
+    fresh = RunState()
+    metric.adopt_best_by(fresh, "acc", lines.append)
+    assert fresh.best_by == "acc" and len(lines) == n  # no best to speak of

@@ -123,3 +123,31 @@ def test_the_same_command_after_a_kill_minus_9_resumes_every_member(tmp_path):
     got, want = (ckpt.load_model_state(d, 30) for d in (run_dir, ref / "ws/checkpoints/sweep/d2"))
     assert all((got[n] == want[n]).all() for n in want)
 
+
+
+def test_a_members_status_comes_from_its_own_launchs_last_words_and_the_winner_from_comparable_bests(tmp_path):
+    assert sweep.classify("finished: the budget is spent", 0, False) == "finished"
+    assert sweep.classify("failed: the loss diverged", 1, True) == "failed"  # a failure while stopping stays one
+    assert sweep.classify("", 1, False) == "failed" and sweep.classify("", 0, False) == "failed"
+    assert sweep.classify("stopped: SIGTERM at step 4", 0, False) == "stopped"
+    assert sweep.classify("", 143, True) == "stopped"
+    run_dir = tmp_path / "m"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"kind": "end", "outcome": "stopped: SIGINT", "time": 100.0})
+                                           + "\n" + json.dumps({"kind": "eval", "step": 3}) + "\n")
+    assert sweep.last_words(run_dir) == "stopped: SIGINT" and sweep.last_words(run_dir, since=101.0) == ""
+    rows = [{"member": "a", "best": {"val_loss": 1.5, "step": 2}, "data": "h1"},
+            {"member": "b", "best": {"val_loss": 1.2, "step": 4}, "data": "h1"},
+            {"member": "c", "best": None, "data": None}]
+    assert sweep.winner(rows)[0]["member"] == "b"
+    by_metric = [{**r, "best": {**r["best"], "best_by": "acc", "score": -0.9 if r["member"] == "a" else -0.5}}
+                 for r in rows[:2]]
+    assert sweep.winner(by_metric)[0]["member"] == "a"  # chosen by the same metric: its score decides
+    mixed = [rows[0], {**rows[1], "data": "h2"}]
+    assert sweep.winner(mixed) == (None, "the members trained on different data or tokenizers: their val losses "
+                                         "do not compare")
+    assert sweep.winner([rows[2]]) == (None, "no member has a best checkpoint yet")
+    (run_dir / sweep.SLOT_FILE).write_text("3\n")
+    assert sweep._recorded_slot(run_dir, ["2", "3"]) == 1 and sweep._recorded_slot(run_dir, ["0", "1"]) == -1
+    (run_dir / sweep.SLOT_FILE).write_text("cpu\n")
+    assert sweep._recorded_slot(run_dir, None) == 0 and sweep._recorded_slot(tmp_path, None) == -1
