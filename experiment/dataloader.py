@@ -155,7 +155,7 @@ def source_names(data_dir: Path, files: list[Path]) -> list[str]:
     data_dir = Path(data_dir)
     if data_dir.is_file():
         return [data_dir.stem]
-    top = data_dir.resolve().name or "data"
+    top = Path(os.path.abspath(data_dir)).name or "data"  # a symlinked data/ is still "data"
     names = [top if p.parent == data_dir else p.relative_to(data_dir).parts[0] for p in files]
     sub_directories = {n for p, n in zip(files, names) if p.parent != data_dir}
     if top in sub_directories and any(p.parent == data_dir for p in files):

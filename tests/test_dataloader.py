@@ -372,6 +372,17 @@ def test_the_top_level_files_are_one_source_and_each_sub_directory_another(tmp_p
         prepare(data, tmp_path / "ws", max_seq_len=16)
 
 
+def test_top_level_files_around_a_sub_directory_are_still_one_source(tmp_path):
+    data = _files(tmp_path, **{"a.txt": "abc\n" * 300, "z.txt": "xyz\n" * 300})
+    (data / "m").mkdir()
+    (data / "m" / "x.txt").write_text("mmm\n" * 300)
+    link = tmp_path / "linked"
+    os.symlink(data, link)
+    p = prepare(link, tmp_path / "ws", val_fraction=0.1, max_seq_len=16)
+    assert [s["name"] for s in p.meta["source_splits"]] == ["linked", "m"]  # named as given, not as resolved
+    assert [Path(s["path"]).name for s in p.meta["sources"]] == ["a.txt", "z.txt", "x.txt"]
+
+
 def test_a_flat_directory_of_many_small_record_files_is_one_corpus_with_val_across_the_files(tmp_path):
     """Records kept one per file, in time order: val holds whole records (each after its BOS, none cut
     mid-record) spread from the first files to the last, 5% of the tokens in all, and a file far
