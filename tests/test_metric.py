@@ -56,6 +56,10 @@ def test_a_metric_gets_greedy_generate_and_the_tokenizer_and_leaves_the_model_as
 
 @pytest.mark.parametrize("spec, message", [
     ("m.py", "expected path/to/file.py:function"),
+    (":f", "expected path/to/file.py:function"),
+    ("m.py:", "expected path/to/file.py:function"),
+    ("m.py:1f", "expected path/to/file.py:function"),
+    ("m.txt:f", "m.txt cannot be imported as Python"),
     ("missing.py:f", "missing.py is not a file"),
     ("m.py:nope", "m.py has no function nope"),
     ("broken.py:f", "importing .*broken.py raised NameError: name 'undefined' is not defined"),
@@ -64,6 +68,7 @@ def test_a_metric_that_cannot_be_loaded_is_one_error_naming_eval_metric(tmp_path
     monkeypatch.chdir(tmp_path)
     _metric_file(tmp_path, "def f(generate, tokenizer):\n    return {'x': 1}\n")
     _metric_file(tmp_path, "undefined\n", "broken.py")
+    _metric_file(tmp_path, "def f(generate, tokenizer):\n    return {'x': 1}\n", "m.txt")
     with pytest.raises(ConfigError, match=f"EVAL_METRIC='{spec}': {message}"):
         metric.load(spec)
 
@@ -87,6 +92,10 @@ def test_a_failing_metric_is_reported_as_its_problem_never_raised(tmp_path, body
 
 @pytest.mark.parametrize("body", [
     "while True:\n        pass",  # outside generate: the alarm stops it
+    # the first alarm swallowed: the alarm comes again (every second) and stops the second loop
+    "try:\n        while True:\n            pass\n    except BaseException:\n        pass\n    while True:\n        pass",
+    # the alarm swallowed and a result returned: past its time all the same, so no numbers
+    "try:\n        while True:\n            pass\n    except BaseException:\n        pass\n    return {'x': 1}",
     "while True:\n        try:\n            generate('1', max_tokens=4)\n        except Exception:\n            pass",
     "while True:\n        try:\n            sum(range(10000))\n        except Exception:\n            pass",
 ])
@@ -109,6 +118,48 @@ def test_a_stop_signal_cuts_a_metric_short_at_its_next_token_and_its_seeding_mov
     assert metric.measure(fn, model, tok, 30)[0] == {"n": 1.0} and torch.equal(rng, torch.get_rng_state())
 
 
+def test_off_the_main_thread_generate_bounds_the_metric_itself_and_a_quick_one_within_a_second_counts(tmp_path):
+    """No alarm outside the main thread (signals are the main thread's): the deadline checked at every
+    generated token stops a metric that only generates; a quick metric is measured under a bound of
+    less than a second too."""
+    import threading
+
+    model, tok = _model_and_tok(tmp_path)
+    looping = metric.load(f"{_metric_file(tmp_path, _function('while True: generate(chr(49), max_tokens=4)'))}:f")
+    quick = metric.load(f"{_metric_file(tmp_path, _function('return {chr(120): 1}'), 'q.py')}:f")
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(loop=metric.measure(looping, model, tok, 0.5),
+                                                       quick=metric.measure(quick, model, tok, 0.9)))
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive() and out["loop"] == (None, "ran past its time bound in generate")
+    assert out["quick"] == ({"x": 1.0}, None) and metric.measure(quick, model, tok, 0.9) == ({"x": 1.0}, None)
+
+
+class _Recorder:
+    """A stand-in model that records what generate asked of it and answers with the prompt's last token."""
+
+    def __init__(self):
+        self.training, self.asked = True, []
+
+    def eval(self):
+        self.training = False
+
+    def train(self, mode=True):
+        self.training = mode
+
+    def generate(self, ids, n, temperature, top_k, generator, allowed_vocab):
+        self.asked.append((n, temperature, top_k, generator.initial_seed()))
+        return iter([ids[-1]] * n)
+
+
+def test_generate_asks_64_greedy_tokens_seeded_0_by_default(tmp_path):
+    _, tok = _model_and_tok(tmp_path)
+    model = _Recorder()
+    fn = metric.load(f"{_metric_file(tmp_path, _function('return {chr(110): len(generate(chr(49)))}'))}:f")
+    assert metric.measure(fn, model, tok, 30) == ({"n": 64.0}, None) and model.asked == [(64, 0.0, None, 0)]
+
+
 def test_best_by_is_the_val_loss_a_higher_number_or_with_min_a_lower_one():
     assert metric.parse_best_by("val_loss").score(1.5, {"acc": 0.9}) == 1.5
     acc, err = metric.parse_best_by("acc"), metric.parse_best_by("min:err")
@@ -116,7 +167,9 @@ def test_best_by_is_the_val_loss_a_higher_number_or_with_min_a_lower_one():
     assert acc.score(1.5, {"acc": 0.9}) < acc.score(1.5, {"acc": 0.8})  # lower score is better
     assert err.score(1.5, {"err": 0.1}) < err.score(1.5, {"err": 0.2})
     assert acc.score(1.5, None) == acc.score(1.5, {"other": 1.0}) == float("inf")  # no number: never the best
-    assert acc.describe(acc.score(0, {"acc": 0.75})) == "acc 0.7500"
+    assert acc.describe(acc.score(0, {"acc": 0.75})) == "acc 0.7500" and err.describe(err.score(0, {"err": 0.25})) == "err 0.2500"
+    assert metric.parse_best_by("".join(["val_", "loss"])) == metric.BestBy()  # a string built at run time
+    assert len({acc, metric.parse_best_by("max:acc"), err}) == 2  # hashable: frozen
     with pytest.raises(ConfigError, match="BEST_BY='min:'"):
         resolve(TrainConfig(best_by="min:"), cuda=False, world_size=1)  # its spelling, at the start
     with pytest.raises(ConfigError, match="--eval_metric_seconds must lie in"):
@@ -225,12 +278,17 @@ def test_the_demo_runs_its_sums_unless_eval_metric_names_another_and_a_changed_b
     model = build_model(tiny_config(vocab_size=demo.meta["vocab_size"]), seed=1)
     m = metric.setup(TrainConfig(), cpu, model, demo, lines.append)
     assert m.spec == metric.DEMO_METRIC and m.seconds == 120.0 and "sums_correct 0.0000" in lines[-1]
+    assert hash(m)  # frozen: the trainer holds it for the run
     other = _metric_file(tmp_path, _function("return {'x': 2}"))
     m = metric.setup(TrainConfig(eval_metric=f"{other}:f", best_by="min:x"), cpu, model, demo, lines.append)
     assert m.spec == f"{other}:f" and lines[-1].endswith("best by min:x") and "x 2.0000" in lines[-1]
     plain, _ = _model_and_tok(tmp_path)
     prepared = prepare(tmp_path / "corpus", tmp_path / "ws", max_seq_len=32)
     assert metric.setup(TrainConfig(), cpu, plain, prepared, lines.append) is None
+    early = tmp_path / "early"  # a file named before the demo's: no demo
+    early.mkdir()
+    (early / "a.txt").write_text((tmp_path / "corpus" / "sums.txt").read_text())
+    assert metric.setup(TrainConfig(), cpu, plain, prepare(early, tmp_path / "ws", max_seq_len=32), lines.append) is None
     with pytest.raises(ConfigError, match="BEST_BY=acc: names a metric, and EVAL_METRIC is not set"):
         metric.setup(TrainConfig(best_by="acc"), cpu, plain, prepared, lines.append)
     with pytest.raises(ConfigError, match="BEST_BY=y: EVAL_METRIC returns x, not y"):
