@@ -336,14 +336,14 @@ def val_shares(sizes: list[int], val_fraction: float) -> list[int]:
     across the files by the running total, not from the last ones (records kept in time order, or one
     file per writer, are measured from the first to the last). A file whose share owed so far covers
     it goes whole (its BOS first, so val records never run into each other); one that owes at least
-    MIN_VAL_PIECE tokens gives its tail; a smaller share waits for a later file. What the last file
-    cannot give comes from the tails of the files before it. One file is its own tail, as ever."""
-    shares, held = [], 0
-    total = 0
-    for i, n in enumerate(sizes):
+    MIN_VAL_PIECE tokens gives its tail; a smaller share waits for a later file. What is still owed
+    at the end comes from the tails of the last files (the last file's first). One file is its own
+    tail, as ever."""
+    shares, held, total = [], 0, 0
+    for n in sizes:
         total += n
         owed = int(total * val_fraction) - held
-        share = n if owed >= n else owed if owed >= MIN_VAL_PIECE or i == len(sizes) - 1 else 0
+        share = n if owed >= n else owed if owed >= MIN_VAL_PIECE else 0
         shares.append(share)
         held += share
     short = int(total * val_fraction) - held

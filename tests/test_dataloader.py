@@ -372,6 +372,26 @@ def test_the_top_level_files_are_one_source_and_each_sub_directory_another(tmp_p
         prepare(data, tmp_path / "ws", max_seq_len=16)
 
 
+def test_val_shares_hold_the_sources_fraction_exactly_in_whole_records_or_long_tails():
+    from experiment.dataloader import MIN_VAL_PIECE, val_shares
+
+    assert MIN_VAL_PIECE == 2048
+    assert val_shares([5000], 0.05) == [250]  # one file: its tail
+    assert val_shares([1201, 801], 0.1) == [0, 200]  # a's 120 too few to cut: the last file's tail
+    assert val_shares([3000, 2000, 50], 0.1) == [0, 455, 50]  # the last whole, the rest from the tails before it
+    assert val_shares([4096, 4096], 0.5) == [2048, 2048]  # a tail of exactly MIN_VAL_PIECE is cut
+    assert val_shares([4094, 10], 0.5) == [2042, 10]  # 2,047 owed: waits; the end takes it back from a's tail
+    assert val_shares([30000] * 10, 0.05) == [0, 3000] * 5  # 1,500 owed waits for the next file
+    small = val_shares([100] * 300, 0.05)
+    assert [i for i, v in enumerate(small) if v] == list(range(19, 300, 20)) and set(small) == {0, 100}
+    rng = random.Random(5)
+    for _ in range(200):
+        sizes = [rng.choice([rng.randint(1, 300), rng.randint(1, 60000)]) for _ in range(rng.randint(1, 12))]
+        fraction = rng.choice([0.01, 0.05, 0.1, 0.5])
+        shares = val_shares(sizes, fraction)
+        assert sum(shares) == int(sum(sizes) * fraction) and all(0 <= v <= n for v, n in zip(shares, sizes))
+
+
 def test_top_level_files_around_a_sub_directory_are_still_one_source(tmp_path):
     data = _files(tmp_path, **{"a.txt": "abc\n" * 300, "z.txt": "xyz\n" * 300})
     (data / "m").mkdir()
