@@ -213,7 +213,7 @@ def best_record(step: int, val_loss: float, meta: dict) -> dict:
     sweep's members compare."""
     record = {"step": step, "val_loss": val_loss, "weights": meta.get("weights", "raw")}
     state = meta.get("state", {})
-    if state.get("best_by", "val_loss") != "val_loss" and state.get("best_step") == step:
+    if state.get("best_by", "val_loss") != "val_loss":  # the step is the best its meta records
         record.update(best_by=state["best_by"], score=state["best_score"])
     return record
 

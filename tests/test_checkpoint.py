@@ -443,3 +443,31 @@ def test_best_json_names_the_metric_that_chose_it_and_a_sweep_directory_serves_i
     (sweep_dir / "sweep.json").write_text(json.dumps({"members": [{"member": "c"}]}))
     with pytest.raises(ckpt.CheckpointError, match="the sweep has no winner yet"):
         ckpt.sweep_winner(sweep_dir)
+
+
+def test_a_sweeps_winner_is_the_lowest_score_when_one_metric_chose_every_best_else_the_lowest_val_loss(tmp_path):
+    a = {"val_loss": 1.2, "best_by": "zeta", "score": -0.5}
+    b = {"val_loss": 1.5, "best_by": "zeta", "score": -0.9}
+    assert ckpt.pick_winner([("a", a), ("b", b), ("c", None)]) == "b"  # one metric: its score
+    assert ckpt.pick_winner([("a", a), ("b", {**b, "best_by": "acc"})]) == "a"  # two metrics: the val loss
+    assert ckpt.pick_winner([("a", {"val_loss": 1.2}), ("b", {"val_loss": 1.1})]) == "b"
+    assert ckpt.pick_winner([("a", {"val_loss": float("nan")}), ("c", None)]) is None
+    assert ckpt.best_record(3, 1.0, {"state": {"best_by": "zeta", "best_score": -2.0, "best_step": 3}})["score"] == -2.0
+    # an old meta with its state at the top level: its best is its val loss, and so is the score
+    flat = {"step": 9, "best_val_loss": 1.25, "best_step": 6, "tokens_seen": 90, "used_seconds": 3.0,
+            "data_positions": [{"cursor": 1}]}
+    st = ckpt.run_state(flat)
+    assert (st.best_val, st.best_score, st.best_step) == (1.25, 1.25, 6)
+    assert ckpt.run_state({**flat, "best_step": -1}).best_score == float("inf")
+    nested = {"state": {"best_val": 1.5, "best_step": 4}}  # written before BEST_BY: scored by its val loss
+    assert ckpt.run_state(nested).best_score == 1.5
+    assert ckpt.run_state({"state": {**nested["state"], "best_score": -0.5, "best_by": "acc"}}).best() == (
+        1.5, 4, "raw", -0.5)
+    # a sweep without a winner yet among the runs: the newest run is served, never an error
+    run = tmp_path / "checkpoints" / "plain"
+    run.mkdir(parents=True)
+    meta = {"step": 2, "val_loss": 1.0, "state": {"best_val": 1.0, "best_step": 2}, "world_size": 1, "model_parts": 1}
+    assert ckpt.save_checkpoint(run, 2, {"w": torch.ones(2)}, {}, meta) is None
+    (tmp_path / "checkpoints" / "sweep").mkdir()
+    (tmp_path / "checkpoints" / "sweep" / "sweep.json").write_text(json.dumps({"members": [{"member": "x"}]}))
+    assert ckpt.resolve_serving_checkpoint(None, tmp_path) == ckpt.model_path(run, 2)

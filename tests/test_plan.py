@@ -213,7 +213,7 @@ def test_each_depth_says_what_serving_it_needs():
     """bf16 weights plus one request's KV cache (d32: 2 x 32 layers x 16 heads x 2048 x 128 x 2 bytes
     = 0.537 GB a request), and one request's decode speed on CPU: measured at d12 and d20, elsewhere
     scaled from the nearest by the weights a step multiplies."""
-    p = json.loads(run_plan("--json", env={"TOKENS": "350000000", "GPUS": "8xH100-PCIe"}).stdout)
+    p = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe"))
     rungs = {r["depth"]: r for r in p["rungs"]}
     d32, d12, d20 = rungs[32], rungs[12], rungs[20]
     assert d32["kv_slot_gb"] == 2 * 32 * 16 * 2048 * 128 * 2 / 1e9
@@ -225,5 +225,11 @@ def test_each_depth_says_what_serving_it_needs():
         model_config(32, PlanConfig(), 256), 256)
     assert d32["cpu_chars_per_s"] == pytest.approx(servemem.CPU_DECODE_TOK_S[20] * ratio)  # from d20, the nearest
     assert d32["cpu_chars_per_s"] < d20["cpu_chars_per_s"] < d12["cpu_chars_per_s"]
-    table = run_plan(env={"TOKENS": "350000000", "GPUS": "8xH100-PCIe"}).stdout
+    tiktoken = {r["depth"]: r for r in plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe",
+                                                       tokenizer="gpt2"))["rungs"]}
+    assert tiktoken[20]["cpu_chars_per_s"] == pytest.approx(4 * servemem.CPU_DECODE_TOK_S[20] * servemem.decode_weights(
+        model_config(20, PlanConfig(), 128), 128) / servemem.decode_weights(model_config(20, PlanConfig(), 100352), 100352))
+    table = table_of(p)
     assert "serve GB  CPU ch/s" in table and "MEASURED at d12 and d20" in table
+    assert "      3.8      2.8*" in next(line for line in table.splitlines() if line.strip().startswith("d32 "))
+    assert "      0.2     34.4 " in next(line for line in table.splitlines() if line.strip().startswith("d12 "))
