@@ -436,7 +436,9 @@ def test_best_json_names_the_metric_that_chose_it_and_a_sweep_directory_serves_i
             meta = {"step": step, "val_loss": val, "state": {"best_val": val, "best_step": step}, "world_size": 1,
                     "model_parts": 1}
             assert ckpt.save_checkpoint(sweep_dir / name, step, {"w": torch.ones(2)}, {}, meta) is None
-    (sweep_dir / "sweep.json").write_text(json.dumps({"members": [{"member": m} for m in "abc"], "winner": "a"}))
+    (sweep_dir / "d").mkdir()
+    (sweep_dir / "d" / "best.json").write_text("{damaged")  # a member's damaged best.json: no best of its own
+    (sweep_dir / "sweep.json").write_text(json.dumps({"members": [{"member": m} for m in "abcd"], "winner": "a"}))
     assert ckpt.sweep_winner(sweep_dir) == sweep_dir / "b"  # found afresh from the members' best.json
     assert ckpt.resolve_serving_checkpoint(sweep_dir, tmp_path) == ckpt.model_path(sweep_dir / "b", 4)
     assert ckpt.resolve_serving_checkpoint(None, tmp_path) == ckpt.model_path(sweep_dir / "b", 4)
@@ -468,6 +470,8 @@ def test_a_sweeps_winner_is_the_lowest_score_when_one_metric_chose_every_best_el
     run.mkdir(parents=True)
     meta = {"step": 2, "val_loss": 1.0, "state": {"best_val": 1.0, "best_step": 2}, "world_size": 1, "model_parts": 1}
     assert ckpt.save_checkpoint(run, 2, {"w": torch.ones(2)}, {}, meta) is None
-    (tmp_path / "checkpoints" / "sweep").mkdir()
+    (tmp_path / "checkpoints" / "sweep" / "x").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "sweep" / "x" / "best.json").write_text("{damaged")  # no best to compare
     (tmp_path / "checkpoints" / "sweep" / "sweep.json").write_text(json.dumps({"members": [{"member": "x"}]}))
+    (tmp_path / "checkpoints" / "empty").mkdir()  # a run directory with no checkpoint yet
     assert ckpt.resolve_serving_checkpoint(None, tmp_path) == ckpt.model_path(run, 2)
