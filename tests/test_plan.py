@@ -219,6 +219,8 @@ def test_each_depth_says_what_serving_it_needs():
     assert d32["kv_slot_gb"] == 2 * 32 * 16 * 2048 * 128 * 2 / 1e9
     assert d32["serve_gb"] == pytest.approx(2 * d32["params"] / 1e9 + d32["kv_slot_gb"])
     assert d12["cpu_measured"] and d20["cpu_measured"] and not d32["cpu_measured"]
+    assert servemem.decode_weights(model_config(12, PlanConfig(), 128), 128) == 12 * 12 * 768**2 + 128 * 768
+    assert d12["serve_gb"] == (2 * d12["params"] + 2 * 12 * 6 * 2048 * 128 * 2) / 1e9
     assert d12["cpu_chars_per_s"] == pytest.approx(servemem.CPU_DECODE_TOK_S[12] * servemem.decode_weights(
         model_config(12, PlanConfig(), 128), 128) / servemem.decode_weights(model_config(12, PlanConfig(), 256), 256))
     ratio = servemem.decode_weights(model_config(20, PlanConfig(), 128), 128) / servemem.decode_weights(
