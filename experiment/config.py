@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 
 from experiment.average import KINDS as AVERAGES, MAX_WIDTH as MAX_AVERAGE_WIDTH
@@ -297,8 +298,6 @@ MAX_METRIC_SECONDS = 300.0
 def check_metric(cfg: TrainConfig) -> None:
     if not 0 < cfg.eval_metric_seconds <= MAX_METRIC_SECONDS:
         raise ConfigError(f"--eval_metric_seconds must lie in (0, {MAX_METRIC_SECONDS:g}], got {cfg.eval_metric_seconds}")
-    from experiment.metric import parse_best_by  # metric imports this module
-
     parse_best_by(cfg.best_by)  # its spelling; whether a metric returns the name: the trainer's dry call
 
 
@@ -335,3 +334,38 @@ def checkpoint_meta(cfg: TrainConfig, prepared: Prepared, budget_seconds: float,
                                                         "vocab_used")},
             "prepared": {"dir": str(prepared.dir), "hash": prepared.meta["hash"]}}
 
+
+
+# ---------------------------------------------------------------- BEST_BY (experiment/metric.py runs the metric)
+
+NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_./-]{0,63}$")  # a metric's name: fits a TensorBoard tag and a table column
+
+
+@dataclass(frozen=True)
+class BestBy:
+    """What chooses the best checkpoint: the val loss (name None), or a metric's number; `sign` turns
+    it into a score that is lower for better (-1: higher is better)."""
+    name: str | None = None
+    sign: float = 1.0
+
+    def score(self, val_loss: float, values: dict[str, float] | None) -> float:
+        """Lower is better; +inf when the metric has no number this eval (it never becomes the best)."""
+        if self.name is None:
+            return val_loss
+        if not values or self.name not in values:
+            return math.inf
+        return self.sign * values[self.name]
+
+    def describe(self, score: float) -> str:
+        return "" if self.name is None else f"{self.name} {self.sign * score:.4f}"
+
+
+def parse_best_by(text: str) -> BestBy:
+    """BEST_BY: val_loss, <name> or max:<name> (higher is better), min:<name>."""
+    if text == "val_loss":
+        return BestBy()
+    sign, name = (1.0, text[4:]) if text.startswith("min:") else (-1.0, text.removeprefix("max:"))
+    if not NAME.match(name):
+        raise ConfigError(f"BEST_BY={text!r}: expected val_loss, a metric's name, or min:<name> (letters, digits, "
+                          "_ . / -)")
+    return BestBy(name, sign)

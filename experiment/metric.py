@@ -16,7 +16,6 @@ import contextlib
 import importlib.util
 import math
 import numbers
-import re
 import signal
 import threading
 import time
@@ -26,48 +25,17 @@ from pathlib import Path
 
 import torch
 
-from experiment.config import ConfigError, TrainConfig
+from experiment.config import NAME, BestBy, ConfigError, TrainConfig, parse_best_by  # noqa: F401 (re-exported)
 from experiment.dataloader import DEMO_FILE, Prepared
 from experiment.distributed import Dist, broadcast_object
 from experiment.evaluation import evaluating
 
 DEMO_METRIC = f"{Path(__file__).parent / 'demo_metric.py'}:sums"  # the built-in demo's, unless EVAL_METRIC is set
-NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_./-]{0,63}$")  # fits a TensorBoard tag and a table column
 
 
 class MetricTimeout(BaseException):
     """The metric ran past EVAL_METRIC_SECONDS, or a stop signal came: a BaseException, so that a
     metric's own `except Exception` does not swallow it."""
-
-
-@dataclass(frozen=True)
-class BestBy:
-    """What chooses the best checkpoint: the val loss (name None), or a metric's number; `sign` turns
-    it into a score that is lower for better (-1: higher is better)."""
-    name: str | None = None
-    sign: float = 1.0
-
-    def score(self, val_loss: float, values: dict[str, float] | None) -> float:
-        """Lower is better; +inf when the metric has no number this eval (it never becomes the best)."""
-        if self.name is None:
-            return val_loss
-        if not values or self.name not in values:
-            return math.inf
-        return self.sign * values[self.name]
-
-    def describe(self, score: float) -> str:
-        return "" if self.name is None else f"{self.name} {self.sign * score:.4f}"
-
-
-def parse_best_by(text: str) -> BestBy:
-    """BEST_BY: val_loss, <name> or max:<name> (higher is better), min:<name>."""
-    if text == "val_loss":
-        return BestBy()
-    sign, name = (1.0, text[4:]) if text.startswith("min:") else (-1.0, text.removeprefix("max:"))
-    if not NAME.match(name):
-        raise ConfigError(f"BEST_BY={text!r}: expected val_loss, a metric's name, or min:<name> (letters, digits, "
-                          "_ . / -)")
-    return BestBy(name, sign)
 
 
 def load(spec: str) -> Callable:
@@ -220,3 +188,19 @@ def adopt_best_by(st, best_by: str, log) -> None:
         log(f"metric | BEST_BY was {st.best_by}, now {best_by}: the best checkpoint (step {st.best_step:06d}) "
             "stands until the next eval, which becomes the best")
     st.best_by, st.best_score = best_by, math.inf
+
+
+def at_eval(t, loop) -> dict[str, float] | None:
+    """EVAL_METRIC's numbers for the weights this eval chose (a Trainer and its Loop), measured on rank 0
+    and the same on every rank (BEST_BY may choose by them); None without a metric, or when it failed
+    this time (logged)."""
+    if t.metric is None:
+        return None
+    values, problem = None, None
+    with t.opt.average.swapped_in() if loop.weights == "average" else contextlib.nullcontext():  # a collective
+        if t.d.master:
+            values, problem = measure(t.metric.fn, t.model, t.metric.tok, t.metric.seconds,
+                                      lambda: bool(loop.stop_signal and loop.stop_signal.signum))
+    if problem is not None:
+        t.log(f"step {t.st.step:06d} | metric | {t.metric.spec} {problem}; this eval has no metric")
+    return broadcast_object(values, t.d)

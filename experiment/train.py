@@ -17,7 +17,6 @@ records they share are trainer.py's.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -399,7 +398,7 @@ def maybe_eval(t: Trainer, loop: Loop) -> None:
     better = average is not None and average[0] < raw[0] and step != loop.last_saved_step
     loop.weights = "average" if better else "raw"
     loop.val_loss, val_bpc, by_source = average if loop.weights == "average" else raw
-    values = eval_metric(t, loop)
+    values = metric.at_eval(t, loop)
     loop.score = t.best_by.score(loop.val_loss, values)
     st.last_eval_step, st.last_eval_tokens, loop.last_eval_time = step, st.tokens_seen, time.time()
     if step > 0 and loop.score < st.best_score:
@@ -412,21 +411,6 @@ def maybe_eval(t: Trainer, loop: Loop) -> None:
     if step > 0 and cfg.plateau_evals and loop.end is None:  # the final eval decides nothing
         plateau_check(t, loop)
     st.eval_seconds = max(st.eval_seconds, time.time() - t0)
-
-
-def eval_metric(t: Trainer, loop: Loop) -> dict[str, float] | None:
-    """EVAL_METRIC's numbers for the weights this eval chose, measured on rank 0 and the same on every
-    rank (BEST_BY may choose by them); None without a metric, or when it failed this time (logged)."""
-    if t.metric is None:
-        return None
-    values, problem = None, None
-    with t.opt.average.swapped_in() if loop.weights == "average" else contextlib.nullcontext():  # a collective
-        if t.d.master:
-            values, problem = metric.measure(t.metric.fn, t.model, t.metric.tok, t.metric.seconds,
-                                             lambda: bool(loop.stop_signal and loop.stop_signal.signum))
-    if problem is not None:
-        t.log(f"step {t.st.step:06d} | metric | {t.metric.spec} {problem}; this eval has no metric")
-    return broadcast_object(values, t.d)
 
 
 def finish(t: Trainer, loop: Loop) -> None:
