@@ -1,8 +1,8 @@
 """The trainer's CUDA paths on a real GPU: bf16, compile, the KV cache, bf16 masters, kill -9, SIGTERM.
 
-bf16 autocast, torch.compile, the KV cache, bf16 weights with fp32 master shards across a resume,
-kill -9 during a save, SIGTERM, two ranks sharing one GPU (DIST_BACKEND=gloo) through a SIGTERM and a
-resume. Marked `cuda` and skipped without CUDA. `python -m experiment.tools.bench gpucheck` runs them through
+bf16 autocast, torch.compile, the KV cache, batched and ensemble decoding's batch invariance, bf16
+weights with fp32 master shards across a resume, kill -9 during a save, SIGTERM, two ranks sharing one
+GPU (DIST_BACKEND=gloo) through a SIGTERM and a resume. Marked `cuda` and skipped without CUDA. `python -m experiment.tools.bench gpucheck` runs them through
 pytest; without CUDA it passes --cuda-tests-on-cpu and they run at the same tiny sizes on the CPU.
 """
 
@@ -93,6 +93,27 @@ def test_kv_cache_generation_equals_full_reforward(device):
         model(ids[:, :-1], cache=cache)
         step = model(ids[:, -1:], cache=cache)[0, -1]
     assert torch.allclose(ref, step, atol=1e-3, rtol=1e-3), (ref - step).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_decoding_gives_each_request_what_it_gets_alone_one_model_and_an_ensemble(device, dtype):
+    """The server's guarantee with cuBLAS: a request's tokens do not depend on what is decoded beside
+    it, for one model and for an ensemble of two (each member's decode invariant, the mean row by row).
+    Requests join and leave at random steps; context 32, so caches are rebuilt mid-batch. On CUDA the
+    width is 256, where cuBLAS picks its kernels by the batch's row count."""
+    from test_engine import requests_for, run_schedule
+
+    depth = 4 if device.type == "cuda" else 2
+    models = [_model(device, depth=depth, seq=32, seed=s).to(dtype).eval() for s in (0, 1)]
+    for m in models:
+        with torch.no_grad():
+            m.lm_head.weight.mul_(20)  # peaked enough that greedy and top-k rows are not ties
+    requests = requests_for(4, n=10, longest=60)
+    outs = {}
+    for name, ms in (("one", models[:1]), ("ensemble", models)):
+        outs[name] = run_schedule(ms, requests, 4, seed=4)
+        assert outs[name] == [run_schedule(ms, [r], 1, seed=0)[0] for r in requests], name
+    assert outs["one"] != outs["ensemble"]  # the second member changes what is decoded
 
 
 def _args(tmp_path, device, *extra):

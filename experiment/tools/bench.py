@@ -1,6 +1,6 @@
 """Benchmarks and planners that print numbers (never asserted in tests).
 
-    python -m experiment.tools.bench generate [--checkpoint PATH] [--tokens 1024] [--device auto]
+    python -m experiment.tools.bench generate [--checkpoint PATH] [--tokens 1024] [--device auto] [--batch 8] [--depth 12 --members 2]
     python -m experiment.tools.bench plan --depth 64 --nproc 8 --gpu_mem_gb 80 [--seq 2048] [--device_batch_size 2]
     python -m experiment.tools.bench fitprobe --depth 64 --world 8 --device_batch_sizes 1,2,4 [--seq 2048]
     python -m experiment.tools.bench throughput --depth 4 --seq 256 --batch 8 [--aspect_ratio 64 --head_dim 128]
@@ -17,7 +17,9 @@
 
 generate: tokens/s for N generated tokens with the KV cache and with the naive path (a full forward
 over the last max_seq_len tokens per token), on a checkpoint (default: the newest run's best) or,
-with --depth, on a freshly initialised model of that shape.
+with --depth, on a freshly initialised model of that shape. --batch B: B requests decoded side by side
+through the server's engine.Batch (the server's path), aggregate tokens/s; --members N (with --depth): an ensemble of N
+fresh models, the way `serve --checkpoint A,B` decodes.
 plan: the per-GPU memory breakdown of a configuration in every precision/recompute mode, and the
 largest device batch that fits in each. Nothing is allocated.
 fitprobe: one GPU runs rank 0 of a simulated world (optimizer state only for rank 0's parameters,
@@ -90,6 +92,29 @@ def bench_generate(model: GPT, n_tokens: int, device: torch.device, allowed_voca
         seconds = time.perf_counter() - t0
         results[name] = {"tokens": len(out), "seconds": seconds, "tok_per_s": len(out) / seconds, "ids": out}
     return results
+
+
+def bench_batch(models: list[GPT], n_tokens: int, requests: int, device: torch.device, allowed_vocab: int) -> dict:
+    """Aggregate tokens/s of `requests` generations decoded side by side in one engine.Batch, the
+    server's path: one prompt token each, temperature 1, each with its own generator. `models` of
+    more than one: an ensemble (the mean of their probabilities)."""
+    from experiment.engine import Batch
+
+    def decode(n: int) -> tuple[float, list[list[int]]]:
+        batch = Batch(models, requests, allowed_vocab)
+        ids = {batch.join([0], 1.0, None, torch.Generator().manual_seed(i))[0]: i for i in range(requests)}
+        out = [[] for _ in range(requests)]
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(n - 1):
+            for member, token in batch.step().items():
+                out[ids[member]].append(token)
+        sync(device)
+        return time.perf_counter() - t0, out
+
+    decode(8)  # warm-up
+    seconds, out = decode(n_tokens)
+    return {"tokens": sum(map(len, out)), "seconds": seconds, "tok_per_s": sum(map(len, out)) / seconds, "ids": out}
 
 
 def cmd_plan(args) -> int:
@@ -198,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the weights' dtype")
     g.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     g.add_argument("--naive", type=int, default=1, help="0: the KV-cache path only (the naive one is slow on a big model)")
+    g.add_argument("--members", type=int, default=1, help="with --depth: an ensemble of this many fresh models (seeds 0..)")
+    g.add_argument("--batch", type=int, default=0,
+                   help="N >= 1: N requests decoded side by side through the server's engine.Batch (0: GPT.generate)")
     def shape_flags(p, depth_default=None):
         p.add_argument("--depth", type=int, required=depth_default is None, default=depth_default)
         p.add_argument("--aspect_ratio", type=int, default=64)
@@ -250,12 +278,15 @@ def cmd_generate(args) -> int:
         # A fresh model of the shape a GPU run trains (aspect 64, heads of 128), without the bigram table.
         config = (GPTConfig(vocab_size=128, depth=args.depth, head_dim=128, max_seq_len=args.max_seq_len)
                   if args.depth else None)
+        if args.members < 1 or args.batch < 0 or (args.members > 1 and config is None):
+            raise ValueError("--members is at least 1 and needs --depth above 1; --batch is at least 0")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if config is not None:
-        model = build_model(config, device).eval()
-        source, allowed = f"fresh d{args.depth}", 128
+        # drawn on the device: a d32 drawn on the CPU takes tens of seconds; these weights only time
+        models = [build_model(config, device, seed=i, draw_on_device=True).eval() for i in range(args.members)]
+        source, allowed = f"fresh d{args.depth}" + (f" x{args.members} (ensemble)" if args.members > 1 else ""), 128
     else:
         workspace = Path(args.workspace) if args.workspace else default_workspace()
         try:
@@ -264,14 +295,21 @@ def cmd_generate(args) -> int:
         except ckpt.CheckpointError as e:
             print(f"error: {e} (or pass --depth to bench a fresh model)", file=sys.stderr)
             return 2
-        source, allowed = str(path), meta["tokenizer"]["vocab_used"]
+        models, source, allowed = [model], str(path), meta["tokenizer"]["vocab_used"]
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    model = model.to(DTYPES[args.dtype])
-    c = model.config
+    models = [m.to(DTYPES[args.dtype]) for m in models]
+    model, c = models[0], models[0].config
+    weights = sum(m.num_params() for m in models) * (2 if args.dtype == "bf16" else 4) / 1e9
     print(f"generate | {source} | d{c.depth} width {c.n_embd} ctx {c.max_seq_len} | {model.num_params():,} params | "
           f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} | torch {torch.__version__} "
-          f"| threads {torch.get_num_threads()} | {args.dtype} | weights {model.num_params() * (2 if args.dtype == 'bf16' else 4) / 1e9:.2f} GB")
+          f"| threads {torch.get_num_threads()} | {args.dtype} | weights {weights:.2f} GB")
+    if len(models) > 1 or args.batch:
+        n = max(1, args.batch)
+        r = bench_batch(models, args.tokens, n, device, allowed)
+        print(f"generate | batch {n} | {r['tokens']} tokens in {r['seconds']:.2f}s | {r['tok_per_s']:,.1f} tok/s "
+              f"in all, {r['tok_per_s'] / n:,.1f} per request")
+        return 0
     r = bench_generate(model, args.tokens, device, allowed, bool(args.naive))
     if not args.naive:
         print(f"generate | kv_cache | {r['kv_cache']['tokens']} tokens in {r['kv_cache']['seconds']:.2f}s | "
