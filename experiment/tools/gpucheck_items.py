@@ -29,6 +29,7 @@ from experiment.hardware import free_memory, peak_flops
 from experiment.memory import checkpoint_bytes_per_rank, choose_mode, plan_memory
 from experiment.model import DTYPES, GPTConfig, build_model
 from experiment.optim import LRS, ShardedOptimizer
+from experiment.report import read_records
 from experiment.step import forward_backward, optimizer_step
 from experiment.tools.probes import cpu_matmul_peak, measure_speed, probe_peak_memory, profile_step
 from experiment.saver import Saver
@@ -597,6 +598,12 @@ def _wait_for_line(path: Path, text: str, proc: subprocess.Popen, timeout: float
     return path.exists() and text in path.read_text()
 
 
+def _used_seconds(run_dir: Path) -> float:
+    """The budget seconds a run had used at its last step line (metrics.jsonl), 0 before any."""
+    records = read_records(run_dir / "metrics.jsonl")
+    return max((r["used_seconds"] for r in records if r.get("kind") == "train"), default=0.0)
+
+
 def _done_seconds(log_text: str) -> tuple[float, float] | None:
     """(used, budget) seconds from the last run's "done:" line."""
     for line in reversed(log_text.splitlines()):
@@ -629,7 +636,9 @@ def check_e2e(ctx: Ctx) -> Item:
     ctx.children.append(first)
     try:
         started = _wait_for_line(train_log, " | loss ", first, 900)
-        time.sleep(0.4 * budget if started else 0)
+        # The budget counts the start (compile, the metric's dry call): signal 40% into what is left of
+        # it at the first step line, by the trainer's own clock, so the preemption lands mid-training.
+        time.sleep(0.4 * max(0.0, budget - _used_seconds(run_dir)) if started else 0)
         first.send_signal(signal.SIGTERM)  # to torchrun, which forwards it once to every worker
         first.wait(timeout=600)
     finally:
