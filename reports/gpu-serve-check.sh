@@ -15,7 +15,7 @@ $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_av
 CPUFLAG=(); [ "$SMOKE" = 1 ] && CPUFLAG=(--cuda-tests-on-cpu)
 
 log "1. batch invariance, one model and an ensemble of two, fp32 and bf16"
-timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -k batched_decoding "${CPUFLAG[@]}" -rA 2>&1 | tail -5
+timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "batched_decoding or block_linear" "${CPUFLAG[@]}" -rA 2>&1 | tail -5
 
 log "2. the same test on a mutant: block_linear as one plain F.linear over the batch (must FAIL)"
 rm -rf /tmp/mut && mkdir -p /tmp/mut && cp -r experiment tests /tmp/mut/
@@ -26,7 +26,7 @@ old = "    rows = x.reshape(B, -1)\n"
 assert s.count(old) == 1
 open(p, "w").write(s.replace(old, old + "    return F.linear(rows, layer.weight).view(B, 1, -1)\n"))
 PY
-(cd /tmp/mut && timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -k batched_decoding "${CPUFLAG[@]}" 2>&1 | tail -4)
+(cd /tmp/mut && timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "batched_decoding or block_linear" "${CPUFLAG[@]}" 2>&1 | tail -4)
 
 log "3. decoding tokens/s: one model and an ensemble of two, 1 and 8 requests, bf16 (fresh weights)"
 if [ "$SMOKE" = 1 ]; then SIZES="2:64:64"; DEV=cpu; else SIZES="12:2048:512 32:2048:256"; DEV=cuda; fi

@@ -32,8 +32,8 @@ def device(request) -> torch.device:
     pytest.skip("needs CUDA (gpucheck runs these on the CPU with --cuda-tests-on-cpu)")
 
 
-def _model(device, depth=2, seq=64, seed=0) -> GPT:
-    model = GPT(GPTConfig(vocab_size=64, depth=depth, aspect_ratio=64, head_dim=32, max_seq_len=seq))
+def _model(device, depth=2, seq=64, seed=0, aspect_ratio=64, head_dim=32) -> GPT:
+    model = GPT(GPTConfig(vocab_size=64, depth=depth, aspect_ratio=aspect_ratio, head_dim=head_dim, max_seq_len=seq))
     model.init_weights(seed=seed)
     with torch.no_grad():  # residual outputs start at zero; give the blocks something to compute
         for block in model.blocks:
@@ -100,11 +100,12 @@ def test_batched_decoding_gives_each_request_what_it_gets_alone_one_model_and_an
     """The server's guarantee with cuBLAS: a request's tokens do not depend on what is decoded beside
     it, for one model and for an ensemble of two (each member's decode invariant, the mean row by row).
     Requests join and leave at random steps; context 32, so caches are rebuilt mid-batch. On CUDA the
-    width is 256, where cuBLAS picks its kernels by the batch's row count."""
+    width is d32's 2048 (two layers): at width 256 an H200's cuBLAS gave a plain F.linear's rows the
+    same bits for 1 to 8 rows, so a decode without block_linear passed there."""
     from test_engine import requests_for, run_schedule
 
-    depth = 4 if device.type == "cuda" else 2
-    models = [_model(device, depth=depth, seq=32, seed=s).to(dtype).eval() for s in (0, 1)]
+    shape = dict(depth=2, aspect_ratio=1024, head_dim=128) if device.type == "cuda" else dict(depth=2)
+    models = [_model(device, seq=32, seed=s, **shape).to(dtype).eval() for s in (0, 1)]
     for m in models:
         with torch.no_grad():
             m.lm_head.weight.mul_(20)  # peaked enough that greedy and top-k rows are not ties
@@ -114,6 +115,32 @@ def test_batched_decoding_gives_each_request_what_it_gets_alone_one_model_and_an
         outs[name] = run_schedule(ms, requests, 4, seed=4)
         assert outs[name] == [run_schedule(ms, [r], 1, seed=0)[0] for r in requests], name
     assert outs["one"] != outs["ensemble"]  # the second member changes what is decoded
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_linear_gives_a_row_the_same_bits_in_any_batch_on_the_device(device, dtype):
+    """engine.block_linear, the decode's matmul, bit for bit whatever the batch, at d32's width on CUDA.
+    Prints how many rows a plain F.linear gets otherwise (cuBLAS picks kernels by the row count):
+    the reason block_linear exists, measured."""
+    from experiment.engine import block_linear
+
+    width = 2048 if device.type == "cuda" else 64
+    gen = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(width, width, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(width, width, generator=gen) / width**0.5)
+    layer = layer.to(device, dtype)
+    x = torch.randn(1024, 1, width, generator=gen).to(device, dtype)
+
+    def by_batch(f, b):
+        return torch.cat([f(x[i : i + b]) for i in range(0, len(x), b)])
+
+    blocked = {b: by_batch(lambda r: block_linear(r, layer), b) for b in (1, 2, 7, 64)}
+    plain = {b: by_batch(lambda r: torch.nn.functional.linear(r, layer.weight), b) for b in (1, 2, 7, 64)}
+    differ = {b: int((plain[b] != plain[1]).any(-1).sum()) for b in (2, 7, 64)}
+    print(f"block_linear: {device.type} {dtype}: rows a plain F.linear gets otherwise than alone, by batch: {differ}")
+    for b in (2, 7, 64):
+        assert torch.equal(blocked[b], blocked[1]), b
 
 
 def _args(tmp_path, device, *extra):

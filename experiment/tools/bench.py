@@ -94,15 +94,17 @@ def bench_generate(model: GPT, n_tokens: int, device: torch.device, allowed_voca
     return results
 
 
-def bench_batch(models: list[GPT], n_tokens: int, requests: int, device: torch.device, allowed_vocab: int) -> dict:
+def bench_batch(models: list[GPT], n_tokens: int, requests: int, device: torch.device, allowed_vocab: int,
+                first_seed: int = 0) -> dict:
     """Aggregate tokens/s of `requests` generations decoded side by side in one engine.Batch, the
     server's path: one prompt token each, temperature 1, each with its own generator. `models` of
-    more than one: an ensemble (the mean of their probabilities)."""
+    more than one: an ensemble (the mean of their probabilities). Request i's generator has seed
+    first_seed + i, so a request decoded alone can be matched with its place in a batch."""
     from experiment.engine import Batch
 
     def decode(n: int) -> tuple[float, list[list[int]]]:
         batch = Batch(models, requests, allowed_vocab)
-        ids = {batch.join([0], 1.0, None, torch.Generator().manual_seed(i))[0]: i for i in range(requests)}
+        ids = {batch.join([0], 1.0, None, torch.Generator().manual_seed(first_seed + i))[0]: i for i in range(requests)}
         out = [[] for _ in range(requests)]
         sync(device)
         t0 = time.perf_counter()
@@ -309,6 +311,10 @@ def cmd_generate(args) -> int:
         r = bench_batch(models, args.tokens, n, device, allowed)
         print(f"generate | batch {n} | {r['tokens']} tokens in {r['seconds']:.2f}s | {r['tok_per_s']:,.1f} tok/s "
               f"in all, {r['tok_per_s'] / n:,.1f} per request")
+        if n > 1:  # batch invariance at this size: the batch's last request decoded alone
+            alone = bench_batch(models, args.tokens, 1, device, allowed, first_seed=n - 1)["ids"][0]
+            print(f"generate | request {n - 1} decoded alone: {'the same' if alone == r['ids'][-1] else 'OTHER'} tokens "
+                  f"as in the batch")
         return 0
     r = bench_generate(model, args.tokens, device, allowed, bool(args.naive))
     if not args.naive:

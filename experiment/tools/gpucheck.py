@@ -89,7 +89,7 @@ def run_items(ctx: Ctx, names: list[str], report: Report) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="fewer sizes and a 1-minute end-to-end run")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and a 90-second end-to-end run")
     p.add_argument("--workspace", default=None, help="report and scratch root (default: as WORKSPACE in run.sh)")
     p.add_argument("--only", default=",".join(ITEMS), help=f"comma-separated items of: {', '.join(ITEMS)}")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
