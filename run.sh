@@ -30,7 +30,7 @@ setup_python
 cmd=${1:-train}
 [ $# -gt 0 ] && shift
 if [ "$cmd" = test ]; then
-    exec "$PYTHON" -m pytest tests "$@"
+    exec "$PYTHON" -m pytest tests --durations=40 "$@"  # the slowest 40: what the suite's time goes to
 fi
 if [ "$cmd" = mutate ]; then  # its tester is a test-only dependency: installed here, never by a launch
     "$PYTHON" -c "import cosmic_ray" 2>/dev/null \
