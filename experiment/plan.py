@@ -281,7 +281,50 @@ def plan(cfg: PlanConfig) -> dict:
     recommend_on(p, cfg, rows)
     p["launch"], p["run_dir"] = launch_line(p, cfg, p["recommended_gpus"])
     p["regime"] = regime_plan(p, cfg, rows, best.tok_per_s)
+    p["sweep"] = sweep_plan(p, cfg, gpus, [r["depth"] for r in rungs if r["fits"]], vocab)
     return p
+
+
+# A sweep's regularization around regime.RECIPE's attention dropout (0.2, the first: every depth gets
+# the recipe before any gets another strength), for members whose budget makes them data-limited.
+SWEEP_DROPOUTS = (0.2, 0.1, 0.3)
+
+
+def sweep_plan(p: dict, cfg: PlanConfig, gpus: Gpus, depths: list[int], vocab: int) -> dict | None:
+    """Where one GPU trains the recommended depth's passes within the hours the budget buys the box,
+    a sweep instead of one run over every GPU (docs/sweep.md): one member per GPU, each for the box's
+    whole hours on its own GPU, no gradients between GPUs. The members: the recommended depth and
+    the depths beside it; past regime.PASSES passes (data-limited) each at SWEEP_DROPOUTS' attention
+    dropouts in turn, else each with other seeds (members for an ensemble). None on one GPU."""
+    count, hours = gpus.count, p["budget_hours"]
+    if cfg.hours_available is not None:
+        hours = min(hours, cfg.hours_available)
+    one = next(r for r in p["gpu_table"] if r["gpus"] == 1)
+    if count < 2 or not one["fits"] or one["hours"] > hours:
+        return None
+    i = depths.index(p["depth"])
+    rates = {d: tok_per_s(model_config(d, cfg, vocab), gpus, 1)  # None: does not fit one GPU
+             for d in [p["depth"]] + depths[max(i - 1, 0):i][::-1] + depths[i + 1:i + 2]}  # the pick, below, above
+    passes = {d: r[0] * hours * 3600 / p["train_tokens"] for d, r in rates.items() if r is not None}
+    near = list(passes)
+    members = []
+    for variant in range(count):
+        for d in near:
+            if len(members) == count:
+                break
+            if passes[d] > regime.PASSES:
+                extra = "" if variant == 0 else f"+ATTN_DROPOUT={SWEEP_DROPOUTS[variant]}" if variant < len(SWEEP_DROPOUTS) \
+                    else f"+ATTN_DROPOUT={SWEEP_DROPOUTS[variant % len(SWEEP_DROPOUTS)]}+SEED={variant}"
+            else:
+                extra = "" if variant == 0 else f"+SEED={variant}"
+            members.append(f"DEPTH={d}{extra}")
+    passes = {d: passes[d] for d in near[:count]}  # the depths the members use
+    ddp = next(r for r in p["gpu_table"] if r["gpus"] == count)
+    usd = hours * count * cfg.gpu_hourly_usd
+    budget = f"{max(math.floor(usd * 100) / 100, 0.01):.2f}".rstrip("0").rstrip(".")
+    return {"members": members, "member_hours": hours, "usd": usd, "passes": passes,
+            "single_gpu_hours": one["hours"], "ddp_gpus": count, "ddp_hours": ddp["hours"], "ddp_usd": ddp["usd"],
+            "launch": f"SWEEP={shlex.quote(' '.join(members))} BUDGET_USD={budget} bash experiment/run.sh"}
 
 
 def recommend_on(p: dict, cfg: PlanConfig, rows: list[dict]) -> None:
@@ -345,7 +388,7 @@ def table(p: dict) -> str:
               f"{p['rungs'][-1]['kv_slot_gb']:.2f} GB at d{p['rungs'][-1]['depth']}); CPU ch/s: one request decoding on "
               f"{servemem.CPU_DECODE_MACHINE}, MEASURED at d{' and d'.join(map(str, servemem.CPU_DECODE_TOK_S))}, "
               "* scaled from the nearest by the weights a step multiplies (below d12 an upper bound: a step's fixed costs "
-              "dominate); a GPU decodes far faster",
+              "dominate); an H200 decoded one d12 request at 93 tok/s, eight at 822 (docs/serving.md)",
               f"recommendation | DEPTH={p['depth']} on {p['recommended_gpus']} GPU(s) for {p['hours']:.2f} h "
               f"(${p['usd']:,.0f}) of the launch line's ${p['launch_usd']:,.0f} ({p['launch_hours']:.1f} h on "
               f"{p['recommended_gpus']}); ${p['unspent_usd']:,.0f} unspent",
@@ -353,7 +396,24 @@ def table(p: dict) -> str:
               + ("; stops earlier when val stops improving (the warmdown starts at the val minimum: "
                  "docs/training.md)" if p["stops_at_val_minimum"] else ""),
               f"recommendation | rule: {p['rule']}"] + regime_lines(p)
-    return "\n".join(lines + gpu_lines(p))
+    return "\n".join(lines + gpu_lines(p) + sweep_lines(p))
+
+
+def sweep_lines(p: dict) -> list[str]:
+    sw = p["sweep"]
+    if sw is None:
+        return []
+    passes = ", ".join(f"d{d} {n:.1f}" for d, n in sw["passes"].items())
+    return [f"sweep | one GPU trains d{p['depth']}'s {p['max_passes']:.1f} passes in {sw['single_gpu_hours']:.2f} h, within "
+            f"the box's {sw['member_hours']:.2f} h (the budget's, or HOURS_AVAILABLE if fewer): a sweep spends them on "
+            f"{len(sw['members'])} "
+            f"configurations side by side, one per GPU, each for the whole {sw['member_hours']:.2f} h "
+            f"(${sw['usd']:,.0f} in all; passes each: {passes}, PREDICTED)",
+            "sweep | it measures the size and the regularization on your data, serves the winner, and scores the "
+            "ensembles of the best members (docs/sweep.md); no gradients cross between GPUs",
+            f"sweep | one run over all {sw['ddp_gpus']} GPUs instead: d{p['depth']}'s passes in {sw['ddp_hours']:.2f} h "
+            f"(${sw['ddp_usd']:,.0f}), its gradients all-reduced between GPUs",
+            f"sweep | launch: {sw['launch']}"]
 
 
 def regime_lines(p: dict) -> list[str]:

@@ -45,7 +45,7 @@ SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-}
 
 # Map env overrides to flags; the flag list comes from TrainConfig itself, so the two never drift.
 fields=$("$PYTHON" -c "import dataclasses, experiment.config as c; print(*[f.name for f in dataclasses.fields(c.TrainConfig)])")
-launcher="NPROC_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT MAX_RESTARTS SHUTDOWN_TIMEOUT PREFLIGHT_WAIT_MINUTES PYTHON PYTHON_CHECK ON_EXIT SWEEP SWEEP_TAG SWEEP_PARALLEL"
+launcher="NPROC_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT MAX_RESTARTS SHUTDOWN_TIMEOUT PREFLIGHT_WAIT_MINUTES PYTHON PYTHON_CHECK ON_EXIT SWEEP SWEEP_TAG SWEEP_PARALLEL SWEEP_ENSEMBLE_TOKENS"
 known=" ${fields^^} $launcher "
 for name in "${given[@]}"; do
     if [[ "$known" != *" $name "* ]]; then

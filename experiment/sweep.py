@@ -59,6 +59,8 @@ FIELDS = {f.name.upper(): f.name for f in dataclasses.fields(TrainConfig)}
 OWN = ("MODEL_TAG", "NPROC_PER_NODE", "NNODES", "BUDGET_USD", "TRAINING_HOURS", "WORKSPACE",
        "PREPARED_DIR")  # the sweep sets these itself
 MEMBER_LOCK = ".sweep_member.lock"  # held from a member's start to its end (run.sh's .lock comes later)
+ENSEMBLE_TOKENS = 1 << 20  # val tokens the ensembles are scored on: +-0.001 nats is ~1M tokens' noise
+ENSEMBLE_KS = (2, 4)  # and all the members
 
 
 class SweepError(ConfigError):
@@ -203,10 +205,12 @@ def winner(rows: list[dict]) -> tuple[dict | None, str]:
     return (rows[best], "") if best is not None else (None, "no member has a best checkpoint yet")
 
 
-def write_table(sweep_dir: Path, rows: list[dict], member_hours: float, status: str) -> None:
+def write_table(sweep_dir: Path, rows: list[dict], member_hours: float, status: str,
+                ensembles: dict | None = None) -> None:
     best, why = winner(rows)
     record = {"status": status, "member_hours": member_hours, "members": rows,
-              "winner": best["member"] if best else None, "no_winner": why, "updated": time.time()}
+              "winner": best["member"] if best else None, "no_winner": why, "updated": time.time(),
+              **({"ensembles": ensembles} if ensembles else {})}
     atomic_write_json(sweep_dir / RECORD, record)
     lines = [f"# Sweep: {sweep_dir.name}", "", f"{status} | each member's budget {member_hours:.3f} h | "
              f"updated {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}", "",
@@ -220,7 +224,54 @@ def write_table(sweep_dir: Path, rows: list[dict], member_hours: float, status: 
     by = (best or {}).get("best", {}).get("best_by")
     lines += ["", f"winner: {best['member']} (val loss {best['val_loss']:.4f}" + (f", chosen by {by}" if by else "")
               + f", {best['run_dir']})" if best else f"winner: none ({why})", ""]
+    if ensembles:
+        lines += ensemble_lines(ensembles, rows)
     atomic_write_bytes(sweep_dir / TABLE, "\n".join(lines).encode())
+
+
+def ensemble_lines(e: dict, rows: list[dict]) -> list[str]:
+    """sweep.md's ensembles: each against the best member, on the same val tokens, with its serving cost."""
+    tag = {r["run_dir"]: r["member"] for r in rows}
+
+    def name(path: str) -> str:  # a member's checkpoint lies in its run directory
+        return tag.get(str(Path(path).parent), path)
+
+    lines = [f"Ensembles (`serve --checkpoint A,B,...`: the mean of the members' probabilities), on {e['tokens']:,} "
+             "val tokens:", "", "| model | members | val loss | against the best member | bf16 weights | decode steps a token |",
+             "|---|---|---|---|---|---|"]
+    best = e["members"][0]
+    lines.append(f"| best member | {name(best['path'])} | {best['loss']:.4f} | - | {best['params'] * 2 / 1e9:.2f} GB | 1 |")
+    for x in e["ensembles"]:
+        lines.append(f"| best {x['k']} | {' '.join(name(p) for p in x['members'])} | {x['loss']:.4f} | {x['gain']:+.4f} | "
+                     f"{x['params'] * 2 / 1e9:.2f} GB | {x['k']} |")
+    return lines + [""]
+
+
+def measure_ensembles(sweep: Sweep, rows: list[dict], log) -> dict | None:
+    """The ensembles of the best 2, 4 and all members (experiment/ensembles.py) on SWEEP_ENSEMBLE_TOKENS
+    val tokens, once the members have ended; None when fewer than two members have a best checkpoint,
+    they trained on different data, or it fails (logged: the sweep's own outcome stands)."""
+    usable = [r for r in rows if r.get("best") is not None]
+    if sweep.ensemble_tokens == 0 or len(usable) < 2 or winner(rows)[0] is None:
+        return None
+    import torch
+
+    from experiment.dataloader import Prepared
+    from experiment.distributed import resolve_device
+    from experiment.ensembles import check_same_data, compare
+
+    try:
+        device = resolve_device(sweep.env.get("DEVICE") or "auto")
+        members = ckpt.load_serving(",".join(r["run_dir"] for r in usable), sweep.dir, device,
+                                    torch.bfloat16 if device.type == "cuda" else None)  # as an export serves them
+        check_same_data(members)
+        tokens = Prepared.load(Path(members[0][1]["prepared"]["dir"])).tokens("val")
+        log(f"sweep | the ensembles of the best {', '.join(map(str, ENSEMBLE_KS))} and all {len(members)} members, "
+            f"on {min(len(tokens), sweep.ensemble_tokens):,} val tokens ...")
+        return compare(members, tokens, list(ENSEMBLE_KS), sweep.ensemble_tokens)
+    except Exception as e:  # noqa: BLE001 (a memory error on a big box as much as a missing file)
+        log(f"sweep | ensembles not measured: {type(e).__name__}: {e}")
+        return None
 
 
 def _num(value, digits: int) -> str:
@@ -246,6 +297,7 @@ class Sweep:
     gpu_hourly: float
     lock: object = None  # the sweep directory's flock, held while this process lives
     stopping: bool = False
+    ensemble_tokens: int = ENSEMBLE_TOKENS  # SWEEP_ENSEMBLE_TOKENS; 0: no ensembles
 
 
 def setup(env: dict, log) -> Sweep:
@@ -266,6 +318,12 @@ def setup(env: dict, log) -> Sweep:
         raise SweepError(f"SWEEP_PARALLEL={env['SWEEP_PARALLEL']!r}: a number of members") from None
     if slots < 1 or (cuda and slots > gpus):
         raise SweepError(f"SWEEP_PARALLEL={slots}: at least 1" + (f", at most the {gpus} visible GPUs" if cuda else ""))
+    try:
+        ensemble_tokens = int(env.get("SWEEP_ENSEMBLE_TOKENS") or ENSEMBLE_TOKENS)
+    except ValueError:
+        ensemble_tokens = -1
+    if ensemble_tokens < 0:
+        raise SweepError(f"SWEEP_ENSEMBLE_TOKENS={env['SWEEP_ENSEMBLE_TOKENS']!r}: a number of val tokens, 0 for none")
     visible = (env.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(gpus)))).split(",") if cuda else None
     ignored = [k for k in ("MODEL_TAG", "NPROC_PER_NODE", "NNODES", "PREPARED_DIR") if env.get(k)]
     if ignored:
@@ -278,7 +336,8 @@ def setup(env: dict, log) -> Sweep:
     sweep = Sweep(dir=sweep_dir, tag=tag, members=[Member(member_tag(s), s, sweep_dir / member_tag(s)) for s in settings],
                   env={**env, "WORKSPACE": str(workspace)}, slots=slots, devices=visible[:slots] if cuda else None,
                   member_hours=box_hours(env, gpus if cuda else 1, cuda) / waves,
-                  gpu_hourly=float(env.get("GPU_HOURLY_USD") or TrainConfig.gpu_hourly_usd), lock=take_lock(sweep_dir))
+                  gpu_hourly=float(env.get("GPU_HOURLY_USD") or TrainConfig.gpu_hourly_usd), lock=take_lock(sweep_dir),
+                  ensemble_tokens=ensemble_tokens)
     log(f"sweep | {len(settings)} members in {sweep_dir} | {slots} at a time ({'GPUs ' + ','.join(sweep.devices) if cuda else 'CPU'}) "
         f"| {waves} wave(s) of {sweep.member_hours:.3f} h each")
     for m in sweep.members:
@@ -490,7 +549,9 @@ def main() -> int:
         status = run(sweep, log)
     finally:  # whatever ends the loop, the table and ON_EXIT still come
         rows = [member_row(m, sweep.gpu_hourly) for m in sweep.members]
-        write_table(sweep.dir, rows, sweep.member_hours, status)
+        # not when stopped: a stop signal (a preemption) leaves minutes, which the members' saves need
+        ensembles = measure_ensembles(sweep, rows, log) if status != "stopped" else None
+        write_table(sweep.dir, rows, sweep.member_hours, status, ensembles)
         log(f"sweep | {status} | {sweep.dir / TABLE}:")
         log((sweep.dir / TABLE).read_text().rstrip())
         on_exit(sweep, status, rows, log)

@@ -86,6 +86,37 @@ def test_the_plan_says_the_regime_of_the_launch_lines_run():
     assert "at most 4: the trainer's defaults are ATTN_DROPOUT=0, AVERAGE=none" in regime_lines(few)[0]
 
 
+def test_the_plan_proposes_a_sweep_where_one_gpu_trains_the_pick_within_the_boxs_hours(monkeypatch):
+    """The seed user's box: one GPU trains d32's 8 passes in 20.9 h of the 31.25 h $1000 buys on 8, so
+    the plan proposes 8 members, one per GPU for the box's whole hours: d32 and the depths beside it,
+    each with the recipe, then with the other attention dropouts; the single DDP run's price beside."""
+    from experiment import sweep
+
+    p = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", budget_usd=1000))
+    sw, one = p["sweep"], next(r for r in p["gpu_table"] if r["gpus"] == 1)
+    assert sw["single_gpu_hours"] == one["hours"] < sw["member_hours"] == pytest.approx(31.25)
+    assert sw["usd"] == pytest.approx(1000) and (sw["ddp_hours"], sw["ddp_usd"]) == (p["gpu_table"][-1]["hours"],
+                                                                                  p["gpu_table"][-1]["usd"])
+    assert sw["members"][:4] == ["DEPTH=32", "DEPTH=24", "DEPTH=40", "DEPTH=32+ATTN_DROPOUT=0.1"]
+    assert len(set(sw["members"])) == 8 and list(sw["passes"]) == [32, 24, 40]
+    assert sw["passes"][32] == pytest.approx(one["tok_per_s"] * 31.25 * 3600 / p["train_tokens"])  # d32 on one GPU
+    members = sweep.parse_members(sw["launch"].split("'")[1])  # the launch line's SWEEP parses as the sweep reads it
+    assert len(members) == 8 and sw["launch"].endswith("BUDGET_USD=1000 bash experiment/run.sh")
+    text = table_of(p)
+    assert "sweep | one GPU trains d32's 8.0 passes in 20.88 h, within the box's 31.25 h" in text and sw["launch"] in text
+    # None where it does not fit: one GPU, a budget whose hours one GPU cannot train the pick in, HOURS_AVAILABLE
+    assert plan(PlanConfig(tokens=350_000_000, gpus="1xH100-PCIe", budget_usd=1000))["sweep"] is None
+    assert plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", budget_usd=100))["sweep"] is None
+    assert plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", budget_usd=1000, hours_available=20))["sweep"] is None
+    assert "sweep |" not in table_of(plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", budget_usd=100)))
+    two = plan(PlanConfig(tokens=350_000_000, gpus="2xH100-PCIe", budget_usd=300))["sweep"]
+    assert two["members"] == ["DEPTH=32", "DEPTH=24"] and list(two["passes"]) == [32, 24]
+    # Members that see their data at most regime.PASSES times get no regularizer: other seeds instead.
+    monkeypatch.setattr("experiment.regime.PASSES", 1000)
+    seeds = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", budget_usd=1000))["sweep"]["members"]
+    assert seeds[:4] == ["DEPTH=32", "DEPTH=24", "DEPTH=40", "DEPTH=32+SEED=1"] and "ATTN" not in " ".join(seeds)
+
+
 def test_the_data_is_counted_in_characters_streamed(tmp_path):
     data = tmp_path / "data"
     (data / "sub").mkdir(parents=True)

@@ -1,15 +1,17 @@
 """SWEEP: several runs side by side from one launcher command, their table and winner, a failing
 member, a second sweep refused, and the same command after a kill."""
 
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import ENV, REPO, write_corpus
+from conftest import ENV, REPO, TINY, run_train, write_corpus
 
 from experiment import checkpoint as ckpt
 from experiment import sweep
@@ -55,7 +57,8 @@ def test_a_sweep_trains_its_members_side_by_side_reports_a_winner_and_a_failing_
     members = f"DEPTH=1+SEED=3 DEPTH=2+SEED=3 DEPTH=2+EVAL_METRIC={bad}:f"
     marker = tmp_path / "on_exit.txt"
     on_exit = f'echo "$RUN_STATUS $BEST_VAL_LOSS $RUN_DIR" >> {marker}'
-    proc = launch(tmp_path, members, {"MAX_STEPS": "6", "SWEEP_PARALLEL": "2", "ON_EXIT": on_exit})
+    proc = launch(tmp_path, members, {"MAX_STEPS": "6", "SWEEP_PARALLEL": "2", "ON_EXIT": on_exit,
+                                      "SWEEP_ENSEMBLE_TOKENS": "512"})  # the trainer's own eval windows
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # a member failed
     sweep_dir = tmp_path / "ws/checkpoints/sweep"
     record = json.loads((sweep_dir / "sweep.json").read_text())
@@ -71,14 +74,25 @@ def test_a_sweep_trains_its_members_side_by_side_reports_a_winner_and_a_failing_
     assert "3 members in" in proc.stdout and "2 at a time (CPU) | 2 wave(s) of 0.500 h each" in proc.stdout
     table = (sweep_dir / "sweep.md").read_text()
     assert f"| {record['winner']} **winner** |" in table and "| failed |" in table and table in proc.stdout + "\n"
+    # The ensemble of the two finished members, on the windows the trainer evaluated (EVAL_TOKENS=512):
+    # each member's loss there is its served val loss, and the mean of two members' probabilities is
+    # never worse than their mean loss (Jensen), nor equal to the best member's.
+    e = record["ensembles"]
+    assert e["tokens"] == 512 - 512 % 32 and [m["loss"] for m in e["members"]] == pytest.approx(
+        sorted(r["val_loss"] for r in good), abs=1e-4)
+    [pair] = e["ensembles"]
+    assert pair["k"] == 2 and pair["loss"] < sum(r["val_loss"] for r in good) / 2 and pair["loss"] != e["members"][0]["loss"]
+    assert pair["gain"] == pytest.approx(pair["loss"] - e["members"][0]["loss"])
+    assert f"| best 2 | {record['winner']} " in table and f"| {pair['loss']:.4f} | {pair['gain']:+.4f} |" in table
     # ON_EXIT once, for the sweep, with the winner's loss
     assert marker.read_text() == f"failed {best['val_loss']:.6f} {sweep_dir}\n"
     # serve and sample given the sweep directory use the winner's best
     assert ckpt.resolve_serving_checkpoint(sweep_dir, tmp_path) == ckpt.resolve_serving_checkpoint(
         sweep_dir / record["winner"], tmp_path)
     # The same command again: the finished members are skipped, the failed one is tried again.
-    again = launch(tmp_path, members, {"MAX_STEPS": "6", "SWEEP_PARALLEL": "2"})
+    again = launch(tmp_path, members, {"MAX_STEPS": "6", "SWEEP_PARALLEL": "2", "SWEEP_ENSEMBLE_TOKENS": "0"})
     assert again.returncode == 1 and "d1-seed3 started" not in again.stdout and "d2-seed3 started" not in again.stdout
+    assert "ensembles" not in json.loads((sweep_dir / "sweep.json").read_text())  # 0: none measured
     assert f"{failed['member']} started on CPU" in again.stdout
 
 
@@ -94,6 +108,8 @@ def test_a_bad_member_stops_the_sweep_before_any_member_starts_and_a_second_swee
     fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
     proc = launch(tmp_path, "DEPTH=2", {"MAX_STEPS": "6"})
     assert proc.returncode == 2 and "is in use by a running sweep" in proc.stderr
+    proc = launch(tmp_path, "DEPTH=2", {"MAX_STEPS": "6", "SWEEP_ENSEMBLE_TOKENS": "-1"})
+    assert proc.returncode == 2 and "SWEEP_ENSEMBLE_TOKENS='-1': a number of val tokens" in proc.stderr
     held.close()
 
 
@@ -153,3 +169,52 @@ def test_a_members_status_comes_from_its_own_launchs_last_words_and_the_winner_f
     assert sweep._recorded_slot(run_dir, ["2", "3"]) == 1 and sweep._recorded_slot(run_dir, ["0", "1"]) == -1
     (run_dir / sweep.SLOT_FILE).write_text("cpu\n")
     assert sweep._recorded_slot(run_dir, None) == 0 and sweep._recorded_slot(tmp_path, None) == -1
+
+
+def test_the_ensembles_of_the_best_members_are_scored_on_the_trainers_windows(tmp_path):
+    """measure_ensembles, without a sweep around it: two finished runs and one without a checkpoint.
+    Each member's loss on the trainer's eval windows is its served val loss; the pair's is the mean of
+    their probabilities, computed here independently; none when it cannot compare or fails."""
+    import torch
+
+    from experiment.batches import val_batches
+    from experiment.dataloader import Prepared
+
+    corpus = write_corpus(tmp_path)
+    ws = tmp_path / "ws"
+    for tag, extra in (("a", ["--seed", "1"]), ("b", ["--seed", "2", "--depth", "1"])):
+        run_train([*TINY, "--data_dir", corpus, "--workspace", ws, "--model_tag", tag, "--max_steps", "4",
+                   "--eval_every_steps", "2", "--compile", "off", "--total_batch_size", "256", *extra])
+    (ws / "checkpoints/c").mkdir()
+    rows = [sweep.member_row(sweep.Member(t, {"SEED": t}, ws / "checkpoints" / t), 4.0) for t in "abc"]
+    lines = []
+    sw = sweep.Sweep(dir=ws / "checkpoints", tag="t", members=[], env={}, slots=1, devices=None, member_hours=1.0,
+                     gpu_hourly=4.0, ensemble_tokens=512)
+    e = sweep.measure_ensembles(sw, rows, lines.append)
+    good = sorted(rows[:2], key=lambda r: r["val_loss"])
+    assert e["tokens"] == 512 and [m["loss"] for m in e["members"]] == pytest.approx([r["val_loss"] for r in good], abs=1e-5)
+    assert [m["path"] for m in e["members"]] == [str(ckpt.resolve_serving_checkpoint(Path(r["run_dir"]), ws))
+                                                 for r in good]
+    (a, meta), (b, _) = (ckpt.load_model(Path(m["path"])) for m in e["members"])
+    members, prepared = [a, b], Path(meta["prepared"]["dir"])
+    tokens = Prepared.load(prepared).tokens("val")
+    nll = []
+    with torch.no_grad():
+        for x, y in val_batches(tokens, 32, 4, 512):
+            p = sum(m(x).softmax(-1) for m in members) / 2
+            nll.append(-p.gather(-1, y[..., None]).log().flatten())
+    [pair] = e["ensembles"]
+    assert pair["k"] == 2 and pair["loss"] == pytest.approx(torch.cat(nll).double().mean().item(), abs=1e-6)
+    assert pair["gain"] == pytest.approx(pair["loss"] - e["members"][0]["loss"])
+    assert pair["params"] == sum(m.num_params() for m in members) and pair["members"] == [m["path"] for m in e["members"]]
+    assert lines == ["sweep | the ensembles of the best 2, 4 and all 2 members, on 512 val tokens ..."]
+    table = "\n".join(sweep.ensemble_lines(e, rows))
+    assert f"| best member | {good[0]['member']} | {e['members'][0]['loss']:.4f} | - | " in table
+    assert (f"| best 2 | {good[0]['member']} {good[1]['member']} | {pair['loss']:.4f} | {pair['gain']:+.4f} | "
+            f"{pair['params'] * 2 / 1e9:.2f} GB | 2 |") in table and "on 512 val tokens" in table
+    # None: SWEEP_ENSEMBLE_TOKENS=0, one member with a checkpoint, members of other data, a failure
+    assert sweep.measure_ensembles(dataclasses.replace(sw, ensemble_tokens=0), rows, lines.append) is None
+    assert sweep.measure_ensembles(sw, rows[:1] + rows[2:], lines.append) is None
+    assert sweep.measure_ensembles(sw, [rows[0], {**rows[1], "data": "other"}], lines.append) is None
+    prepared.rename(tmp_path / "gone")  # the members' data is not where they were trained
+    assert sweep.measure_ensembles(sw, rows, lines.append) is None and lines[-1].startswith("sweep | ensembles not measured: ")

@@ -15,35 +15,15 @@ ensemble; a checkpoint or data it cannot use exits 2 with one line naming it.
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
-import torch
 
 from experiment import checkpoint as ckpt
-from experiment.batches import val_batches
 from experiment.dataloader import Prepared
 from experiment.distributed import resolve_device
+from experiment.ensembles import check_same_data, compare
 from experiment.files import default_workspace
-
-
-@torch.no_grad()
-def token_logprobs(models: list, tokens, seq_len: int, batch_size: int = 2) -> list[torch.Tensor]:
-    """Per model, the log-probability of each target token over every whole val window (1-D, fp32)."""
-    out = [[] for _ in models]
-    for x, y in val_batches(tokens, seq_len, batch_size, len(tokens)):
-        for i, model in enumerate(models):
-            x_, y_ = x.to(model.wte.weight.device), y.to(model.wte.weight.device)
-            logp = model(x_).log_softmax(-1)
-            out[i].append(logp.gather(-1, y_[..., None])[..., 0].flatten().cpu())
-    return [torch.cat(parts) for parts in out]
-
-
-def ensemble_loss(logprobs: list[torch.Tensor]) -> float:
-    """Mean negative log of the members' mean probability of each target token (nats/token)."""
-    mixed = torch.logsumexp(torch.stack(logprobs), dim=0) - math.log(len(logprobs))
-    return -mixed.double().mean().item()
 
 
 def add_arguments(p) -> None:
@@ -58,11 +38,8 @@ def load(args) -> tuple[list, Prepared]:
     """The members and their val data; ValueError naming what cannot be used."""
     workspace = Path(args.workspace) if args.workspace else default_workspace()
     members = ckpt.load_serving(",".join(map(str, args.checkpoints)), workspace, resolve_device(args.device))
-    (first_model, first, first_path) = members[0]
-    for model, meta, path in members[1:]:
-        if meta["prepared"]["hash"] != first["prepared"]["hash"] or model.config.max_seq_len != first_model.config.max_seq_len:
-            raise ValueError(f"{path} was prepared from other data or has another context than {first_path}: "
-                             "their val losses would not compare")
+    check_same_data(members)
+    first = members[0][1]
     directory = Path(args.prepared_dir or first["prepared"]["dir"])
     try:
         prepared = Prepared.load(directory)
@@ -79,16 +56,12 @@ def main(args) -> int:
     except (ValueError, ckpt.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tokens, seq = prepared.tokens("val"), members[0][0].config.max_seq_len
-    logprobs = token_logprobs([m for m, _, _ in members], tokens, seq)
-    singles = sorted(((-lp.double().mean().item(), i) for i, lp in enumerate(logprobs)))
-    print(f"ensemble | {len(logprobs[0]):,} val tokens, every whole {seq}-token window of {prepared.dir}")
-    for loss, i in singles:
-        print(f"ensemble | member {members[i][2]}: {loss:.4f}")
-    best = singles[0][0]
-    for k in sorted({k for k in args.k if 2 <= k < len(members)} | {len(members)}):
-        if k < 2:
-            continue
-        loss = ensemble_loss([logprobs[i] for _, i in singles[:k]])
-        print(f"ensemble | best {k}: {loss:.4f} ({loss - best:+.4f} against the best member)")
+    tokens = prepared.tokens("val")
+    r = compare(members, tokens, args.k, len(tokens))
+    print(f"ensemble | {r['tokens']:,} val tokens, every whole {members[0][0].config.max_seq_len}-token window "
+          f"of {prepared.dir}")
+    for m in r["members"]:
+        print(f"ensemble | member {m['path']}: {m['loss']:.4f}")
+    for e in r["ensembles"]:
+        print(f"ensemble | best {e['k']}: {e['loss']:.4f} ({e['gain']:+.4f} against the best member)")
     return 0

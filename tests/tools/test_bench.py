@@ -232,7 +232,7 @@ def test_ensemble_loss_is_the_loss_of_the_mean_probability():
 
     import torch
 
-    from experiment.tools.ensemble import ensemble_loss
+    from experiment.ensembles import ensemble_loss
     a, b = torch.log(torch.tensor([0.5, 0.25])), torch.log(torch.tensor([0.1, 0.75]))
     assert ensemble_loss([a, b]) == pytest.approx(-(math.log(0.3) + math.log(0.5)) / 2)
     assert ensemble_loss([a, a]) == pytest.approx(-a.double().mean().item())
