@@ -240,11 +240,16 @@ def ensemble_lines(e: dict, rows: list[dict]) -> list[str]:
              "val tokens:", "", "| model | members | val loss | against the best member | bf16 weights | decode steps a token |",
              "|---|---|---|---|---|---|"]
     best = e["members"][0]
-    lines.append(f"| best member | {name(best['path'])} | {best['loss']:.4f} | - | {best['params'] * 2 / 1e9:.2f} GB | 1 |")
+    lines.append(f"| best member | {name(best['path'])} | {best['loss']:.4f} | - | {_bf16_size(best['params'])} | 1 |")
     for x in e["ensembles"]:
         lines.append(f"| best {x['k']} | {' '.join(name(p) for p in x['members'])} | {x['loss']:.4f} | {x['gain']:+.4f} | "
-                     f"{x['params'] * 2 / 1e9:.2f} GB | {x['k']} |")
+                     f"{_bf16_size(x['params'])} | {x['k']} |")
     return lines + [""]
+
+
+def _bf16_size(params: int) -> str:
+    size = params * 2
+    return f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
 
 
 def measure_ensembles(sweep: Sweep, rows: list[dict], log) -> dict | None:
@@ -318,12 +323,7 @@ def setup(env: dict, log) -> Sweep:
         raise SweepError(f"SWEEP_PARALLEL={env['SWEEP_PARALLEL']!r}: a number of members") from None
     if slots < 1 or (cuda and slots > gpus):
         raise SweepError(f"SWEEP_PARALLEL={slots}: at least 1" + (f", at most the {gpus} visible GPUs" if cuda else ""))
-    try:
-        ensemble_tokens = int(env.get("SWEEP_ENSEMBLE_TOKENS") or ENSEMBLE_TOKENS)
-    except ValueError:
-        ensemble_tokens = -1
-    if ensemble_tokens < 0:
-        raise SweepError(f"SWEEP_ENSEMBLE_TOKENS={env['SWEEP_ENSEMBLE_TOKENS']!r}: a number of val tokens, 0 for none")
+    ensemble_tokens = parse_ensemble_tokens(env)
     visible = (env.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(gpus)))).split(",") if cuda else None
     ignored = [k for k in ("MODEL_TAG", "NPROC_PER_NODE", "NNODES", "PREPARED_DIR") if env.get(k)]
     if ignored:
@@ -350,6 +350,14 @@ def setup(env: dict, log) -> Sweep:
         else:
             m.prepared = preflight_member(sweep, m, log)
     return sweep
+
+
+def parse_ensemble_tokens(env: dict) -> int:
+    """SWEEP_ENSEMBLE_TOKENS: val tokens the ensembles are scored on (unset: ENSEMBLE_TOKENS; 0: none)."""
+    text = env.get("SWEEP_ENSEMBLE_TOKENS") or str(ENSEMBLE_TOKENS)
+    if not text.isdigit():
+        raise SweepError(f"SWEEP_ENSEMBLE_TOKENS={text!r}: a number of val tokens, 0 for none")
+    return int(text)
 
 
 def _recorded_slot(run_dir: Path, devices: list[str] | None) -> int:
@@ -544,13 +552,15 @@ def main() -> int:
     except ConfigError as e:  # SweepError and the members' pre-flight errors, named
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    status = "failed"
+    status, ended = "failed", False
     try:
         status = run(sweep, log)
+        ended = True
     finally:  # whatever ends the loop, the table and ON_EXIT still come
         rows = [member_row(m, sweep.gpu_hourly) for m in sweep.members]
-        # not when stopped: a stop signal (a preemption) leaves minutes, which the members' saves need
-        ensembles = measure_ensembles(sweep, rows, log) if status != "stopped" else None
+        # Only once the members have ended on their own: not after a stop signal (a preemption leaves
+        # minutes, which the members' saves need), nor while an error unwinds.
+        ensembles = measure_ensembles(sweep, rows, log) if ended and status != "stopped" else None
         write_table(sweep.dir, rows, sweep.member_hours, status, ensembles)
         log(f"sweep | {status} | {sweep.dir / TABLE}:")
         log((sweep.dir / TABLE).read_text().rstrip())

@@ -54,6 +54,7 @@ TESTS = {
     "experiment/checkpoint.py": "tests/test_server.py -k 'ensemble or cli' tests/test_checkpoint.py",
     "experiment/metric.py": "tests/test_metric.py -k 'not sweep and not demo and not best_by_a_metric and not cannot_run'",
     "experiment/sweep.py": "tests/test_sweep.py",
+    "experiment/ensembles.py": "tests/test_sweep.py tests/tools/test_bench.py -k ensemble",
     "experiment/dataloader.py": "tests/test_dataloader.py",
     "experiment/config.py": "tests/test_regularize.py tests/test_train.py::test_settings_that_cannot_work_are_named "
                             "tests/test_train.py::test_cpu_learning_rates_follow_the_depth_and_a_given_one_is_kept",

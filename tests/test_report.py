@@ -1,7 +1,6 @@
 """The run report: metrics.jsonl, report.md and loss.svg written by the trainer, across a resume, with EVAL_PROMPT."""
 
 import json
-import math
 import xml.etree.ElementTree as ET
 
 from conftest import TINY, run_train

@@ -48,6 +48,13 @@ def test_members_parse_to_settings_and_tags_and_the_budget_counts_the_box():
     assert sweep.box_hours({"TRAINING_HOURS": "3"}, 8, True) == 3
     with pytest.raises(sweep.SweepError, match="both set"):
         sweep.box_hours({"BUDGET_USD": "1", "TRAINING_HOURS": "1"}, 1, False)
+    # SWEEP_ENSEMBLE_TOKENS
+    assert sweep.parse_ensemble_tokens({}) == sweep.ENSEMBLE_TOKENS == 1 << 20
+    assert sweep.parse_ensemble_tokens({"SWEEP_ENSEMBLE_TOKENS": ""}) == 1 << 20  # set empty: the default
+    assert [sweep.parse_ensemble_tokens({"SWEEP_ENSEMBLE_TOKENS": v}) for v in ("0", "512")] == [0, 512]
+    for bad in ("1e6", "x", " 5"):
+        with pytest.raises(sweep.SweepError, match="a number of val tokens, 0 for none"):
+            sweep.parse_ensemble_tokens({"SWEEP_ENSEMBLE_TOKENS": bad})
 
 
 def test_a_sweep_trains_its_members_side_by_side_reports_a_winner_and_a_failing_member(tmp_path):
@@ -211,7 +218,8 @@ def test_the_ensembles_of_the_best_members_are_scored_on_the_trainers_windows(tm
     table = "\n".join(sweep.ensemble_lines(e, rows))
     assert f"| best member | {good[0]['member']} | {e['members'][0]['loss']:.4f} | - | " in table
     assert (f"| best 2 | {good[0]['member']} {good[1]['member']} | {pair['loss']:.4f} | {pair['gain']:+.4f} | "
-            f"{pair['params'] * 2 / 1e9:.2f} GB | 2 |") in table and "on 512 val tokens" in table
+            f"{pair['params'] * 2 / 1e6:.1f} MB | 2 |") in table and "on 512 val tokens" in table
+    assert sweep._bf16_size(50_000_000) == "0.10 GB" and sweep._bf16_size(49_999_999) == "100.0 MB"
     # None: SWEEP_ENSEMBLE_TOKENS=0, one member with a checkpoint, members of other data, a failure
     assert sweep.measure_ensembles(dataclasses.replace(sw, ensemble_tokens=0), rows, lines.append) is None
     assert sweep.measure_ensembles(sw, rows[:1] + rows[2:], lines.append) is None
