@@ -78,6 +78,7 @@ def test_a_sweep_trains_its_members_side_by_side_reports_a_winner_and_a_failing_
     assert record["winner"] == min(good, key=lambda r: r["val_loss"])["member"]
     best = rows[record["winner"]]
     assert best["val_loss"] == ckpt.read_best(sweep_dir / record["winner"])["val_loss"] and best["passes"] > 0
+    assert best["usd"] == pytest.approx(best["hours"] * 4.0) and best["hours"] > 0  # GPU_HOURLY_USD's default
     assert "3 members in" in proc.stdout and "2 at a time (CPU) | 2 wave(s) of 0.500 h each" in proc.stdout
     table = (sweep_dir / "sweep.md").read_text()
     assert f"| {record['winner']} **winner** |" in table and "| failed |" in table and table in proc.stdout + "\n"
@@ -220,9 +221,40 @@ def test_the_ensembles_of_the_best_members_are_scored_on_the_trainers_windows(tm
     assert (f"| best 2 | {good[0]['member']} {good[1]['member']} | {pair['loss']:.4f} | {pair['gain']:+.4f} | "
             f"{pair['params'] * 2 / 1e6:.1f} MB | 2 |") in table and "on 512 val tokens" in table
     assert sweep._bf16_size(50_000_000) == "0.10 GB" and sweep._bf16_size(49_999_999) == "100.0 MB"
+    assert sweep._bf16_size(1_610_000_000) == "3.22 GB"
+    # three members (the worse one twice): the best 2 (the pair again) and all 3
+    three = sweep.measure_ensembles(sw, rows + [good[1]], lines.append)
+    assert [x["k"] for x in three["ensembles"]] == [2, 3] and three["ensembles"][0]["loss"] == pytest.approx(pair["loss"])
     # None: SWEEP_ENSEMBLE_TOKENS=0, one member with a checkpoint, members of other data, a failure
     assert sweep.measure_ensembles(dataclasses.replace(sw, ensemble_tokens=0), rows, lines.append) is None
     assert sweep.measure_ensembles(sw, rows[:1] + rows[2:], lines.append) is None
     assert sweep.measure_ensembles(sw, [rows[0], {**rows[1], "data": "other"}], lines.append) is None
+    sweep.write_table(tmp_path, rows, 1.0, "finished", e)  # sweep.json holds them, sweep.md shows them
+    record = json.loads((tmp_path / sweep.RECORD).read_text())
+    assert record["ensembles"] == e and record["winner"] == good[0]["member"] and "| best 2 |" in (tmp_path / sweep.TABLE).read_text()
+    sweep.write_table(tmp_path, rows, 1.0, "finished", None)
+    assert "ensembles" not in json.loads((tmp_path / sweep.RECORD).read_text())
+    assert "Ensembles" not in (tmp_path / sweep.TABLE).read_text()
     prepared.rename(tmp_path / "gone")  # the members' data is not where they were trained
     assert sweep.measure_ensembles(sw, rows, lines.append) is None and lines[-1].startswith("sweep | ensembles not measured: ")
+
+
+def test_the_ensembles_come_only_when_the_members_ended_on_their_own(monkeypatch, tmp_path):
+    """Not after a stop signal (a preemption's minutes are the saves'), nor while an error unwinds;
+    the table is written whatever ends the loop."""
+    sw = sweep.Sweep(dir=tmp_path, tag="t", members=[], env={}, slots=1, devices=None, member_hours=1.0, gpu_hourly=4.0)
+    calls = []
+    monkeypatch.setattr(sweep, "setup", lambda env, log: sw)
+    monkeypatch.setattr(sweep, "measure_ensembles", lambda *args: calls.append(args[0]))
+
+    def broken(s, log):
+        raise RuntimeError("the loop broke")
+
+    monkeypatch.setattr(sweep, "run", broken)
+    with pytest.raises(RuntimeError, match="the loop broke"):
+        sweep.main()
+    assert calls == [] and json.loads((tmp_path / sweep.RECORD).read_text())["status"] == "failed"
+    for status, code, measured in (("stopped", 0, False), ("finished", 0, True), ("failed", 1, True)):
+        calls.clear()
+        monkeypatch.setattr(sweep, "run", lambda s, log, status=status: status)
+        assert sweep.main() == code and calls == ([sw] if measured else []), status
