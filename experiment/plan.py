@@ -231,15 +231,26 @@ def launch_line(p: dict, cfg: PlanConfig, count: int) -> tuple[str, str]:
     usd = launch_budget(p, cfg, count)[1]
     nodes = {"NNODES": count // GPUS_PER_NODE} if count > GPUS_PER_NODE else {}  # and NODE_RANK, MASTER_ADDR
     settings = {**nodes, "NPROC_PER_NODE": min(count, GPUS_PER_NODE), "DEPTH": p["depth"],
-                "BUDGET_USD": f"{max(math.floor(usd * 100) / 100, 0.01):.2f}".rstrip("0").rstrip(".")}  # cents, never above
+                "BUDGET_USD": _cents(usd), **planned_settings(cfg)}
+    return _shell(settings), f"$WORKSPACE/checkpoints/d{p['depth']}"
+
+
+def planned_settings(cfg: PlanConfig) -> dict:
+    """Every planned setting that is not the trainer's default: a launch line carries them."""
     defaults = {f.name: f.default for f in dataclasses.fields(PlanConfig)}
-    for name in ("tokenizer", "alphabet", "val_fraction", "gpu_hourly_usd", "keep_last"):
-        if getattr(cfg, name) != defaults[name]:
-            settings[name.upper()] = getattr(cfg, name)
+    settings = {name.upper(): getattr(cfg, name) for name in ("tokenizer", "alphabet", "val_fraction", "gpu_hourly_usd",
+                                                              "keep_last") if getattr(cfg, name) != defaults[name]}
     if cfg.max_seq_len != CUDA_DEFAULTS["max_seq_len"]:
         settings["MAX_SEQ_LEN"] = cfg.max_seq_len
-    line = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in settings.items())
-    return line + " bash experiment/run.sh", f"$WORKSPACE/checkpoints/d{p['depth']}"
+    return settings
+
+
+def _cents(usd: float) -> str:
+    return f"{max(math.floor(usd * 100) / 100, 0.01):.2f}".rstrip("0").rstrip(".")  # cents, never above
+
+
+def _shell(settings: dict) -> str:
+    return " ".join(f"{k}={shlex.quote(str(v))}" for k, v in settings.items()) + " bash experiment/run.sh"
 
 
 def plan(cfg: PlanConfig) -> dict:
@@ -295,12 +306,13 @@ def sweep_plan(p: dict, cfg: PlanConfig, gpus: Gpus, depths: list[int], vocab: i
     a sweep instead of one run over every GPU (docs/sweep.md): one member per GPU, each for the box's
     whole hours on its own GPU, no gradients between GPUs. The members: the recommended depth and
     the depths beside it; past regime.PASSES passes (data-limited) each at SWEEP_DROPOUTS' attention
-    dropouts in turn, else each with other seeds (members for an ensemble). None on one GPU."""
+    dropouts in turn, else each with other seeds (members for an ensemble). None on one GPU, or on
+    more than one box's GPUs (a sweep runs on one box)."""
     count, hours = gpus.count, p["budget_hours"]
     if cfg.hours_available is not None:
         hours = min(hours, cfg.hours_available)
     one = next(r for r in p["gpu_table"] if r["gpus"] == 1)
-    if count < 2 or not one["fits"] or one["hours"] > hours:
+    if not 2 <= count <= GPUS_PER_NODE or not one["fits"] or one["hours"] > hours:  # a sweep runs on one box
         return None
     i = depths.index(p["depth"])
     rates = {d: tok_per_s(model_config(d, cfg, vocab), gpus, 1)  # None: does not fit one GPU
@@ -321,10 +333,10 @@ def sweep_plan(p: dict, cfg: PlanConfig, gpus: Gpus, depths: list[int], vocab: i
     passes = {d: passes[d] for d in near[:count]}  # the depths the members use
     ddp = next(r for r in p["gpu_table"] if r["gpus"] == count)
     usd = hours * count * cfg.gpu_hourly_usd
-    budget = f"{max(math.floor(usd * 100) / 100, 0.01):.2f}".rstrip("0").rstrip(".")
+    launch = _shell({"SWEEP": " ".join(members), "BUDGET_USD": _cents(usd), **planned_settings(cfg)})
     return {"members": members, "member_hours": hours, "usd": usd, "passes": passes,
             "single_gpu_hours": one["hours"], "ddp_gpus": count, "ddp_hours": ddp["hours"], "ddp_usd": ddp["usd"],
-            "launch": f"SWEEP={shlex.quote(' '.join(members))} BUDGET_USD={budget} bash experiment/run.sh"}
+            "launch": launch}
 
 
 def recommend_on(p: dict, cfg: PlanConfig, rows: list[dict]) -> None:

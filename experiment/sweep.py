@@ -255,7 +255,9 @@ def _bf16_size(params: int) -> str:
 def measure_ensembles(sweep: Sweep, rows: list[dict], log) -> dict | None:
     """The ensembles of the best 2, 4 and all members (experiment/ensembles.py) on SWEEP_ENSEMBLE_TOKENS
     val tokens, once the members have ended; None when fewer than two members have a best checkpoint,
-    they trained on different data, or it fails (logged: the sweep's own outcome stands)."""
+    they trained on different data, a stop signal comes, or it fails (logged: the sweep's own outcome
+    stands). The metas are compared before any weights are read; then one member at a time is loaded
+    (bf16 on CUDA, as an export serves it), scored and freed, so a GPU holds one member at most."""
     usable = [r for r in rows if r.get("best") is not None]
     if sweep.ensemble_tokens == 0 or len(usable) < 2 or winner(rows)[0] is None:
         return None
@@ -263,18 +265,26 @@ def measure_ensembles(sweep: Sweep, rows: list[dict], log) -> dict | None:
 
     from experiment.dataloader import Prepared
     from experiment.distributed import resolve_device
-    from experiment.ensembles import check_same_data, compare
+    from experiment.ensembles import check_same_data, compare_logprobs, ensemble_sizes, member_logprobs
 
     try:
         device = resolve_device(sweep.env.get("DEVICE") or "auto")
-        members = ckpt.load_serving(",".join(r["run_dir"] for r in usable), sweep.dir, device,
-                                    torch.bfloat16 if device.type == "cuda" else None)  # as an export serves them
-        check_same_data(members)
-        tokens = Prepared.load(Path(members[0][1]["prepared"]["dir"])).tokens("val")
-        log(f"sweep | the ensembles of the best {', '.join(map(str, ENSEMBLE_KS))} and all {len(members)} members, "
-            f"on {min(len(tokens), sweep.ensemble_tokens):,} val tokens ...")
-        return compare(members, tokens, list(ENSEMBLE_KS), sweep.ensemble_tokens)
-    except Exception as e:  # noqa: BLE001 (a memory error on a big box as much as a missing file)
+        paths = [ckpt.resolve_serving_checkpoint(Path(r["run_dir"]), sweep.dir) for r in usable]
+        metas = [ckpt.model_meta(p) for p in paths]
+        check_same_data(list(zip(metas, map(str, paths))))
+        tokens = Prepared.load(Path(metas[0]["prepared"]["dir"])).tokens("val")
+        log(f"sweep | the ensembles of the best {', '.join(map(str, ensemble_sizes(ENSEMBLE_KS, len(paths))))} "
+            f"of {len(paths)} members, on up to {min(len(tokens), sweep.ensemble_tokens):,} val tokens ...")
+        scored = []
+        for path in paths:
+            model, _ = ckpt.load_model(path, device, torch.bfloat16 if device.type == "cuda" else None)
+            scored.append((str(path), model.num_params(),
+                           member_logprobs(model, tokens, sweep.ensemble_tokens, lambda: sweep.stopping)))
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        return compare_logprobs(scored, list(ENSEMBLE_KS))
+    except Exception as e:  # noqa: BLE001 (a memory error on a big box as much as a missing file or a stop)
         log(f"sweep | ensembles not measured: {type(e).__name__}: {e}")
         return None
 
@@ -558,10 +568,14 @@ def main() -> int:
         ended = True
     finally:  # whatever ends the loop, the table and ON_EXIT still come
         rows = [member_row(m, sweep.gpu_hourly) for m in sweep.members]
+        write_table(sweep.dir, rows, sweep.member_hours, status)
         # Only once the members have ended on their own: not after a stop signal (a preemption leaves
-        # minutes, which the members' saves need), nor while an error unwinds.
-        ensembles = measure_ensembles(sweep, rows, log) if ended and status != "stopped" else None
-        write_table(sweep.dir, rows, sweep.member_hours, status, ensembles)
+        # minutes, which the members' saves need; one during the scoring stops it), nor while an error
+        # unwinds.
+        if ended and status != "stopped" and not sweep.stopping:
+            ensembles = measure_ensembles(sweep, rows, log)
+            if ensembles:
+                write_table(sweep.dir, rows, sweep.member_hours, status, ensembles)
         log(f"sweep | {status} | {sweep.dir / TABLE}:")
         log((sweep.dir / TABLE).read_text().rstrip())
         on_exit(sweep, status, rows, log)

@@ -1,6 +1,7 @@
 """The plan: per-depth predictions and the recommendation, from TOKENS or a streamed count, no GPU needed."""
 
 import json
+import shlex
 import subprocess
 
 import pytest
@@ -111,6 +112,13 @@ def test_the_plan_proposes_a_sweep_where_one_gpu_trains_the_pick_within_the_boxs
     assert "sweep |" not in table_of(plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", budget_usd=100)))
     two = plan(PlanConfig(tokens=350_000_000, gpus="2xH100-PCIe", budget_usd=300))["sweep"]
     assert two["members"] == ["DEPTH=32", "DEPTH=24"] and list(two["passes"]) == [32, 24]
+    # The sweep's launch line carries the planned settings, so its members get the hours planned.
+    cheap = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", budget_usd=1000, gpu_hourly_usd=2.0,
+                            max_seq_len=1024))["sweep"]
+    env = dict(w.split("=", 1) for w in shlex.split(cheap["launch"]) if "=" in w)
+    assert env["GPU_HOURLY_USD"] == "2.0" and env["MAX_SEQ_LEN"] == "1024" and env["SWEEP"] == " ".join(cheap["members"])
+    assert sweep.box_hours(env, 8, True) == pytest.approx(cheap["member_hours"], rel=1e-4)
+    assert plan(PlanConfig(tokens=350_000_000, gpus="16xH100-PCIe", budget_usd=2000))["sweep"] is None  # two boxes
     # Members that see their data at most regime.PASSES times get no regularizer: other seeds instead.
     monkeypatch.setattr("experiment.regime.PASSES", 1000)
     seeds = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", budget_usd=1000))["sweep"]["members"]

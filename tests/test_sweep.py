@@ -86,7 +86,7 @@ def test_a_sweep_trains_its_members_side_by_side_reports_a_winner_and_a_failing_
     # each member's loss there is its served val loss, and the mean of two members' probabilities is
     # never worse than their mean loss (Jensen), nor equal to the best member's.
     e = record["ensembles"]
-    assert e["tokens"] == 512 - 512 % 32 and [m["loss"] for m in e["members"]] == pytest.approx(
+    assert e["tokens"] == 512 and [m["loss"] for m in e["members"]] == pytest.approx(
         sorted(r["val_loss"] for r in good), abs=1e-4)
     [pair] = e["ensembles"]
     assert pair["k"] == 2 and pair["loss"] < sum(r["val_loss"] for r in good) / 2 and pair["loss"] != e["members"][0]["loss"]
@@ -185,6 +185,7 @@ def test_the_ensembles_of_the_best_members_are_scored_on_the_trainers_windows(tm
     their probabilities, computed here independently; none when it cannot compare or fails."""
     import torch
 
+    from experiment import ensembles
     from experiment.batches import val_batches
     from experiment.dataloader import Prepared
 
@@ -196,9 +197,10 @@ def test_the_ensembles_of_the_best_members_are_scored_on_the_trainers_windows(tm
     (ws / "checkpoints/c").mkdir()
     rows = [sweep.member_row(sweep.Member(t, {"SEED": t}, ws / "checkpoints" / t), 4.0) for t in "abc"]
     lines = []
-    sw = sweep.Sweep(dir=ws / "checkpoints", tag="t", members=[], env={}, slots=1, devices=None, member_hours=1.0,
-                     gpu_hourly=4.0, ensemble_tokens=512)
+    sw = sweep.Sweep(dir=ws / "checkpoints", tag="t", members=[], env={"DEVICE": "cpu"}, slots=1, devices=None,
+                     member_hours=1.0, gpu_hourly=4.0, ensemble_tokens=512)
     e = sweep.measure_ensembles(sw, rows, lines.append)
+    assert e is not None, lines
     good = sorted(rows[:2], key=lambda r: r["val_loss"])
     assert e["tokens"] == 512 and [m["loss"] for m in e["members"]] == pytest.approx([r["val_loss"] for r in good], abs=1e-5)
     assert [m["path"] for m in e["members"]] == [str(ckpt.resolve_serving_checkpoint(Path(r["run_dir"]), ws))
@@ -215,7 +217,8 @@ def test_the_ensembles_of_the_best_members_are_scored_on_the_trainers_windows(tm
     assert pair["k"] == 2 and pair["loss"] == pytest.approx(torch.cat(nll).double().mean().item(), abs=1e-6)
     assert pair["gain"] == pytest.approx(pair["loss"] - e["members"][0]["loss"])
     assert pair["params"] == sum(m.num_params() for m in members) and pair["members"] == [m["path"] for m in e["members"]]
-    assert lines == ["sweep | the ensembles of the best 2, 4 and all 2 members, on 512 val tokens ..."]
+    assert lines == ["sweep | the ensembles of the best 2 of 2 members, on up to 512 val tokens ..."]
+    assert [ensembles.ensemble_sizes((2, 4), n) for n in (1, 2, 3, 4, 6)] == [[], [2], [2, 3], [2, 4], [2, 4, 6]]
     table = "\n".join(sweep.ensemble_lines(e, rows))
     assert f"| best member | {good[0]['member']} | {e['members'][0]['loss']:.4f} | - | " in table
     assert (f"| best 2 | {good[0]['member']} {good[1]['member']} | {pair['loss']:.4f} | {pair['gain']:+.4f} | "
@@ -235,6 +238,9 @@ def test_the_ensembles_of_the_best_members_are_scored_on_the_trainers_windows(tm
     sweep.write_table(tmp_path, rows, 1.0, "finished", None)
     assert "ensembles" not in json.loads((tmp_path / sweep.RECORD).read_text())
     assert "Ensembles" not in (tmp_path / sweep.TABLE).read_text()
+    sw.stopping = True  # a stop signal while scoring: none
+    assert sweep.measure_ensembles(sw, rows, lines.append) is None and "a stop signal came" in lines[-1]
+    sw.stopping = False
     prepared.rename(tmp_path / "gone")  # the members' data is not where they were trained
     assert sweep.measure_ensembles(sw, rows, lines.append) is None and lines[-1].startswith("sweep | ensembles not measured: ")
 
@@ -258,3 +264,6 @@ def test_the_ensembles_come_only_when_the_members_ended_on_their_own(monkeypatch
         calls.clear()
         monkeypatch.setattr(sweep, "run", lambda s, log, status=status: status)
         assert sweep.main() == code and calls == ([sw] if measured else []), status
+    sw.stopping = True  # a signal after the members ended, before the loop returned: none either
+    calls.clear()
+    assert sweep.main() == 1 and calls == []

@@ -281,7 +281,7 @@ def cmd_generate(args) -> int:
         config = (GPTConfig(vocab_size=128, depth=args.depth, head_dim=128, max_seq_len=args.max_seq_len)
                   if args.depth else None)
         if args.members < 1 or args.batch < 0 or (args.members > 1 and config is None):
-            raise ValueError("--members is at least 1 and needs --depth above 1; --batch is at least 0")
+            raise ValueError("--members is at least 1, and more than 1 needs --depth (fresh models); --batch is at least 0")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

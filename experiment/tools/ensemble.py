@@ -38,7 +38,7 @@ def load(args) -> tuple[list, Prepared]:
     """The members and their val data; ValueError naming what cannot be used."""
     workspace = Path(args.workspace) if args.workspace else default_workspace()
     members = ckpt.load_serving(",".join(map(str, args.checkpoints)), workspace, resolve_device(args.device))
-    check_same_data(members)
+    check_same_data([(meta, path) for _, meta, path in members])
     first = members[0][1]
     directory = Path(args.prepared_dir or first["prepared"]["dir"])
     try:

@@ -639,7 +639,13 @@ def check_e2e(ctx: Ctx) -> Item:
         # The budget counts the start (compile, the metric's dry call: about 40 s of d12 on an H200):
         # signal a quarter into what is left of it at the first step line, by the trainer's own clock,
         # so the resumed run, whose own start is charged too (about 15 s there), has steps left to do.
-        time.sleep(0.25 * max(0.0, budget - _used_seconds(run_dir)) if started else 0)
+        used = 0.0
+        for _ in range(20 if started else 0):  # the step line comes a moment before its metrics.jsonl record
+            used = _used_seconds(run_dir)
+            if used:
+                break
+            time.sleep(0.5)
+        time.sleep(0.25 * max(0.0, budget - used) if started else 0)
         first.send_signal(signal.SIGTERM)  # to torchrun, which forwards it once to every worker
         first.wait(timeout=600)
     finally:
