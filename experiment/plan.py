@@ -319,17 +319,7 @@ def sweep_plan(p: dict, cfg: PlanConfig, gpus: Gpus, depths: list[int], vocab: i
              for d in [p["depth"]] + depths[max(i - 1, 0):i][::-1] + depths[i + 1:i + 2]}  # the pick, below, above
     passes = {d: r[0] * hours * 3600 / p["train_tokens"] for d, r in rates.items() if r is not None}
     near = list(passes)
-    members = []
-    for variant in range(count):
-        for d in near:
-            if len(members) == count:
-                break
-            if passes[d] > regime.PASSES:
-                extra = "" if variant == 0 else f"+ATTN_DROPOUT={SWEEP_DROPOUTS[variant]}" if variant < len(SWEEP_DROPOUTS) \
-                    else f"+ATTN_DROPOUT={SWEEP_DROPOUTS[variant % len(SWEEP_DROPOUTS)]}+SEED={variant}"
-            else:
-                extra = "" if variant == 0 else f"+SEED={variant}"
-            members.append(f"DEPTH={d}{extra}")
+    members = [_sweep_member(d, passes[d], variant) for variant in range(count) for d in near][:count]
     passes = {d: passes[d] for d in near[:count]}  # the depths the members use
     ddp = next(r for r in p["gpu_table"] if r["gpus"] == count)
     usd = hours * count * cfg.gpu_hourly_usd
@@ -337,6 +327,18 @@ def sweep_plan(p: dict, cfg: PlanConfig, gpus: Gpus, depths: list[int], vocab: i
     return {"members": members, "member_hours": hours, "usd": usd, "passes": passes,
             "single_gpu_hours": one["hours"], "ddp_gpus": count, "ddp_hours": ddp["hours"], "ddp_usd": ddp["usd"],
             "launch": launch}
+
+
+def _sweep_member(depth: int, passes: float, variant: int) -> str:
+    """A sweep member's settings: variant 0 is the depth with the trainer's defaults; later variants of a
+    data-limited depth take SWEEP_DROPOUTS' next dropout (with a seed once they repeat), of any other
+    depth another seed."""
+    if variant == 0:
+        return f"DEPTH={depth}"
+    if passes <= regime.PASSES:
+        return f"DEPTH={depth}+SEED={variant}"
+    dropout = SWEEP_DROPOUTS[variant % len(SWEEP_DROPOUTS)]
+    return f"DEPTH={depth}+ATTN_DROPOUT={dropout}" + (f"+SEED={variant}" if variant >= len(SWEEP_DROPOUTS) else "")
 
 
 def recommend_on(p: dict, cfg: PlanConfig, rows: list[dict]) -> None:

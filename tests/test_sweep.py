@@ -219,6 +219,13 @@ def test_the_ensembles_of_the_best_members_are_scored_on_the_trainers_windows(tm
     assert pair["params"] == sum(m.num_params() for m in members) and pair["members"] == [m["path"] for m in e["members"]]
     assert lines == ["sweep | the ensembles of the best 2 of 2 members, on up to 512 val tokens ..."]
     assert [ensembles.ensemble_sizes((2, 4), n) for n in (1, 2, 3, 4, 6)] == [[], [2], [2, 3], [2, 4], [2, 4, 6]]
+    metas = [({"prepared": {"hash": h}, "model_config": {"max_seq_len": n}}, f"m{i}")
+             for i, (h, n) in enumerate((("a", 32), ("a", 32), ("b", 32)))]
+    ensembles.check_same_data(metas[:2])
+    for other in (metas[2], ({"prepared": {"hash": "a"}, "model_config": {"max_seq_len": 64}}, "m3"),
+                  ({"prepared": {"hash": "0"}, "model_config": {"max_seq_len": 32}}, "m4")):
+        with pytest.raises(ValueError, match=f"{other[1]} was prepared from other data or has another context than m0"):
+            ensembles.check_same_data(metas[:2] + [other])
     table = "\n".join(sweep.ensemble_lines(e, rows))
     assert f"| best member | {good[0]['member']} | {e['members'][0]['loss']:.4f} | - | " in table
     assert (f"| best 2 | {good[0]['member']} {good[1]['member']} | {pair['loss']:.4f} | {pair['gain']:+.4f} | "
