@@ -30,7 +30,10 @@ cd "$(dirname "$0")/.."
 source experiment/pyenv.sh
 setup_python
 
-n_gpu=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+# The GPUs, the settings and torchrun's flags, from one Python process (experiment/launchfacts.py).
+mapfile -t facts < <("$PYTHON" -m experiment.launchfacts)
+[ "${#facts[@]}" = 3 ] || { echo "error: $PYTHON -m experiment.launchfacts failed" >&2; exit 1; }
+n_gpu=${facts[0]} fields=${facts[1]} torchrun_has_shutdown_timeout=${facts[2]}
 if [ "$n_gpu" -gt 0 ]; then default_nproc=$n_gpu; else default_nproc=1; fi
 NPROC_PER_NODE=${NPROC_PER_NODE:-$default_nproc}
 NNODES=${NNODES:-1}
@@ -43,8 +46,7 @@ MAX_RESTARTS=${MAX_RESTARTS:-3}
 # step and save before it kills them; unset, the pre-flight sizes it to the predicted save (300 s at least).
 SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-}
 
-# Map env overrides to flags; the flag list comes from TrainConfig itself, so the two never drift.
-fields=$("$PYTHON" -c "import dataclasses, experiment.config as c; print(*[f.name for f in dataclasses.fields(c.TrainConfig)])")
+# Map env overrides to flags; the flag list (fields) comes from TrainConfig itself, so the two never drift.
 launcher="NPROC_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT MAX_RESTARTS SHUTDOWN_TIMEOUT PREFLIGHT_WAIT_MINUTES PYTHON PYTHON_CHECK ON_EXIT SWEEP SWEEP_TAG SWEEP_PARALLEL SWEEP_ENSEMBLE_TOKENS"
 known=" ${fields^^} $launcher "
 for name in "${given[@]}"; do
@@ -88,7 +90,7 @@ prepared=${plan[0]} run_dir=${plan[1]} SHUTDOWN_TIMEOUT=${plan[2]}
 # torchrun has a shutdown timeout flag only from torch 2.13 on (2.11 refuses it and starts nothing);
 # older ones wait their fixed default (30 s) before SIGKILL.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$SHUTDOWN_TIMEOUT
-if "$PYTHON" -m torch.distributed.run --help 2>/dev/null | grep -q -- '--shutdown[-_]timeout'; then
+if [ "$torchrun_has_shutdown_timeout" = 1 ]; then
     launch+=(--shutdown_timeout="$SHUTDOWN_TIMEOUT")
 else
     echo "launcher | this torch's torchrun has no --shutdown_timeout: it waits its own default after a signal"

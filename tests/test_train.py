@@ -212,6 +212,29 @@ def test_launcher_maps_env_overrides_to_flags(tmp_path, corpus):
     assert ckpt.complete_steps(tmp_path / "ws/checkpoints/envtag") == [1]
     # The pre-flight prepared the data; the trainer opened that directory.
     assert "preflight | data " in proc.stdout and config["prepared_dir"].startswith(str(tmp_path / "ws/prepared/"))
+    # experiment/launchfacts.py's three lines: no GPU here, and the pinned torch's torchrun takes the
+    # pre-flight's shutdown timeout
+    assert "launcher | gpus visible 0 | nproc_per_node 1 |" in proc.stdout
+    assert re.search(r"torch\.distributed\.run .*--shutdown_timeout=\d+ ", proc.stdout), proc.stdout
+
+
+def test_launchfacts_says_gpus_settings_and_whether_torchrun_takes_a_shutdown_timeout(monkeypatch, capsys):
+    import argparse
+    import dataclasses
+
+    from experiment import launchfacts
+    from experiment.config import TrainConfig
+
+    launchfacts.main()
+    gpus, fields, flag = capsys.readouterr().out.splitlines()
+    assert (gpus, flag) == ("0", "1")  # no CUDA here; torch 2.13's torchrun has the flag
+    assert fields.split() == [f.name for f in dataclasses.fields(TrainConfig)]
+    old = argparse.ArgumentParser()  # torch 2.11's torchrun: no such flag
+    old.add_argument("--max-restarts", "--max_restarts")
+    monkeypatch.setattr(launchfacts, "get_args_parser", lambda: old)
+    assert not launchfacts.has_shutdown_timeout()
+    old.add_argument("--shutdown-timeout")
+    assert launchfacts.has_shutdown_timeout()
 
 
 def test_launcher_arguments_are_settings_and_anything_else_exits_2(tmp_path, corpus):
