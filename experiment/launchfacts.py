@@ -9,14 +9,19 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch.distributed.run import get_args_parser
 
 from experiment.config import TrainConfig
 
 
 def has_shutdown_timeout() -> bool:
-    return any(s in ("--shutdown_timeout", "--shutdown-timeout")
-               for action in get_args_parser()._actions for s in action.option_strings)
+    """Whether torchrun lists the flag among its options. Any failure of this probe (a torch that
+    moved the parser) means no flag: the launch goes on with torchrun's own default, as it should."""
+    try:
+        from torch.distributed.run import get_args_parser
+        return any(s in ("--shutdown_timeout", "--shutdown-timeout")
+                   for action in get_args_parser()._actions for s in action.option_strings)
+    except Exception:
+        return False
 
 
 def main() -> None:

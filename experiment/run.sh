@@ -31,8 +31,9 @@ source experiment/pyenv.sh
 setup_python
 
 # The GPUs, the settings and torchrun's flags, from one Python process (experiment/launchfacts.py).
-mapfile -t facts < <("$PYTHON" -m experiment.launchfacts)
-[ "${#facts[@]}" = 3 ] || { echo "error: $PYTHON -m experiment.launchfacts failed" >&2; exit 1; }
+facts_out=$("$PYTHON" -m experiment.launchfacts) || exit $?
+mapfile -t facts <<< "$facts_out"
+[ "${#facts[@]}" = 3 ] || { echo "error: $PYTHON -m experiment.launchfacts printed no three lines" >&2; exit 1; }
 n_gpu=${facts[0]} fields=${facts[1]} torchrun_has_shutdown_timeout=${facts[2]}
 if [ "$n_gpu" -gt 0 ]; then default_nproc=$n_gpu; else default_nproc=1; fi
 NPROC_PER_NODE=${NPROC_PER_NODE:-$default_nproc}

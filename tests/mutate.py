@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 TESTS = {
     "experiment/extend.py": "tests/test_extend.py",
     "experiment/finetune.py": "tests/test_finetune.py",
+    "experiment/launchfacts.py": "tests/test_train.py -k 'launchfacts or maps_env'",
     "experiment/saver.py": "tests/test_saver.py",
     "experiment/saving.py": "tests/test_saver.py tests/test_checkpoint.py",
     "experiment/restarts.py": "tests/test_resilience.py -k lost",

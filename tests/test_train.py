@@ -225,16 +225,24 @@ def test_launchfacts_says_gpus_settings_and_whether_torchrun_takes_a_shutdown_ti
     from experiment import launchfacts
     from experiment.config import TrainConfig
 
+    import torch.distributed.run
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     launchfacts.main()
     gpus, fields, flag = capsys.readouterr().out.splitlines()
-    assert (gpus, flag) == ("0", "1")  # no CUDA here; torch 2.13's torchrun has the flag
+    assert (gpus, flag) == ("3", "1")  # torch 2.13's torchrun has the flag
     assert fields.split() == [f.name for f in dataclasses.fields(TrainConfig)]
     old = argparse.ArgumentParser()  # torch 2.11's torchrun: no such flag
     old.add_argument("--max-restarts", "--max_restarts")
-    monkeypatch.setattr(launchfacts, "get_args_parser", lambda: old)
-    assert not launchfacts.has_shutdown_timeout()
+    monkeypatch.setattr(torch.distributed.run, "get_args_parser", lambda: old)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    launchfacts.main()
+    assert capsys.readouterr().out.splitlines()[::2] == ["0", "0"]
     old.add_argument("--shutdown-timeout")
     assert launchfacts.has_shutdown_timeout()
+    monkeypatch.delattr(torch.distributed.run, "get_args_parser")  # a torch that moved it: no flag, no failure
+    assert not launchfacts.has_shutdown_timeout()
 
 
 def test_launcher_arguments_are_settings_and_anything_else_exits_2(tmp_path, corpus):
