@@ -316,7 +316,7 @@ def sweep_plan(p: dict, cfg: PlanConfig, gpus: Gpus, depths: list[int], vocab: i
         return None
     i = depths.index(p["depth"])
     rates = {d: tok_per_s(model_config(d, cfg, vocab), gpus, 1)  # None: does not fit one GPU
-             for d in [p["depth"]] + depths[max(i - 1, 0):i][::-1] + depths[i + 1:i + 2]}  # the pick, below, above
+             for d in [p["depth"]] + depths[max(i - 1, 0):i] + depths[i + 1:i + 2]}  # the pick, below, above
     passes = {d: r[0] * hours * 3600 / p["train_tokens"] for d, r in rates.items() if r is not None}
     near = list(passes)
     members = [_sweep_member(d, passes[d], variant) for variant in range(count) for d in near][:count]

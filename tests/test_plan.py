@@ -87,6 +87,46 @@ def test_the_plan_says_the_regime_of_the_launch_lines_run():
     assert "at most 4: the trainer's defaults are ATTN_DROPOUT=0, AVERAGE=none" in regime_lines(few)[0]
 
 
+def test_a_sweeps_members_are_the_pick_and_the_depths_beside_it_wherever_the_pick_stands(monkeypatch):
+    """sweep_plan alone, on a ladder of 5 depths with made-up speeds: for a pick at each place on the
+    ladder, the members' depths are the pick, the one below and the one above, where they exist."""
+    from types import SimpleNamespace
+
+    from experiment import plan as planmod
+
+    monkeypatch.setattr(planmod, "model_config", lambda d, cfg, vocab: d)
+    monkeypatch.setattr(planmod, "tok_per_s", lambda d, gpus, n: (1e6 / d, 0.5))
+    ladder = [4, 8, 12, 16, 20]
+    table = [{"gpus": n, "fits": True, "hours": 10.0 / n, "usd": 40.0} for n in range(1, 5)]
+    for i, pick in enumerate(ladder):
+        p = {"budget_hours": 20.0, "gpu_table": table, "depth": pick, "train_tokens": 10**9}
+        sw = planmod.sweep_plan(p, PlanConfig(), SimpleNamespace(count=4), ladder, 128)
+        want = [pick] + ladder[max(i - 1, 0):i] + ladder[i + 1:i + 2]
+        assert list(sw["passes"]) == want, (pick, sw["passes"])
+        assert sw["members"][:len(want)] == [f"DEPTH={d}" for d in want] and len(sw["members"]) == 4
+        assert sw["passes"][pick] == pytest.approx(1e6 / pick * 20 * 3600 / 10**9)
+    # one GPU trains the pick in exactly the box's hours: still a sweep; a little longer: none
+    p = {"budget_hours": 10.0, "gpu_table": table, "depth": 12, "train_tokens": 10**9}
+    assert planmod.sweep_plan(p, PlanConfig(), SimpleNamespace(count=4), ladder, 128)["member_hours"] == 10.0
+    p["budget_hours"] = 9.99
+    assert planmod.sweep_plan(p, PlanConfig(), SimpleNamespace(count=4), ladder, 128) is None
+
+
+def test_a_sweep_members_settings_by_variant_and_passes():
+    from experiment.plan import _sweep_member, planned_settings
+
+    assert _sweep_member(32, 9.0, 0) == "DEPTH=32"
+    assert _sweep_member(32, 9.0, 1) == "DEPTH=32+ATTN_DROPOUT=0.1"
+    assert _sweep_member(32, 9.0, 2) == "DEPTH=32+ATTN_DROPOUT=0.3"
+    assert _sweep_member(32, 9.0, 3) == "DEPTH=32+ATTN_DROPOUT=0.2+SEED=3"  # the dropouts again, with a seed
+    assert _sweep_member(32, 9.0, 4) == "DEPTH=32+ATTN_DROPOUT=0.1+SEED=4"
+    assert _sweep_member(32, 4.0, 1) == "DEPTH=32+SEED=1"  # exactly regime.PASSES: not data-limited
+    assert _sweep_member(32, 4.01, 1) == "DEPTH=32+ATTN_DROPOUT=0.1"
+    # a setting given equal to its default (another float object) is not carried
+    assert planned_settings(PlanConfig(gpu_hourly_usd=float("4.0"), val_fraction=float("0.05"))) == {}
+    assert planned_settings(PlanConfig(gpu_hourly_usd=3.5)) == {"GPU_HOURLY_USD": 3.5}
+
+
 def test_the_plan_proposes_a_sweep_where_one_gpu_trains_the_pick_within_the_boxs_hours(monkeypatch):
     """The seed user's box: one GPU trains d32's 8 passes in 20.9 h of the 31.25 h $1000 buys on 8, so
     the plan proposes 8 members, one per GPU for the box's whole hours: d32 and the depths beside it,
