@@ -252,6 +252,37 @@ def test_the_ensembles_of_the_best_members_are_scored_on_the_trainers_windows(tm
     assert sweep.measure_ensembles(sw, rows, lines.append) is None and lines[-1].startswith("sweep | ensembles not measured: ")
 
 
+def test_the_ensembles_arithmetic_and_the_members_data_check_alone():
+    """compare_logprobs on made-up log-probabilities where the pair beats either member; ensemble_sizes
+    with a k of 1; check_same_data with the odd member second, a shorter context, and equal contexts of
+    2048 held in two int objects."""
+    import math
+
+    import torch
+
+    from experiment import ensembles
+
+    lp = lambda *p: torch.tensor([math.log(x) for x in p])
+    e = ensembles.compare_logprobs([("a", 10, lp(0.9, 0.1)), ("b", 20, lp(0.2, 0.8))], [2])
+    assert [m["path"] for m in e["members"]] == ["b", "a"] and e["tokens"] == 2
+    [pair] = e["ensembles"]
+    assert pair["loss"] == pytest.approx(-(math.log(0.55) + math.log(0.45)) / 2)
+    assert pair["gain"] == pytest.approx(pair["loss"] - e["members"][0]["loss"]) and pair["gain"] < -0.2
+    assert (pair["params"], pair["members"]) == (30, ["b", "a"])
+    assert ensembles.ensemble_sizes((1, 2, 4), 6) == [2, 4, 6]
+    meta = lambda h, n: {"prepared": {"hash": h}, "model_config": {"max_seq_len": n}}
+    for odd in (meta("b", 32), meta("a", 16)):
+        with pytest.raises(ValueError, match="m1 was prepared from other data or has another context than m0"):
+            ensembles.check_same_data([(meta("a", 32), "m0"), (odd, "m1"), (meta("a", 32), "m2")])
+    ensembles.check_same_data([(meta("a", 2048), "m0"), (meta("a", int("2048")), "m1")])
+    # a member's scores carry no autograd graph (no_grad: the scoring holds one model's activations at most)
+    from experiment.model import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=16, depth=1, aspect_ratio=16, head_dim=16, max_seq_len=8))
+    scores = ensembles.member_logprobs(model, torch.arange(40) % 16, max_tokens=32)
+    assert scores.shape == (32,) and not scores.requires_grad
+
+
 def test_the_ensembles_come_only_when_the_members_ended_on_their_own(monkeypatch, tmp_path):
     """Not after a stop signal (a preemption's minutes are the saves'), nor while an error unwinds;
     the table is written whatever ends the loop."""
