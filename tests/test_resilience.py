@@ -459,6 +459,67 @@ def test_the_lost_seconds_come_from_a_heartbeat_written_since_the_resumed_checkp
     assert restarts.lost_seconds(tmp_path, 10, auto) == 0.0
 
 
+def test_a_restarts_lost_and_setup_seconds_are_charged_once_at_its_first_step(tmp_path):
+    """restarts.restart_cost then charge: the lost seconds and the setup since launch go into the budget
+    used (used_at_start) and restart_seconds, once; the heartbeat says so at once (forced)."""
+    import json
+    from types import SimpleNamespace
+
+    from experiment import restarts
+    from experiment.checkpoint import RunState
+
+    logs = []
+    t = SimpleNamespace(d=Dist(0, 0, 1, torch.device("cpu")), st=RunState(step=12, restart_seconds=5.0),
+                        lost_seconds=30.5, launched=100.0, run_dir=tmp_path, log=logs.append)
+    assert restarts.restart_cost(t, 112.0) == 42.5
+    assert (t.restart_lost, t.restart_setup) == (30.5, 12.0)
+    loop = SimpleNamespace(used_at_start=200.0, last_beat=time.time(), beat_failed=False)
+    loop.used = lambda: loop.used_at_start
+    restarts.charge(t, loop)
+    assert (loop.used_at_start, t.st.restart_seconds, t.restart_lost, t.restart_setup) == (242.5, 47.5, 0.0, 0.0)
+    assert "restart | 30.5s trained past the checkpoint were lost and 12.0s went to this restart's setup" in logs[0]
+    beat = json.loads((tmp_path / restarts.HEARTBEAT).read_text())
+    assert (beat["step"], beat["used_seconds"]) == (12, 242.5)  # though a beat was just written
+    restarts.charge(t, loop)  # nothing is left to charge
+    assert (loop.used_at_start, t.st.restart_seconds) == (242.5, 47.5)
+
+
+def test_the_heartbeat_is_rank_0s_every_heartbeat_seconds_and_a_failed_write_is_said_once(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from experiment import restarts
+    from experiment.checkpoint import RunState
+
+    logs = []
+    t = SimpleNamespace(d=Dist(0, 0, 1, torch.device("cpu")), st=RunState(step=3), run_dir=tmp_path, log=logs.append)
+    loop = SimpleNamespace(last_beat=0.0, beat_failed=False, used=lambda: 7.0)
+    path = tmp_path / restarts.HEARTBEAT
+    restarts.beat(t, loop)
+    assert json.loads(path.read_text())["step"] == 3 and time.time() - loop.last_beat < 5
+    t.st.step = 4
+    restarts.beat(t, loop)  # within HEARTBEAT_SECONDS of the last: not written
+    assert json.loads(path.read_text())["step"] == 3
+    loop.last_beat = time.time() - restarts.HEARTBEAT_SECONDS - 1
+    restarts.beat(t, loop)
+    assert json.loads(path.read_text()) == {"step": 4, "used_seconds": 7.0, "time": loop.last_beat}
+    t.st.step = 5
+    restarts.beat(t, loop, force=True)
+    assert json.loads(path.read_text())["step"] == 5
+    path.unlink()
+    t.d = Dist(1, 1, 2, torch.device("cpu"))
+    restarts.beat(t, loop, force=True)  # another rank never writes it
+    assert not path.exists()
+    (tmp_path / "a_file").write_text("")
+    t.d, t.run_dir = Dist(0, 0, 1, torch.device("cpu")), tmp_path / "a_file"  # a write that fails
+    restarts.beat(t, loop, force=True)
+    restarts.beat(t, loop, force=True)
+    assert loop.beat_failed and len(logs) == 1 and "could not be written" in logs[0]
+    t.run_dir = tmp_path
+    restarts.beat(t, loop, force=True)
+    assert not loop.beat_failed and path.exists()
+
+
 def test_workers_exit_on_their_own_when_the_agent_is_killed(tmp_path, corpus):
     args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256]
     with open(tmp_path / "agent.log", "w") as out:
