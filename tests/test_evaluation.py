@@ -1,6 +1,7 @@
 """What an eval measures: the val loss over its windows, the sample as the server decodes it, the
 demo's sums (its EVAL_METRIC) counted exactly."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -78,3 +79,79 @@ def test_the_demo_counts_exactly_the_sums_completed_within_their_length_plus_a_n
         assert metric.measure(demo_metric.sums, model, tok, 60) == ({"sums_correct": right / 10}, None)
         # room for the answer and the newline that ends it, no more
         assert model.calls == [len(line.split("=")[1]) + 1 for line in model.lines]
+
+
+def _sources(val_tokens=1000):
+    """A prepared stand-in of two sources: a's val tokens [0, 600) of 900 characters, b's [600, 1000)
+    of 400; the split's 1,300 characters."""
+    splits = [{"name": "a", "val": [0, 600], "val_chars": 900}, {"name": "b", "val": [600, val_tokens], "val_chars": 400}]
+    return {"split": {"val_tokens": val_tokens, "val_chars": 1300}, "source_splits": splits}
+
+
+def test_each_source_is_evaluated_for_its_weight_of_the_eval_tokens_and_one_window_at_least():
+    from types import SimpleNamespace
+
+    from experiment.evaluation import eval_parts
+    prepared = SimpleNamespace(meta=_sources())
+    whole = [({"name": None, "val": [0, 1000], "val_chars": 1300}, 1.0, 320)]
+    assert eval_parts(prepared, 320, 32) == whole  # no weights: the whole split
+    assert eval_parts(prepared, 20, 32)[0][2] == 32  # one window at least
+    a, b = prepared.meta["source_splits"]
+    assert eval_parts(prepared, 320, 32, [0.75, 0.25]) == [(a, 0.75, 240), (b, 0.25, 80)]
+    assert eval_parts(prepared, 320, 32, [0.95, 0.05]) == [(a, 0.95, 304), (b, 0.05, 32)]
+    prepared.meta["source_splits"] = []  # one source: weights say nothing
+    assert eval_parts(prepared, 320, 32, [1.0]) == whole
+
+
+def test_the_eval_coverage_counts_the_windows_read_of_the_whole_ones():
+    from types import SimpleNamespace
+
+    from experiment.evaluation import eval_coverage
+    prepared = SimpleNamespace(meta=_sources())
+    # 999 // 32 = 31 whole windows: 320 tokens read 10 of them; 2,048 would read all 31
+    assert eval_coverage(prepared, 320, 32) == (320, 1000, False)
+    assert eval_coverage(prepared, 2048, 32) == (31 * 32, 1000, True)
+    assert eval_coverage(prepared, 31 * 32, 32) == (31 * 32, 1000, True)
+    # by source: a reads 240 // 32 = 7 of its 18, b 80 // 32 = 2 of its 12
+    assert eval_coverage(prepared, 320, 32, [0.75, 0.25]) == (9 * 32, 1000, False)
+    # all of both: a 18 windows, b 12
+    assert eval_coverage(prepared, 4096, 32, [0.5, 0.5]) == (30 * 32, 1000, True)
+    assert eval_coverage(prepared, 4096, 32, [0.99, 0.01]) == (19 * 32, 1000, False)  # b reads 1 of 12
+
+
+def test_with_several_sources_the_loss_and_bpc_are_the_weighted_means_of_theirs(tmp_path):
+    import math
+    from types import SimpleNamespace
+
+    from experiment.evaluation import _val_loss
+    real, model = _demo(tmp_path)
+    val = real.tokens("val")
+    n = len(val)
+    meta = {"split": {"val_tokens": n, "val_chars": 3 * n},
+            "source_splits": [{"name": "a", "val": [0, n // 2], "val_chars": 2 * (n // 2)},
+                              {"name": "b", "val": [n // 2, n], "val_chars": 4 * (n - n // 2)}]}
+    prepared = SimpleNamespace(meta=meta, tokens=real.tokens)
+    la, lb = _val_loss(model, val[: n // 2], 32, 4, 192, CPU), _val_loss(model, val[n // 2:], 32, 4, 64, CPU)
+    assert la != lb
+    loss, bpc, by_source = evaluate(model, prepared, 32, 4, 256, CPU, [0.75, 0.25])
+    assert by_source == {"a": la, "b": lb}
+    assert loss == 0.75 * la + 0.25 * lb
+    # each source's bits per character: its loss in bits over its characters per token (2 and 4)
+    assert bpc == pytest.approx(0.75 * la / math.log(2) / 2 + 0.25 * lb / math.log(2) / 4, rel=1e-12)
+    whole, whole_bpc, none = evaluate(model, prepared, 32, 4, 256, CPU)
+    assert none is None and whole == _val_loss(model, val, 32, 4, 256, CPU)
+    assert whole_bpc == pytest.approx(whole / math.log(2) / 3, rel=1e-12)
+
+
+def test_an_eval_leaves_the_model_in_the_mode_it_found_it_even_on_an_error(tmp_path):
+    from experiment.evaluation import evaluating
+    _, model = _demo(tmp_path)
+    for mode in (True, False):
+        model.train(mode)
+        with evaluating(model) as m:
+            assert m is model and not model.training
+        assert model.training is mode
+    model.train()
+    with pytest.raises(RuntimeError), evaluating(model):
+        raise RuntimeError("an eval that fails")
+    assert model.training

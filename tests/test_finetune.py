@@ -85,3 +85,77 @@ def test_init_from_without_max_seq_len_takes_the_sources_context(tmp_path):
     source = run / "model_000005.pt"
     assert finetune.apply(parse_args(["--init_from", str(source)])).max_seq_len == 64
     assert finetune.apply(parse_args(["--init_from", str(source), "--max_seq_len", "128"])).max_seq_len == 128
+
+
+def _fake_source(tmp_path, tokenizer=None, bigram_vocab=0, train_config=None, name="src"):
+    """A source run directory whose step 5 has a meta and an empty model file (only the meta is read)."""
+    from experiment.model import GPTConfig
+
+    run = tmp_path / "checkpoints" / name
+    run.mkdir(parents=True)
+    (run / "model_000005.pt").write_bytes(b"")
+    model_config = GPTConfig(vocab_size=12, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=64,
+                             bigram_vocab=bigram_vocab).to_dict()
+    (run / "meta_000005.json").write_text(json.dumps({
+        "step": 5, "model_config": model_config,
+        "tokenizer": tokenizer or {"tokenizer": "char", "chars": "0123456789+="},
+        "train_config": {"model_tag": "src"} if train_config is None else train_config}))
+    return run / "model_000005.pt"
+
+
+def test_init_from_takes_the_sources_shape_tokenizer_and_tag_and_refuses_what_contradicts_it(tmp_path):
+    from experiment import finetune
+    from experiment.config import ConfigError, parse_args
+
+    plain = parse_args([])
+    assert finetune.apply(plain) is plain and finetune.chars(plain) is None
+    src = str(_fake_source(tmp_path))
+    cfg = finetune.apply(parse_args(["--init_from", src]))
+    assert (cfg.depth, cfg.aspect_ratio, cfg.head_dim, cfg.bigram_embed) == (2, 32, 32, 0)
+    assert (cfg.tokenizer, cfg.max_seq_len, cfg.model_tag) == ("char", 64, "src-ft")
+    assert finetune.chars(cfg) == "0123456789+="
+    same = ["--depth", "2", "--aspect_ratio", "32", "--head_dim", "32", "--bigram_embed", "0", "--model_tag", "mine"]
+    cfg = finetune.apply(parse_args(["--init_from", src, *same]))
+    assert (cfg.depth, cfg.aspect_ratio, cfg.head_dim, cfg.bigram_embed, cfg.model_tag) == (2, 32, 32, 0, "mine")
+    for flag, value, theirs in (("--depth", "4", "depth 2"), ("--aspect_ratio", "64", "aspect_ratio 32"),
+                                ("--head_dim", "16", "head_dim 32"), ("--bigram_embed", "1", "bigram_embed 0")):
+        with pytest.raises(ConfigError, match=f"{flag} {value}: INIT_FROM's model .* has {theirs}; leave it unset"):
+            finetune.apply(parse_args(["--init_from", src, flag, value]))
+    # a tiktoken model: its encoding ("char", the flag's default, reads as unset), no fixed characters;
+    # a source without a tag gives "model-ft"
+    gpt2 = str(_fake_source(tmp_path, {"tokenizer": "tiktoken", "encoding": "gpt2"}, bigram_vocab=12,
+                            train_config={}, name="bpe"))
+    cfg = finetune.apply(parse_args(["--init_from", gpt2]))
+    assert (cfg.tokenizer, cfg.bigram_embed, cfg.model_tag) == ("gpt2", 1, "model-ft")
+    assert finetune.apply(parse_args(["--init_from", gpt2, "--tokenizer", "gpt2"])).tokenizer == "gpt2"
+    assert finetune.chars(cfg) is None
+    with pytest.raises(ConfigError, match="--tokenizer cl100k_base: INIT_FROM's model .* uses gpt2; leave it unset"):
+        finetune.apply(parse_args(["--init_from", gpt2, "--tokenizer", "cl100k_base"]))
+
+
+def test_a_fine_tune_writes_elsewhere_than_its_source_and_goes_on_only_from_the_same_source(tmp_path):
+    from experiment import finetune
+    from experiment.config import ConfigError, parse_args
+    from experiment.model import GPTConfig
+
+    src = _fake_source(tmp_path)
+    other = _fake_source(tmp_path, name="other")
+    cfg = parse_args(["--init_from", str(src)])
+    finetune.check_dir(parse_args([]), src.parent)  # no INIT_FROM: nothing to check
+    with pytest.raises(ConfigError, match="that is this run's own directory"):
+        finetune.check_dir(cfg, src.parent)
+    new = tmp_path / "checkpoints/src-ft"
+    finetune.check_dir(cfg, new)  # not there yet
+    new.mkdir()
+    finetune.check_dir(cfg, new)  # empty
+    (new / "meta_000003.json").write_text(json.dumps({"step": 3, "train_config": {"init_from": str(src)}}))
+    finetune.check_dir(cfg, new)  # its own restart
+    (new / "meta_000004.json").write_text(json.dumps({"step": 4, "train_config": {"init_from": str(other)}}))
+    with pytest.raises(ConfigError, match=f"{new} holds a run started from {other}"):
+        finetune.check_dir(cfg, new)  # the newest step names another source
+    (new / "meta_000004.json").write_text(json.dumps({"step": 4, "train_config": {}}))
+    finetune.check_dir(cfg, new)  # a run that was no fine-tune
+    # the model this data builds: the source's, but for the context (RoPE's tables are not weights)
+    finetune.check_target(cfg, GPTConfig(vocab_size=12, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=128))
+    with pytest.raises(ConfigError, match="its model .* differs from the one this data builds"):
+        finetune.check_target(cfg, GPTConfig(vocab_size=13, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=64))

@@ -87,6 +87,8 @@ def test_the_warmups_end_from_the_step_after_an_anneal_begins_or_once_a_warmdown
     assert phase_of(RunState(warmdown_begun=True), 0.0) == (1, 0)
     # the step that began the anneal (its eval came after this decision) still trains in the warmups
     assert phase_of(RunState(anneal_start_tokens=100, tokens_seen=100), 0.0) == (4, 1)
+    equal = RunState(anneal_start_tokens=int("4096000"), tokens_seen=int("4096000"))  # two int objects, as a run's
+    assert phase_of(equal, 0.0) == (4, 1)
     assert phase_of(RunState(anneal_start_tokens=100, tokens_seen=101), 0.0) == (1, 0)
     assert phase_of(RunState(anneal_start_tokens=0, tokens_seen=1), 0.0) == (1, 0)
     assert phase_of(RunState(anneal_start_tokens=-1, tokens_seen=500), 0.0) == (4, 1)  # no anneal
