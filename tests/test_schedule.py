@@ -131,8 +131,9 @@ def test_plateau_gain_in_a_warmdown_is_a_new_low_of_its_windows_mean():
 def _stop_harness(warmdown_frac=0.4, total_batch_size=1, plateau_evals=2, margin=0.25):
     cfg = SimpleNamespace(plateau_evals=plateau_evals, plateau_margin=margin, warmdown_frac=warmdown_frac,
                           total_batch_size=total_batch_size, gpu_hourly_usd=4.0)
-    t = SimpleNamespace(cfg=cfg, st=RunState(), d=Dist(0, 0, 1, torch.device("cpu")), log=lambda line: None,
+    t = SimpleNamespace(cfg=cfg, st=RunState(), d=Dist(0, 0, 1, torch.device("cpu")), logs=[],
                         budget_seconds=100.0, prepared=SimpleNamespace(meta={"split": {"train_tokens": 1000}}))
+    t.log = t.logs.append
     stopped = []
     loop = SimpleNamespace(used=lambda: 40.0, stop=lambda code, outcome: stopped.append((code, outcome)))
 
@@ -168,6 +169,8 @@ def test_plateau_check_at_the_peak_counts_misses_then_starts_the_anneal_and_ends
     st = check(300, 0.6, 1.9)  # 0.6 is the warmdown's start (1 - 0.4), not in it: a second miss
     assert (st.evals_without_gain, st.anneal_start_tokens, st.anneal_tokens) == (0, 300, 200)
     assert st.warmdown_seen and not st.plateau_stopped and not stopped
+    # the user reads where the anneal starts and ends, in passes over the 1000 training tokens
+    assert "the LR warmdown starts now at 0.30 passes and the run ends with it at 0.50 passes" in t.logs[-1]
     # in the anneal its window fills (no count), gains once, then misses PLATEAU_EVALS times
     assert check(350, 0.35, 1.8).evals_without_gain == 0
     assert check(400, 0.4, 1.6).plateau_ref == pytest.approx(1.7)
@@ -175,6 +178,19 @@ def test_plateau_check_at_the_peak_counts_misses_then_starts_the_anneal_and_ends
     st = check(500, 0.5, 1.8)
     assert st.plateau_stopped and st.evals_without_gain == 2
     assert stopped == [(0, stopped[0][1])] and "stopped improving during the warmdown" in stopped[0][1]
+    assert t.logs[-1].endswith("stopping at 0.50 passes")
+
+
+def test_plateau_check_counts_from_a_checkpoints_state():
+    # PLATEAU_EVALS lowered on a resume below the misses already counted: the next miss acts
+    t, check, stopped = _stop_harness(plateau_evals=2)
+    t.st.plateau_ref, t.st.evals_without_gain = 1.0, 3
+    assert check(100, 0.1, 1.0).anneal_start_tokens == 100
+    # an anneal recorded without warmdown_seen (a checkpoint from before the field) is a warmdown
+    t, check, stopped = _stop_harness()
+    t.st.anneal_start_tokens, t.st.anneal_tokens, t.st.plateau_ref = 300, 200, 1.0
+    st = check(350, 0.1, 1.0)
+    assert (st.warmdown_seen, st.warmdown_window, st.plateau_ref) == (True, [1.0], math.inf)
 
 
 def test_plateau_check_in_the_schedules_warmdown_starts_its_count_afresh():
