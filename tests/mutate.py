@@ -2,7 +2,7 @@
 dependency, requirements-dev.txt; `bash run.sh mutate` installs it on first use).
 
     bash run.sh mutate experiment/extend.py [--tests "tests/test_extend.py -k unit"] [--timeout S]
-                                            [--out reports/mutation-extend.jsonl] [--since main]
+                                            [--out reports/mutation-extend.jsonl] [--since main] [--lines A-B]
 
 cosmic-ray rewrites the module on disk for each mutant and runs the test command, so this runs in a
 copy of the repository's tracked files (with ../shared beside it when present): the working tree is
@@ -11,7 +11,8 @@ fail (or time out). Skipped, because they say nothing about behaviour: mutations
 message text (an f-string, the arguments of a log or print call, the message of a raised error),
 type annotations (never evaluated here) and lines marked `# pragma: no mutate`; with --since REV,
 also every line a change did not touch (`git diff REV` of the module): a change's own mutants in
-minutes, where the whole module takes an hour or more. Prints the module's score (killed / tried) and every survivor
+minutes, where the whole module takes an hour or more; with --lines A-B, every line outside them (one
+function of a large module). Prints the module's score (killed / tried) and every survivor
 with its line and diff; --out writes one JSON line per mutant. tests/README.md says what a survivor
 must get.
 """
@@ -153,6 +154,14 @@ def copy_repo(dest: Path) -> Path:
     return repo
 
 
+def line_span(spec: str) -> set[int]:
+    """--lines A-B as the set of its line numbers (1-based, both ends included)."""
+    first, dash, last = spec.partition("-")
+    if not (dash and first.isdigit() and last.isdigit() and 0 < int(first) <= int(last)):
+        raise ValueError(f"--lines {spec}: expected A-B, two line numbers from 1 with A <= B")
+    return set(range(int(first), int(last) + 1))
+
+
 def test_command(tests: str) -> str:
     return f"{shlex.quote(sys.executable)} -m pytest -x -q -p no:cacheprovider {tests}"
 
@@ -212,6 +221,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one mutant's tests may take")
     p.add_argument("--out", help="write one JSON line per mutant here")
     p.add_argument("--since", metavar="REV", help="mutate only the lines changed since this git revision")
+    p.add_argument("--lines", metavar="A-B", help="mutate only lines A to B (one function of a large module)")
     args = p.parse_args(argv)
     module = Path(args.module).as_posix()
     if not (REPO / module).is_file():
@@ -225,6 +235,13 @@ def main(argv=None) -> int:
     if only is not None and not only:
         print(f"error: {module}: no line changed since {args.since}", file=sys.stderr)
         return 2
+    if args.lines:
+        try:
+            span = line_span(args.lines)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        only = span if only is None else only & span
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="mutate-") as tmp:
         repo = copy_repo(Path(tmp))

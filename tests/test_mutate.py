@@ -2,7 +2,9 @@
 
 import textwrap
 
-from mutate import annotation_spans, changed_lines, message_spans, skip_reason
+import pytest
+
+from mutate import annotation_spans, changed_lines, line_span, message_spans, skip_reason
 
 SOURCE = textwrap.dedent('''\
     def f(t, x: int | None, used) -> float | None:
@@ -63,3 +65,11 @@ def test_since_a_revision_only_the_lines_a_change_touched_are_mutated():
         -    gone = 2
         ''')
     assert changed_lines(diff) == {3, 11, 12, 13}  # a deletion leaves no new line to mutate
+
+
+def test_lines_name_one_stretch_of_a_module_both_ends_included():
+    assert line_span("511-513") == {511, 512, 513}
+    assert line_span("7-7") == {7}
+    for bad in ("513-511", "0-3", "5", "a-b", "5-", "-5", "1-2-3"):
+        with pytest.raises(ValueError, match=f"--lines {bad}: expected A-B"):
+            line_span(bad)
