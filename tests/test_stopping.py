@@ -40,6 +40,7 @@ def test_the_stop_at_the_minimum_ends_a_run_when_its_warmdown_stopped_gaining_or
 def test_the_last_steps_outcome_names_what_ended_it_first():
     st = RunState(step=10, tokens_seen=800, used_seconds=400.0, anneal_start_tokens=200, anneal_tokens=100)
     assert stopping.last_outcome(trainer(st, max_steps=10, max_tokens=800)) == "finished: max_steps reached"
+    assert stopping.last_outcome(trainer(st, max_steps=8)) == "finished: max_steps reached"  # a resume past it
     assert stopping.last_outcome(trainer(st, max_steps=11, max_tokens=800)).startswith(
         "finished: the val loss stopped improving at 0.50 passes and the warmdown started there is done; 600s")
     assert stopping.last_outcome(trainer(st, max_steps=11, max_tokens=800, plateau_evals=0)) == (
@@ -77,6 +78,8 @@ def test_the_projected_end_is_the_first_of_the_budget_the_passes_the_anneal_and_
     st.anneal_start_tokens = -1
     assert stopping.projected_end(trainer(st, cfg_max_steps=20), 400.0, 10.0) == (100.0, "max_steps")
     assert stopping.projected_end(trainer(st, cfg_max_steps=20), 400.0, 1.0) == (600.0, "budget")
+    st.step = 10
+    assert stopping.projected_end(trainer(st, cfg_max_steps=20), 400.0, 10.0) == (90.0, "max_steps")
 
 
 def test_a_stopping_rank_gets_twice_its_step_and_save_its_longest_eval_and_a_margin():
@@ -105,6 +108,8 @@ def test_decide_gives_every_rank_rank_0s_flags_and_progress():
     # rank 0: an eval and a save due by the clock, the schedule's warmdown begins (70% of the budget)
     assert stopping.decide(t, loop, 0) == (0, 1, 1, 0, 0, 1, 1, 0)
     assert loop.progress == 0.7 and st.warmup_progress == 0.7
+    st.used_seconds = 30.0  # before the warmdown's start (60%): none begins
+    assert stopping.decide(t, loop, 0)[5] == 0
 
 
 def test_saves_are_due_by_steps_from_step_1_and_evals_at_step_0():
@@ -124,3 +129,17 @@ def test_saves_are_due_by_steps_from_step_1_and_evals_at_step_0():
         st = RunState(step=step, used_seconds=1.0)
         t.st = st
         assert stopping.decide(t, loop, 0)[1:3] == (evals, 0), step
+    cfg.eval_every_steps, cfg.save_every_steps = 0, 1  # a save every step
+    assert stopping.decide(t, loop, 0)[1:3] == (0, 1)
+
+
+def test_evals_and_saves_are_due_by_the_clock_from_the_minute_they_are_set_to(monkeypatch):
+    monkeypatch.setattr(stopping.time, "time", lambda: 10_000.0)
+    cfg = SimpleNamespace(eval_every_minutes=2.0, eval_every_steps=0, save_every_minutes=3.0, save_every_steps=0,
+                          plateau_evals=4, max_steps=0, warmdown_frac=0.4, seq_warmup_frac=0.0, batch_warmup_frac=0.0)
+    t = SimpleNamespace(cfg=cfg, d=Dist(0, 0, 1, torch.device("cpu")), st=RunState(step=5, used_seconds=1.0),
+                        max_steps=10**9, budget_seconds=100.0, max_tokens=math.inf, first_save_seconds=0.0,
+                        saver=SimpleNamespace(seconds_left=lambda s: 0.0), eval_every_tokens=math.inf)
+    for ago, due in ((119.0, (0, 0)), (120.0, (1, 0)), (179.0, (1, 0)), (180.0, (1, 1))):
+        loop = SimpleNamespace(last_eval_time=10_000.0 - ago, last_save_time=10_000.0 - ago, reserve_seconds=0.0)
+        assert stopping.decide(t, loop, 0)[1:3] == due, ago
