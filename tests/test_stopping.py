@@ -131,6 +131,8 @@ def test_saves_are_due_by_steps_from_step_1_and_evals_at_step_0():
         assert stopping.decide(t, loop, 0)[1:3] == (evals, 0), step
     cfg.eval_every_steps, cfg.save_every_steps = 0, 1  # a save every step
     assert stopping.decide(t, loop, 0)[1:3] == (0, 1)
+    cfg.eval_every_steps, cfg.save_every_steps = 1, 0  # an eval every step
+    assert stopping.decide(t, loop, 0)[1:3] == (1, 0)
 
 
 def test_evals_and_saves_are_due_by_the_clock_from_the_minute_they_are_set_to(monkeypatch):
