@@ -522,7 +522,8 @@ def validate(data_dir: Path, tokenizer: str = "char", alphabet: str | None = Non
     plans = [(i, c) for i, p in enumerate(files) for c in chunks.plan(p, stats[i].st_size, CHUNK_BYTES)]
     with chunks.Pool(min(workers, len(plans))) as pool:
         scans = _scan(files, stats, plans, alphabet, pool, log)
-    counts = [sum(s.chunk_chars) if tokenizer == "char" else s.size // 4 for s in scans]
+    # prepare's counts: a BOS before every file, then its characters (or, estimated, its tokens)
+    counts = [1 + (sum(s.chunk_chars) if tokenizer == "char" else s.size // 4) for s in scans]
     parts = source_parts(file_parts(names, counts, val_fraction))
     split = {"train_tokens": sum(p["train"][1] - p["train"][0] for p in parts),
              "val_tokens": sum(p["val"][1] - p["val"][0] for p in parts)}

@@ -151,7 +151,8 @@ def parse_gpus(spec: str | None) -> Gpus:
 
 def count_tokens(cfg: PlanConfig) -> tuple[int, str]:
     """(tokens, how they were counted): TOKENS, else DATA_DIR's, after the pre-flight's checks
-    (DataError names the first problem): characters, or with tiktoken bytes / 4."""
+    (DataError names the first problem): characters, or with tiktoken bytes / 4, and the BOS that
+    prepare writes before each file."""
     if cfg.tokens is not None:
         return cfg.tokens, "TOKENS"
     data_dir = Path(cfg.data_dir) if cfg.data_dir else default_workspace() / "data"

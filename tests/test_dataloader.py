@@ -454,3 +454,31 @@ def test_hidden_directories_are_skipped_symlinked_ones_followed_and_data_dir_nam
     again = prepare(only / "code", tmp_path / "ws", val_fraction=0.1, max_seq_len=16)
     assert [s["name"] for s in first.meta["source_splits"]] == ["code"]
     assert again.dir != first.dir and [s["path"] for s in again.meta["sources"]] == [str(only / "code" / "x.txt")]
+
+
+def test_validate_counts_the_tokens_prepare_writes_by_source_without_writing(tmp_path):
+    """dataloader.validate (plan's data check before renting): prepare's checks and counts, no files."""
+    data = tmp_path / "data"
+    for sub, name, text in (("code", "a.txt", GOOD * 3), ("code", "b.txt", "xyz\n" * 50), ("prose", "c.txt", GOOD)):
+        (data / sub).mkdir(parents=True, exist_ok=True)
+        (data / sub / name).write_text(text)
+    v = dataloader.validate(data, max_seq_len=8, workers=2, log=lambda line: None)
+    assert not (tmp_path / "ws").exists()
+    p = prepare(data, tmp_path / "ws", max_seq_len=8)
+    split = p.meta["split"]
+    # a BOS before each file, then its characters; each source's val part as prepare cuts it
+    assert v == {"tokens": split["train_tokens"] + split["val_tokens"], "exact": True,
+                 "sources": {"code": 1 + len(GOOD) * 3 + 1 + 200, "prose": 1 + len(GOOD)}}
+    prose = next(s for s in p.meta["source_splits"] if s["name"] == "prose")
+    need = prose["val"][1] - prose["val"][0]  # 5% of 1,201 tokens: 60
+    with pytest.raises(DataError, match=f"{data}: source prose gives {need} tokens to val"):
+        dataloader.validate(data, max_seq_len=need, log=lambda line: None)
+    dataloader.validate(data, max_seq_len=need - 1, log=lambda line: None)  # prepare takes it too
+    prepare(data, tmp_path / "ws", max_seq_len=need - 1)
+    # tiktoken: estimated from the bytes (4 a token), never encoded here
+    v = dataloader.validate(data, tokenizer="gpt2", max_seq_len=8, workers=1, log=lambda line: None)
+    assert v == {"tokens": 3 + len(GOOD) * 3 // 4 + 200 // 4 + len(GOOD) // 4, "exact": False,
+                 "sources": {"code": 2 + len(GOOD) * 3 // 4 + 200 // 4, "prose": 1 + len(GOOD) // 4}}
+    with pytest.raises(DataError, match="a.txt: invalid UTF-8"):
+        (data / "code" / "a.txt").write_bytes(b"ok\n\xff\xfe\n")
+        dataloader.validate(data, max_seq_len=8, log=lambda line: None)

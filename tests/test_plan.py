@@ -170,11 +170,11 @@ def test_the_data_is_counted_in_characters_streamed(tmp_path):
     (data / "sub").mkdir(parents=True)
     (data / "a.txt").write_text("héllo wörld\n" * 4000)  # each source's 5% of val holds one 2049-token window
     (data / "sub" / "b.txt").write_text("日本語\n" * 11000)
-    assert count_tokens(PlanConfig(data_dir=str(data)))[0] == 12 * 4000 + 4 * 11000
+    assert count_tokens(PlanConfig(data_dir=str(data)))[0] == 1 + 12 * 4000 + 1 + 4 * 11000  # a BOS before each file
     # through run.sh, a relative DATA_DIR is relative to where the user stands
     proc = run_plan("--json", env={"DATA_DIR": "data", "GPUS": "8xH100-PCIe"}, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["tokens"] == 92000
+    assert json.loads(proc.stdout)["tokens"] == 92002
 
 
 def test_the_plan_refuses_data_the_preflight_would_refuse(tmp_path):
