@@ -47,6 +47,8 @@ def test_the_last_steps_outcome_names_what_ended_it_first():
         "finished: 8 passes over the training data (MAX_EPOCHS), before the budget")
     assert stopping.last_outcome(trainer(st, max_steps=11, max_tokens=801, plateau_evals=0)) == (
         "finished: the budget is spent")
+    assert stopping.last_outcome(trainer(st, max_steps=11, max_tokens=700, plateau_evals=0)) == (
+        "finished: 8 passes over the training data (MAX_EPOCHS), before the budget")  # past the cap
     st.plateau_stopped, st.best_val, st.best_step = True, 1.25, 7
     assert stopping.last_outcome(trainer(st, max_steps=11)) == (
         "finished: the val loss stopped improving during the warmdown (best 1.2500 at step 7); "
@@ -71,6 +73,7 @@ def test_the_projected_end_is_the_first_of_the_budget_the_passes_the_anneal_and_
     # the anneal the val minimum started ends at 1000 + 1500 tokens: 150 s; not with PLATEAU_EVALS=0
     st.anneal_start_tokens, st.anneal_tokens = 1000, 1500
     assert stopping.projected_end(trainer(st), 400.0, 10.0) == (150.0, "the warmdown the val minimum started")
+    assert stopping.projected_end(trainer(st), 400.0, 16.0) == (93.75, "the warmdown the val minimum started")
     assert stopping.projected_end(trainer(st, plateau_evals=0), 400.0, 10.0) == (600.0, "budget")
     st.anneal_start_tokens, st.anneal_tokens = 0, 500  # from token 0: it ended at 500 tokens, already passed
     assert stopping.projected_end(trainer(st), 400.0, 10.0) == (0.0, "the warmdown the val minimum started")
@@ -108,8 +111,41 @@ def test_decide_gives_every_rank_rank_0s_flags_and_progress():
     # rank 0: an eval and a save due by the clock, the schedule's warmdown begins (70% of the budget)
     assert stopping.decide(t, loop, 0) == (0, 1, 1, 0, 0, 1, 1, 0)
     assert loop.progress == 0.7 and st.warmup_progress == 0.7
-    st.used_seconds = 30.0  # before the warmdown's start (60%): none begins
-    assert stopping.decide(t, loop, 0)[5] == 0
+    for used in (30.0, 50.0, 60.0):  # up to the warmdown's start (60%): none begins
+        st.used_seconds = used
+        assert stopping.decide(t, loop, 0)[5] == 0, used
+
+
+def test_the_last_step_is_max_steps_or_the_pass_caps_or_any_past_them():
+    cfg = SimpleNamespace(eval_every_minutes=1000.0, eval_every_steps=0, save_every_minutes=1000.0,
+                          save_every_steps=0, plateau_evals=4, max_steps=0, warmdown_frac=0.4, seq_warmup_frac=0.0,
+                          batch_warmup_frac=0.0)
+    now = time.time()
+
+    def last(step, tokens, max_steps=10**9, max_tokens=math.inf):
+        t = SimpleNamespace(cfg=cfg, d=Dist(0, 0, 1, torch.device("cpu")), st=RunState(step=step, tokens_seen=tokens),
+                            max_steps=max_steps, budget_seconds=100.0, max_tokens=max_tokens, first_save_seconds=0.0,
+                            saver=SimpleNamespace(seconds_left=lambda s: 0.0), eval_every_tokens=math.inf)
+        loop = SimpleNamespace(last_eval_time=now, last_save_time=now, reserve_seconds=0.0)
+        return stopping.decide(t, loop, 0)[0]
+
+    assert [last(s, 0, max_steps=5) for s in (4, 5, 6)] == [0, 1, 1]  # 6: a resume past a lowered MAX_STEPS
+    big = int("4000000000")  # two int objects, as a run's counts are
+    assert [last(5, n, max_tokens=big) for n in (big - 1, int("4000000000"), big + 1)] == [0, 1, 1]
+
+
+def test_a_save_due_by_the_clock_is_paid_for_before_the_budget_ends():
+    cfg = SimpleNamespace(eval_every_minutes=1000.0, eval_every_steps=0, save_every_minutes=1.0,
+                          save_every_steps=0, plateau_evals=4, max_steps=0, warmdown_frac=0.4, seq_warmup_frac=0.0,
+                          batch_warmup_frac=0.0)
+    now = time.time()
+    for used, last in ((96.0, 0), (97.0, 1)):  # 97 + a 3 s save reaches the 100 s budget
+        t = SimpleNamespace(cfg=cfg, d=Dist(0, 0, 1, torch.device("cpu")), first_save_seconds=0.0,
+                            st=RunState(step=5, used_seconds=used, save_seconds=3.0), max_steps=10**9,
+                            budget_seconds=100.0, max_tokens=math.inf, eval_every_tokens=math.inf,
+                            saver=SimpleNamespace(seconds_left=lambda s: 0.0))
+        loop = SimpleNamespace(last_eval_time=now, last_save_time=now - 120, reserve_seconds=0.0)
+        assert stopping.decide(t, loop, 0)[:3] == (last, 0, 1), used
 
 
 def test_saves_are_due_by_steps_from_step_1_and_evals_at_step_0():
