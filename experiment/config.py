@@ -246,7 +246,7 @@ def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
         cfg.bigram_embed = int(cfg.tokenizer == "char")
     if cfg.max_epochs is not None and cfg.max_epochs < 0:
         raise ConfigError(f"--max_epochs must be >= 0 (0: no limit), got {cfg.max_epochs}")
-    for name in ("eval_every_epochs", "plateau_evals"):
+    for name in ("eval_every_epochs", "plateau_evals", "eval_every_steps", "save_every_steps"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
     if cfg.keep_last < 1:  # 0 would delete the step just saved (a preemption's checkpoint included)

@@ -70,6 +70,8 @@ def test_the_projected_end_is_the_first_of_the_budget_the_passes_the_anneal_and_
     # 2000 tokens to the pass cap at 10 tok/s: 200 s, sooner than the budget's 600 s
     assert stopping.projected_end(trainer(st, max_tokens=3000), 400.0, 10.0) == (200.0, "8 passes")
     assert stopping.projected_end(trainer(st, max_tokens=3000), 400.0, 2.0) == (600.0, "budget")
+    assert stopping.projected_end(trainer(st, max_tokens=3000), 400.0, 16.0) == (125.0, "8 passes")
+    assert stopping.projected_end(trainer(st, max_tokens=3000), 400.0, 32.0) == (62.5, "8 passes")
     # the anneal the val minimum started ends at 1000 + 1500 tokens: 150 s; not with PLATEAU_EVALS=0
     st.anneal_start_tokens, st.anneal_tokens = 1000, 1500
     assert stopping.projected_end(trainer(st), 400.0, 10.0) == (150.0, "the warmdown the val minimum started")
@@ -169,6 +171,14 @@ def test_saves_are_due_by_steps_from_step_1_and_evals_at_step_0():
     assert stopping.decide(t, loop, 0)[1:3] == (0, 1)
     cfg.eval_every_steps, cfg.save_every_steps = 1, 0  # an eval every step
     assert stopping.decide(t, loop, 0)[1:3] == (1, 0)
+    cfg.eval_every_steps, cfg.save_every_steps = 0, 1
+    t.st = RunState(step=1, used_seconds=1.0)
+    assert stopping.decide(t, loop, 0)[1:3] == (0, 1)  # from step 1
+    # EVAL_EVERY_EPOCHS: due once its tokens have gone by since the last eval, or more
+    cfg.save_every_steps, t.eval_every_tokens = 0, 1000.0
+    for last_eval_tokens, due in ((4001, 0), (4000, 1), (3000, 1)):
+        t.st = RunState(step=7, used_seconds=1.0, tokens_seen=5000, last_eval_tokens=last_eval_tokens)
+        assert stopping.decide(t, loop, 0)[1:3] == (due, 0), last_eval_tokens
 
 
 def test_evals_and_saves_are_due_by_the_clock_from_the_minute_they_are_set_to(monkeypatch):

@@ -58,6 +58,10 @@ def test_settings_that_cannot_work_are_named():
     # KEEP_LAST=0 would have the prune delete the step it just completed, a preemption's save included
     with pytest.raises(ConfigError, match="--keep_last must be >= 1"):
         resolve(TrainConfig(keep_last=0), cuda=False, world_size=1)
+    # every N steps counts from 1 (0: off); a negative N is a typo, not "off"
+    for name in ("eval_every_steps", "save_every_steps", "eval_every_epochs", "plateau_evals"):
+        with pytest.raises(ConfigError, match=f"--{name} must be >= 0, got -5"):
+            resolve(TrainConfig(**{name: -5}), cuda=False, world_size=1)
 
 
 def test_peak_flops_by_name_and_none_for_unknown():
