@@ -85,6 +85,7 @@ def test_the_projected_end_is_the_first_of_the_budget_the_passes_the_anneal_and_
     assert stopping.projected_end(trainer(st, cfg_max_steps=20), 400.0, 1.0) == (600.0, "budget")
     st.step = 10
     assert stopping.projected_end(trainer(st, cfg_max_steps=20), 400.0, 10.0) == (90.0, "max_steps")
+    assert stopping.projected_end(trainer(st, cfg_max_steps=20), 400.0, 16.0) == (56.25, "max_steps")
 
 
 def test_a_stopping_rank_gets_twice_its_step_and_save_its_longest_eval_and_a_margin():
