@@ -449,7 +449,9 @@ def test_the_lost_seconds_come_from_a_heartbeat_written_since_the_resumed_checkp
         return restarts.lost_seconds(tmp_path, resume_step, cfg)
 
     assert lost(14, 130.5) == 30.5
+    assert lost(10, 112.0) == 12.0  # a beat at the checkpoint's own step, after its save began
     assert lost(10, 100.0) == 0.0 and lost(10, 90.0) == 0.0  # never negative
+    assert lost(14, 130.5, cfg=parse_args(["--resume", "".join(["au", "to"])])) == 30.5  # RESUME=auto from the shell
     assert lost(9, 130.5) == 0.0  # written before the checkpoint: it knows nothing past it
     assert lost(14, 130.5, cfg=older) == 0.0  # RESUME=<step>: a branch
     assert lost(14, 130.5, resume_step=None) == 0.0  # a fresh run
@@ -484,23 +486,30 @@ def test_a_restarts_lost_and_setup_seconds_are_charged_once_at_its_first_step(tm
     assert (loop.used_at_start, t.st.restart_seconds) == (242.5, 47.5)
 
 
-def test_the_heartbeat_is_rank_0s_every_heartbeat_seconds_and_a_failed_write_is_said_once(tmp_path):
+def test_the_heartbeat_is_rank_0s_every_heartbeat_seconds_and_a_failed_write_is_said_once(tmp_path, monkeypatch):
     import json
     from types import SimpleNamespace
 
     from experiment import restarts
     from experiment.checkpoint import RunState
 
-    logs = []
+    logs, fsynced = [], []
+    write = restarts.atomic_write_json
+    # not fsynced: on a network volume an fsync can wait behind a background save's gigabytes
+    monkeypatch.setattr(restarts, "atomic_write_json",
+                        lambda path, obj, durable=True: fsynced.append(durable) or write(path, obj, durable=durable))
     t = SimpleNamespace(d=Dist(0, 0, 1, torch.device("cpu")), st=RunState(step=3), run_dir=tmp_path, log=logs.append)
     loop = SimpleNamespace(last_beat=0.0, beat_failed=False, used=lambda: 7.0)
     path = tmp_path / restarts.HEARTBEAT
     restarts.beat(t, loop)
     assert json.loads(path.read_text())["step"] == 3 and time.time() - loop.last_beat < 5
     t.st.step = 4
-    restarts.beat(t, loop)  # within HEARTBEAT_SECONDS of the last: not written
+    restarts.beat(t, loop)  # within HEARTBEAT_SECONDS (10 s) of the last: not written
     assert json.loads(path.read_text())["step"] == 3
-    loop.last_beat = time.time() - restarts.HEARTBEAT_SECONDS - 1
+    loop.last_beat = time.time() - 9.5
+    restarts.beat(t, loop)
+    assert json.loads(path.read_text())["step"] == 3
+    loop.last_beat = time.time() - 10.5
     restarts.beat(t, loop)
     assert json.loads(path.read_text()) == {"step": 4, "used_seconds": 7.0, "time": loop.last_beat}
     t.st.step = 5
@@ -513,11 +522,13 @@ def test_the_heartbeat_is_rank_0s_every_heartbeat_seconds_and_a_failed_write_is_
     (tmp_path / "a_file").write_text("")
     t.d, t.run_dir = Dist(0, 0, 1, torch.device("cpu")), tmp_path / "a_file"  # a write that fails
     restarts.beat(t, loop, force=True)
+    assert loop.beat_failed and len(logs) == 1 and "could not be written" in logs[0]  # said at once
     restarts.beat(t, loop, force=True)
-    assert loop.beat_failed and len(logs) == 1 and "could not be written" in logs[0]
+    assert loop.beat_failed and len(logs) == 1  # and once
     t.run_dir = tmp_path
     restarts.beat(t, loop, force=True)
     assert not loop.beat_failed and path.exists()
+    assert fsynced and not any(fsynced)
 
 
 def test_workers_exit_on_their_own_when_the_agent_is_killed(tmp_path, corpus):
