@@ -126,18 +126,22 @@ def test_with_several_sources_the_loss_and_bpc_are_the_weighted_means_of_theirs(
     from experiment.evaluation import _val_loss
     real, model = _demo(tmp_path)
     val = real.tokens("val")
-    n = len(val)
+    n, half = len(val), len(val) // 2
+    a_chars = 5 * half // 2  # about 2.5 characters a token
     meta = {"split": {"val_tokens": n, "val_chars": 3 * n},
-            "source_splits": [{"name": "a", "val": [0, n // 2], "val_chars": 2 * (n // 2)},
-                              {"name": "b", "val": [n // 2, n], "val_chars": 4 * (n - n // 2)}]}
+            "source_splits": [{"name": "a", "val": [0, half], "val_chars": a_chars},
+                              {"name": "b", "val": [half, n], "val_chars": 4 * (n - half)}]}
     prepared = SimpleNamespace(meta=meta, tokens=real.tokens)
-    la, lb = _val_loss(model, val[: n // 2], 32, 4, 192, CPU), _val_loss(model, val[n // 2:], 32, 4, 64, CPU)
+    la, lb = _val_loss(model, val[:half], 32, 4, 192, CPU), _val_loss(model, val[half:], 32, 4, 64, CPU)
     assert la != lb
+    grad_enabled = []
+    model.register_forward_hook(lambda *args: grad_enabled.append(torch.is_grad_enabled()))
     loss, bpc, by_source = evaluate(model, prepared, 32, 4, 256, CPU, [0.75, 0.25])
+    assert grad_enabled and not any(grad_enabled)  # no autograd graph: an eval holds no activations
     assert by_source == {"a": la, "b": lb}
     assert loss == 0.75 * la + 0.25 * lb
-    # each source's bits per character: its loss in bits over its characters per token (2 and 4)
-    assert bpc == pytest.approx(0.75 * la / math.log(2) / 2 + 0.25 * lb / math.log(2) / 4, rel=1e-12)
+    # each source's bits per character: its loss in bits over its characters per token (2.5 and 4)
+    assert bpc == pytest.approx(0.75 * la / math.log(2) / (a_chars / half) + 0.25 * lb / math.log(2) / 4, rel=1e-12)
     whole, whole_bpc, none = evaluate(model, prepared, 32, 4, 256, CPU)
     assert none is None and whole == _val_loss(model, val, 32, 4, 256, CPU)
     assert whole_bpc == pytest.approx(whole / math.log(2) / 3, rel=1e-12)
