@@ -101,6 +101,6 @@ def weights(cfg: TrainConfig) -> tuple[dict, str]:
     path, meta = source(cfg)
     model, meta = ckpt.load_model(path)
     val = meta.get("val_loss")
-    return model.state_dict(), (f"init | weights from {path} (step {meta.get('step', '?')}, val_loss "
-                                + (f"{val:.4f}" if val is not None else "-") + " on its own data): a fresh "
-                                "optimizer, LR schedule and budget")
+    loss = "-" if val is None else f"{val:.4f}"  # a step saved without an eval has none
+    return model.state_dict(), (f"init | weights from {path} (step {meta.get('step', '?')}, val_loss {loss} on its own "
+                                "data): a fresh optimizer, LR schedule and budget")

@@ -31,7 +31,8 @@ def test_a_run_from_a_trained_models_weights_keeps_its_vocabulary_and_starts_whe
     common = [*TINY, "--data_dir", new, "--workspace", tmp_path, "--total_batch_size", 256, "--max_steps", 3]
     tuned = run_train([*common, "--init_from", source])
     fresh = run_train([*common, "--model_tag", "fresh"])
-    assert f"init | weights from {source}/model_000030.pt (step 30" in tuned.stdout
+    val = run_meta(tmp_path, 30)["val_loss"]
+    assert f"init | weights from {source}/model_000030.pt (step 30, val_loss {val:.4f} on its own data)" in tuned.stdout
     assert _first_loss(tuned) < _first_loss(fresh) - 1.0  # it starts trained (fresh: about ln 64 = 4.2)
     meta = run_meta(tmp_path, 3, tag="d2-ft")  # MODEL_TAG: the source's tag + "-ft"
     assert meta["model_config"] == run_meta(tmp_path, 30)["model_config"]
