@@ -88,14 +88,14 @@ def test_init_from_without_max_seq_len_takes_the_sources_context(tmp_path):
     assert finetune.apply(parse_args(["--init_from", str(source), "--max_seq_len", "128"])).max_seq_len == 128
 
 
-def _fake_source(tmp_path, tokenizer=None, bigram_vocab=0, train_config=None, name="src"):
+def _fake_source(tmp_path, tokenizer=None, bigram_vocab=0, train_config=None, name="src", aspect_ratio=32):
     """A source run directory whose step 5 has a meta and an empty model file (only the meta is read)."""
     from experiment.model import GPTConfig
 
     run = tmp_path / "checkpoints" / name
     run.mkdir(parents=True)
     (run / "model_000005.pt").write_bytes(b"")
-    model_config = GPTConfig(vocab_size=12, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=64,
+    model_config = GPTConfig(vocab_size=12, depth=2, aspect_ratio=aspect_ratio, head_dim=32, max_seq_len=64,
                              bigram_vocab=bigram_vocab).to_dict()
     (run / "meta_000005.json").write_text(json.dumps({
         "step": 5, "model_config": model_config,
@@ -132,6 +132,24 @@ def test_init_from_takes_the_sources_shape_tokenizer_and_tag_and_refuses_what_co
     assert finetune.chars(cfg) is None
     with pytest.raises(ConfigError, match="--tokenizer cl100k_base: INIT_FROM's model .* uses gpt2; leave it unset"):
         finetune.apply(parse_args(["--init_from", gpt2, "--tokenizer", "cl100k_base"]))
+    # a setting equal to the source's is kept whatever int object holds it (320 is not a shared small int)
+    wide = str(_fake_source(tmp_path, name="wide", aspect_ratio=320))
+    assert finetune.apply(parse_args(["--init_from", wide, "--aspect_ratio", "320"])).aspect_ratio == 320
+
+
+def test_an_init_from_that_names_no_model_is_refused_by_name(tmp_path):
+    import torch
+
+    from experiment import checkpoint as ckpt
+    from experiment import finetune
+    from experiment.config import ConfigError, parse_args
+
+    with pytest.raises(ConfigError, match=f"--init_from {tmp_path / 'nothing'}: .*no such checkpoint file"):
+        finetune.apply(parse_args(["--init_from", str(tmp_path / "nothing")]))
+    odd = tmp_path / "odd.pt"  # an export's format without its meta
+    torch.save({"format": ckpt.EXPORT_FORMAT}, odd)
+    with pytest.raises(ConfigError, match=f"--init_from {odd}: 'meta'"):
+        finetune.apply(parse_args(["--init_from", str(odd)]))
 
 
 def test_a_fine_tune_writes_elsewhere_than_its_source_and_goes_on_only_from_the_same_source(tmp_path):
@@ -147,6 +165,7 @@ def test_a_fine_tune_writes_elsewhere_than_its_source_and_goes_on_only_from_the_
         finetune.check_dir(cfg, src.parent)
     new = tmp_path / "checkpoints/src-ft"
     finetune.check_dir(cfg, new)  # not there yet
+    finetune.check_dir(cfg, tmp_path / "checkpoints/a-ft")  # a name that sorts before the source's
     new.mkdir()
     finetune.check_dir(cfg, new)  # empty
     (new / "meta_000003.json").write_text(json.dumps({"step": 3, "train_config": {"init_from": str(src)}}))
@@ -154,6 +173,10 @@ def test_a_fine_tune_writes_elsewhere_than_its_source_and_goes_on_only_from_the_
     (new / "meta_000004.json").write_text(json.dumps({"step": 4, "train_config": {"init_from": str(other)}}))
     with pytest.raises(ConfigError, match=f"{new} holds a run started from {other}"):
         finetune.check_dir(cfg, new)  # the newest step names another source
+    later = _fake_source(tmp_path, name="zz")  # a name that sorts after the source's
+    (new / "meta_000004.json").write_text(json.dumps({"step": 4, "train_config": {"init_from": str(later)}}))
+    with pytest.raises(ConfigError, match=f"{new} holds a run started from {later}"):
+        finetune.check_dir(cfg, new)
     (new / "meta_000004.json").write_text(json.dumps({"step": 4, "train_config": {}}))
     finetune.check_dir(cfg, new)  # a run that was no fine-tune
     # the model this data builds: the source's, but for the context (RoPE's tables are not weights)
