@@ -459,26 +459,40 @@ def test_hidden_directories_are_skipped_symlinked_ones_followed_and_data_dir_nam
 def test_validate_counts_the_tokens_prepare_writes_by_source_without_writing(tmp_path):
     """dataloader.validate (plan's data check before renting): prepare's checks and counts, no files."""
     data = tmp_path / "data"
-    for sub, name, text in (("code", "a.txt", GOOD * 3), ("code", "b.txt", "xyz\n" * 50), ("prose", "c.txt", GOOD)):
+    b = "xyz\n" * 50 + "q"  # 201 characters: an odd count, and bytes that 4 does not divide
+    for sub, name, text in (("code", "a.txt", GOOD * 3), ("code", "b.txt", b), ("prose", "c.txt", GOOD)):
         (data / sub).mkdir(parents=True, exist_ok=True)
         (data / sub / name).write_text(text)
-    v = dataloader.validate(data, max_seq_len=8, workers=2, log=lambda line: None)
+    quiet = dict(log=lambda line: None)
+    v = dataloader.validate(data, max_seq_len=8, workers=2, **quiet)
     assert not (tmp_path / "ws").exists()
     p = prepare(data, tmp_path / "ws", max_seq_len=8)
     split = p.meta["split"]
     # a BOS before each file, then its characters; each source's val part as prepare cuts it
     assert v == {"tokens": split["train_tokens"] + split["val_tokens"], "exact": True,
-                 "sources": {"code": 1 + len(GOOD) * 3 + 1 + 200, "prose": 1 + len(GOOD)}}
+                 "sources": {"code": 1 + len(GOOD) * 3 + 1 + 201, "prose": 1 + len(GOOD)}}
+    assert dataloader.validate(data, tokenizer="".join(["ch", "ar"]), max_seq_len=8, **quiet)["exact"]  # from a flag
     prose = next(s for s in p.meta["source_splits"] if s["name"] == "prose")
     need = prose["val"][1] - prose["val"][0]  # 5% of 1,201 tokens: 60
     with pytest.raises(DataError, match=f"{data}: source prose gives {need} tokens to val"):
-        dataloader.validate(data, max_seq_len=need, log=lambda line: None)
-    dataloader.validate(data, max_seq_len=need - 1, log=lambda line: None)  # prepare takes it too
+        dataloader.validate(data, max_seq_len=need, **quiet)
+    dataloader.validate(data, max_seq_len=need - 1, **quiet)  # prepare takes it too
     prepare(data, tmp_path / "ws", max_seq_len=need - 1)
+    # the splits' own checks come first: the val split as a whole, and the default context of 256
+    val = split["val_tokens"]
+    with pytest.raises(DataError, match=f"the val split has {val:,} tokens, .*max_seq_len \\+ 1 = {val + 1}"):
+        dataloader.validate(data, max_seq_len=val, **quiet)
+    with pytest.raises(DataError, match=f"the val split has {val:,} tokens, .*max_seq_len \\+ 1 = 257"):
+        dataloader.validate(data, **quiet)
+    # ... and the train split, which a VAL_FRACTION of 0.9 leaves short
+    train = prepare(data, tmp_path / "ws9", max_seq_len=8, val_fraction=0.9).meta["split"]["train_tokens"]
+    with pytest.raises(DataError, match=f"the train split has {train:,} tokens"):
+        dataloader.validate(data, val_fraction=0.9, max_seq_len=train, **quiet)
+    dataloader.validate(data, val_fraction=0.9, max_seq_len=train - 1, **quiet)
     # tiktoken: estimated from the bytes (4 a token), never encoded here
-    v = dataloader.validate(data, tokenizer="gpt2", max_seq_len=8, workers=1, log=lambda line: None)
-    assert v == {"tokens": 3 + len(GOOD) * 3 // 4 + 200 // 4 + len(GOOD) // 4, "exact": False,
-                 "sources": {"code": 2 + len(GOOD) * 3 // 4 + 200 // 4, "prose": 1 + len(GOOD) // 4}}
+    v = dataloader.validate(data, tokenizer="gpt2", max_seq_len=8, workers=1, **quiet)
+    assert v == {"tokens": 3 + len(GOOD) * 3 // 4 + 201 // 4 + len(GOOD) // 4, "exact": False,
+                 "sources": {"code": 2 + len(GOOD) * 3 // 4 + 201 // 4, "prose": 1 + len(GOOD) // 4}}
     with pytest.raises(DataError, match="a.txt: invalid UTF-8"):
         (data / "code" / "a.txt").write_bytes(b"ok\n\xff\xfe\n")
-        dataloader.validate(data, max_seq_len=8, log=lambda line: None)
+        dataloader.validate(data, max_seq_len=8, **quiet)
