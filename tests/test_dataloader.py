@@ -456,7 +456,7 @@ def test_hidden_directories_are_skipped_symlinked_ones_followed_and_data_dir_nam
     assert again.dir != first.dir and [s["path"] for s in again.meta["sources"]] == [str(only / "code" / "x.txt")]
 
 
-def test_validate_counts_the_tokens_prepare_writes_by_source_without_writing(tmp_path):
+def test_validate_counts_the_tokens_prepare_writes_by_source_without_writing(tmp_path, monkeypatch):
     """dataloader.validate (plan's data check before renting): prepare's checks and counts, no files."""
     data = tmp_path / "data"
     b = "xyz\n" * 50 + "q"  # 201 characters: an odd count, and bytes that 4 does not divide
@@ -471,7 +471,11 @@ def test_validate_counts_the_tokens_prepare_writes_by_source_without_writing(tmp
     # a BOS before each file, then its characters; each source's val part as prepare cuts it
     assert v == {"tokens": split["train_tokens"] + split["val_tokens"], "exact": True,
                  "sources": {"code": 1 + len(GOOD) * 3 + 1 + 201, "prose": 1 + len(GOOD)}}
-    assert dataloader.validate(data, tokenizer="".join(["ch", "ar"]), max_seq_len=8, **quiet)["exact"]  # from a flag
+    assert dataloader.validate(data, tokenizer="".join(["ch", "ar"]), max_seq_len=8, **quiet) == v  # from a flag
+    lines = []  # its progress lines go where it is told
+    monkeypatch.setattr(dataloader, "PROGRESS_SECONDS", 0)
+    dataloader.validate(data, max_seq_len=8, log=lines.append)
+    assert any(line.startswith("prepare | validate") for line in lines)
     prose = next(s for s in p.meta["source_splits"] if s["name"] == "prose")
     need = prose["val"][1] - prose["val"][0]  # 5% of 1,201 tokens: 60
     with pytest.raises(DataError, match=f"{data}: source prose gives {need} tokens to val"):
