@@ -8,7 +8,6 @@ import math
 import time
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from experiment import stopping
