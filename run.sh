@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Newcomer entry point.
 #   bash run.sh          create .venv if missing, install requirements.txt, train (demo on CPU)
-#   bash run.sh test     the test suite (pytest); exits with pytest's status
+#   bash run.sh test     the test suite (pytest; or tests/test_x.py -k name: those); exits with pytest's status
 #   bash run.sh serve    serve the best checkpoint of the most recent run
 #   bash run.sh sample   sample from it on the command line (--prompt TEXT --max_tokens N ...)
 #   bash run.sh export   its best model as one bf16 file to download (--checkpoint RUN_DIR --out FILE)
@@ -30,7 +30,9 @@ setup_python
 cmd=${1:-train}
 [ $# -gt 0 ] && shift
 if [ "$cmd" = test ]; then
-    exec "$PYTHON" -m pytest tests --durations=40 "$@"  # the slowest 40: what the suite's time goes to
+    # the slowest 40: what the suite's time goes to. A file or directory first runs only it.
+    if [ $# -gt 0 ] && [[ "$1" != -* ]]; then exec "$PYTHON" -m pytest --durations=40 "$@"; fi
+    exec "$PYTHON" -m pytest tests --durations=40 "$@"
 fi
 if [ "$cmd" = mutate ]; then  # its tester is a test-only dependency: installed here, never by a launch
     "$PYTHON" -c "import cosmic_ray" 2>/dev/null \

@@ -36,3 +36,19 @@ def test_launch_with_a_python_of_another_torch_exits_2_in_one_line(tmp_path):
     assert f"torch {metadata.version('torch')}, requirements.txt pins torch==0.0.1" in lines[0]
     assert "pip install -r requirements.txt" in lines[0]
     assert not (tmp_path / "ws").exists()  # refused before the pre-flight
+
+
+def test_run_sh_test_runs_the_suite_or_only_the_file_it_is_given():
+    """`bash run.sh test tests/test_x.py` runs that file, not the suite beside it; `bash run.sh test -k y`
+    selects from the whole suite."""
+    env = {**ENV, "PYTHON": sys.executable}
+
+    def collected(*args):
+        proc = subprocess.run(["bash", str(REPO / "run.sh"), "test", *args, "--collect-only", "-q"], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        return {line.split("::")[0] for line in proc.stdout.splitlines() if "::" in line}
+
+    assert collected("tests/test_mutate.py") == {"tests/test_mutate.py"}
+    assert collected("-k", "lines_name_one_stretch or problems_name_the_mismatch") == {
+        "tests/test_mutate.py", "tests/test_pyenv.py"}
