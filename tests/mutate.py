@@ -43,7 +43,7 @@ TESTS = {
     "experiment/saving.py": "tests/test_saver.py tests/test_checkpoint.py",
     "experiment/restarts.py": "tests/test_resilience.py -k 'lost_seconds or charged_once or heartbeat_is'",
     "experiment/plan.py": "tests/test_plan.py",
-    "experiment/autosize.py": "tests/test_autosize.py",
+    "experiment/autosize.py": "tests/test_autosize.py -k 'not trainer_chooses and not a_run_stops and not an_unset_max_epochs'",
     "experiment/schedule.py": "tests/test_schedule.py tests/test_train.py -k 'test_schedule or warmup_schedules or eval_due'",
     "experiment/plateau.py": "tests/test_schedule.py tests/test_train.py tests/test_plateau.py "
                              "-k 'plateau_gain or plateau_check or start_anneal or stays_begun or noisy'",
