@@ -95,15 +95,26 @@ def test_a_stopping_rank_gets_twice_its_step_and_save_its_longest_eval_and_a_mar
     assert stopping.stop_grace(trainer(st, first_save=11.0)) == 60.0 + 2 * (3.0 + 11.0) + 7.0
 
 
+def decide_cfg(**given):
+    """The settings decide reads: evals and saves by the clock only far apart, no warmups."""
+    return SimpleNamespace(**{**dict(eval_every_minutes=1000.0, eval_every_steps=0, save_every_minutes=1000.0,
+                                     save_every_steps=0, plateau_evals=4, max_steps=0, warmdown_frac=0.4,
+                                     seq_warmup_frac=0.0, batch_warmup_frac=0.0), **given})
+
+
+def decide_trainer(cfg, st: RunState, rank=0, world=1, max_steps=10**9, max_tokens=math.inf):
+    """A 100 s budget with no save in flight or estimated, no eval by tokens."""
+    return SimpleNamespace(cfg=cfg, d=Dist(rank, rank, world, torch.device("cpu")), st=st, max_steps=max_steps,
+                           budget_seconds=100.0, max_tokens=max_tokens, first_save_seconds=0.0,
+                           saver=SimpleNamespace(seconds_left=lambda s: 0.0), eval_every_tokens=math.inf)
+
+
 def test_decide_gives_every_rank_rank_0s_flags_and_progress():
     """A rank other than 0 decides nothing clock-driven itself: its flags are 0 (the all-reduce's max
     gives it rank 0's), a signal or a save still at work counts from any rank."""
-    cfg = SimpleNamespace(eval_every_minutes=1.0, eval_every_steps=0, save_every_minutes=1.0, save_every_steps=0,
-                          plateau_evals=4, max_steps=0, warmdown_frac=0.4, seq_warmup_frac=0.3, batch_warmup_frac=0.3)
+    cfg = decide_cfg(eval_every_minutes=1.0, save_every_minutes=1.0, seq_warmup_frac=0.3, batch_warmup_frac=0.3)
     st = RunState(step=5, used_seconds=70.0)
-    t = SimpleNamespace(cfg=cfg, d=Dist(1, 1, 2, torch.device("cpu")), st=st, max_steps=10**9, budget_seconds=100.0,
-                        max_tokens=math.inf, saver=SimpleNamespace(seconds_left=lambda s: 0.0),
-                        first_save_seconds=0.0, eval_every_tokens=math.inf)
+    t = decide_trainer(cfg, st, rank=1, world=2)
     loop = SimpleNamespace(last_eval_time=0.0, last_save_time=0.0, reserve_seconds=0.0)
     t.d.all_reduce = lambda flags, op: flags  # one rank's own view, before the reduce
     assert stopping.decide(t, loop, 15, writing=True) == (0, 0, 0, 15, 1, 0, 0, 0)
@@ -119,15 +130,11 @@ def test_decide_gives_every_rank_rank_0s_flags_and_progress():
 
 
 def test_the_last_step_is_max_steps_or_the_pass_caps_or_any_past_them():
-    cfg = SimpleNamespace(eval_every_minutes=1000.0, eval_every_steps=0, save_every_minutes=1000.0,
-                          save_every_steps=0, plateau_evals=4, max_steps=0, warmdown_frac=0.4, seq_warmup_frac=0.0,
-                          batch_warmup_frac=0.0)
     now = time.time()
 
     def last(step, tokens, max_steps=10**9, max_tokens=math.inf):
-        t = SimpleNamespace(cfg=cfg, d=Dist(0, 0, 1, torch.device("cpu")), st=RunState(step=step, tokens_seen=tokens),
-                            max_steps=max_steps, budget_seconds=100.0, max_tokens=max_tokens, first_save_seconds=0.0,
-                            saver=SimpleNamespace(seconds_left=lambda s: 0.0), eval_every_tokens=math.inf)
+        t = decide_trainer(decide_cfg(), RunState(step=step, tokens_seen=tokens), max_steps=max_steps,
+                           max_tokens=max_tokens)
         loop = SimpleNamespace(last_eval_time=now, last_save_time=now, reserve_seconds=0.0)
         return stopping.decide(t, loop, 0)[0]
 
@@ -137,29 +144,18 @@ def test_the_last_step_is_max_steps_or_the_pass_caps_or_any_past_them():
 
 
 def test_a_save_due_by_the_clock_is_paid_for_before_the_budget_ends():
-    cfg = SimpleNamespace(eval_every_minutes=1000.0, eval_every_steps=0, save_every_minutes=1.0,
-                          save_every_steps=0, plateau_evals=4, max_steps=0, warmdown_frac=0.4, seq_warmup_frac=0.0,
-                          batch_warmup_frac=0.0)
     now = time.time()
     for used, last in ((96.0, 0), (97.0, 1)):  # 97 + a 3 s save reaches the 100 s budget
-        t = SimpleNamespace(cfg=cfg, d=Dist(0, 0, 1, torch.device("cpu")), first_save_seconds=0.0,
-                            st=RunState(step=5, used_seconds=used, save_seconds=3.0), max_steps=10**9,
-                            budget_seconds=100.0, max_tokens=math.inf, eval_every_tokens=math.inf,
-                            saver=SimpleNamespace(seconds_left=lambda s: 0.0))
+        t = decide_trainer(decide_cfg(save_every_minutes=1.0), RunState(step=5, used_seconds=used, save_seconds=3.0))
         loop = SimpleNamespace(last_eval_time=now, last_save_time=now - 120, reserve_seconds=0.0)
         assert stopping.decide(t, loop, 0)[:3] == (last, 0, 1), used
 
 
 def test_saves_are_due_by_steps_from_step_1_and_evals_at_step_0():
-    cfg = SimpleNamespace(eval_every_minutes=1000.0, eval_every_steps=0, save_every_minutes=1000.0,
-                          save_every_steps=3, plateau_evals=4, max_steps=0, warmdown_frac=0.4, seq_warmup_frac=0.0,
-                          batch_warmup_frac=0.0)
+    cfg = decide_cfg(save_every_steps=3)
     now = time.time()
     for step, evals, saves in ((0, 1, 0), (1, 0, 0), (3, 0, 1), (4, 0, 0), (6, 0, 1)):
-        st = RunState(step=step, used_seconds=1.0)
-        t = SimpleNamespace(cfg=cfg, d=Dist(0, 0, 1, torch.device("cpu")), st=st, max_steps=10**9,
-                            budget_seconds=100.0, max_tokens=math.inf, saver=SimpleNamespace(seconds_left=lambda s: 0.0),
-                            first_save_seconds=0.0, eval_every_tokens=math.inf)
+        t = decide_trainer(cfg, RunState(step=step, used_seconds=1.0))
         loop = SimpleNamespace(last_eval_time=now, last_save_time=now, reserve_seconds=0.0)
         assert stopping.decide(t, loop, 0)[1:3] == (evals, saves), step
     cfg.eval_every_steps, cfg.save_every_steps = 2, 0
@@ -183,11 +179,7 @@ def test_saves_are_due_by_steps_from_step_1_and_evals_at_step_0():
 
 def test_evals_and_saves_are_due_by_the_clock_from_the_minute_they_are_set_to(monkeypatch):
     monkeypatch.setattr(stopping.time, "time", lambda: 10_000.0)
-    cfg = SimpleNamespace(eval_every_minutes=2.0, eval_every_steps=0, save_every_minutes=3.0, save_every_steps=0,
-                          plateau_evals=4, max_steps=0, warmdown_frac=0.4, seq_warmup_frac=0.0, batch_warmup_frac=0.0)
-    t = SimpleNamespace(cfg=cfg, d=Dist(0, 0, 1, torch.device("cpu")), st=RunState(step=5, used_seconds=1.0),
-                        max_steps=10**9, budget_seconds=100.0, max_tokens=math.inf, first_save_seconds=0.0,
-                        saver=SimpleNamespace(seconds_left=lambda s: 0.0), eval_every_tokens=math.inf)
+    t = decide_trainer(decide_cfg(eval_every_minutes=2.0, save_every_minutes=3.0), RunState(step=5, used_seconds=1.0))
     for ago, due in ((119.0, (0, 0)), (120.0, (1, 0)), (179.0, (1, 0)), (180.0, (1, 1))):
         loop = SimpleNamespace(last_eval_time=10_000.0 - ago, last_save_time=10_000.0 - ago, reserve_seconds=0.0)
         assert stopping.decide(t, loop, 0)[1:3] == due, ago
