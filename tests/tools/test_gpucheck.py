@@ -36,10 +36,20 @@ def test_unknown_item_is_an_error(capsys):
     assert "bogus" in capsys.readouterr().out
 
 
+def _failed_items(workspace) -> str:
+    """Each failing item's own detail, first: the end of stdout is the e2e item's, whatever failed."""
+    reports = sorted(workspace.glob("gpucheck/*/report.json"))
+    if not reports:
+        return "no report.json\n"
+    items = json.loads(reports[-1].read_text())["items"]
+    return "".join(f"## {i['name']}: {i['status']}\n{i['summary']}\n{i.get('detail', '')[-4000:]}\n\n"
+                   for i in items if i["status"] == "FAIL")
+
+
 def test_quick_gpucheck_on_cpu_passes_and_reports_every_item(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "gpucheck", "--quick", "--workspace", tmp_path],
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, _failed_items(tmp_path) + proc.stdout[-3000:] + proc.stderr[-2000:]
     (out,) = (tmp_path / "gpucheck").iterdir()
     report = json.loads((out / "report.json").read_text())
     items = {i["name"]: i for i in report["items"]}
