@@ -298,8 +298,8 @@ def rule(c: Candidate) -> str:
     if completes(c):
         return (f"the budget outruns the data: the largest depth with >= {c.floor:.2g} tokens/param in "
                 f"{c.cap:g} epochs, stopped there")
-    return "no depth has enough tokens per parameter: the smallest, " + (
-        f"stopped at {c.cap:g} passes" if c.budget_epochs >= c.cap else "for the budget")
+    until = f"stopped at {c.cap:g} passes" if c.budget_epochs >= c.cap else "for the budget"
+    return f"no depth has enough tokens per parameter: the smallest, {until}"
 
 
 def supported_depth(make_config, train_tokens: int, tokens_per_step: int) -> int | None:

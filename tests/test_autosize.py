@@ -3,11 +3,12 @@
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 import torch
 
-from conftest import TINY, run_meta, run_train
+from conftest import REPO, TINY, run_meta, run_train
 from experiment import autosize
 from experiment.hardware import link_gbps
 from experiment.autosize import Candidate, candidate, choose, data_lines, supported_depth
@@ -309,3 +310,161 @@ def test_an_unset_max_epochs_takes_the_datas_cap_and_a_resume_keeps_the_one_it_s
     assert filled(19_001, resume_step=40, total_batch_size=1024)[0] == 8.0
     ckpt.meta_path(tmp_path, 41).write_text(json.dumps({"train_config": {"max_epochs": 0.0}}))
     assert filled(19_001, resume_step=41) == (0.0, [])  # started with no cap: still none
+
+
+# ---------------------------------------------------------------- the rule's parts, one condition at a time
+
+
+def test_the_ladder_is_the_documented_one_and_keeps_the_widths_the_head_size_divides():
+    text = " ".join((REPO / "docs/training.md").read_text().split())
+    listed = re.search(r"on a ladder \(([\d, ]+) with the run's", text)
+    assert tuple(int(x) for x in listed.group(1).split(",")) == autosize.LADDER
+    assert autosize.ladder(64, 128) == list(autosize.LADDER)  # every width 128 * d / 2: all of them
+    assert autosize.ladder(96, 128) == [4, 8, 12, 16, 20, 24, 32, 40, 48, 56, 64]  # 96 d a multiple of 128: 4 | d
+    assert autosize.ladder(48, 128) == [8, 16, 24, 32, 40, 48, 56, 64]
+
+
+def test_the_mfu_of_a_depth_not_measured_is_the_nearest_measured_ones_the_smaller_on_a_tie():
+    h100 = {d: autosize.mfu(d, H100) for d in (2, 12, 16, 17, 20, 22, 23, 64)}
+    assert h100 == {2: 0.441, 12: 0.441, 16: 0.441, 17: 0.494, 20: 0.494, 22: 0.494, 23: 0.528, 64: 0.528}
+    h200 = {d: autosize.mfu(d, "NVIDIA H200") for d in (16, 17, 22, 23, 28, 29)}
+    assert h200 == {16: 0.493, 17: 0.535, 22: 0.535, 23: 0.564, 28: 0.564, 29: 0.583}
+    assert autosize.mfu(17, H100, {10: 0.1, 30: 0.3}) == 0.1  # a table of the box's own measurements
+
+
+def test_the_memory_plans_bytes_per_weight_are_the_dtypes_own():
+    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        assert autosize.WEIGHT_BYTES[precision] == torch.empty(0, dtype=dtype).element_size()
+
+
+def test_a_candidates_seconds_are_its_tokens_at_its_rate():
+    c = Candidate(depth=2, width=64, params=1000, tok_per_s=3.0, tokens=10.0, epochs=1.0)
+    assert c.seconds == pytest.approx(10 / 3) and c.tokens_per_param == 0.01
+
+
+def test_the_probe_times_the_trainers_step_on_tokens_of_the_vocabulary_after_one_warm_up(monkeypatch):
+    timed, seen = [], []
+    real = autosize.forward_backward
+
+    def recording(model, x, y):
+        seen.append(x.clone())
+        return real(model, x, y)
+
+    def mean_seconds(device, n, fn, *args):
+        fn(*args)  # one real step of the real model on the probe's tokens
+        timed.append(n)
+        return 0.25
+
+    monkeypatch.setattr(autosize, "forward_backward", recording)
+    monkeypatch.setattr(autosize, "mean_seconds", mean_seconds)
+    config = GPTConfig(vocab_size=4, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=16)
+    assert autosize.measure_tok_per_s(config, 3, torch.device("cpu")) == 3 * 16 / 0.25
+    assert timed == [1, autosize.PROBE_STEPS]
+    x = torch.cat(seen)
+    assert x.shape == (6, 16) and x.min() == 0 and x.max() == 3  # 96 draws of 4 tokens: each end drawn
+
+
+def test_the_gradient_traffic_is_three_passes_of_the_weights_over_each_link():
+    config = make_config(4)
+    params = count_params(config)
+    assert autosize.comm_seconds(config, 1, 20.0) == 0
+    assert autosize.comm_seconds(config, 2, 1.0, 4) == pytest.approx(6 * params / 1e9, rel=1e-12)  # 3 x 1/2 x 4 bytes
+    assert autosize.comm_seconds(config, 8, 20.0, 2) == pytest.approx(3 * 7 / 8 * 2 * params / 20e9, rel=1e-12)
+
+
+def test_the_cap_is_said_where_it_is_not_max_epochs_and_too_few_steps_are_warned_of():
+    assert autosize.MIN_STEPS == 80 and autosize.MAX_EPOCHS == 8
+    assert autosize.cap_lines(8.0, 10**6, 4096) == []
+    assert autosize.cap_lines(11.5, 28_501, 4096) == [
+        "data | MAX_EPOCHS unset: 11.5 passes, 80 optimizer steps of 4,096 tokens (8 passes would make 56; "
+        "experiment/autosize.py, pass_cap)"]
+    # 16 passes of 10,240 tokens make exactly 40 steps, half MIN_STEPS: no warning; one token fewer, one
+    at_half = autosize.cap_lines(16.0, 10_240, 4096)
+    assert len(at_half) == 1 and "16 passes, 40 optimizer steps" in at_half[0]
+    below = autosize.cap_lines(16.0, 10_239, 4096)
+    assert below[1] == ("warning: the data make only 40 optimizer steps in 16 passes at TOTAL_BATCH_SIZE=4096, "
+                        "too few to train well; a TOTAL_BATCH_SIZE of at most 1,023 tokens (a multiple of "
+                        "MAX_SEQ_LEN) makes 80 in 8 passes")
+
+
+def _at(tokens_per_param, budget_epochs, cap=8.0, floor=0.5):
+    """A candidate of 1,000 parameters at the given tokens per parameter and passes of the budget."""
+    tokens = tokens_per_param * 1000
+    return Candidate(2, 64, 1000, 1.0, tokens, tokens / 1000, budget_epochs, cap=cap, floor=floor)
+
+
+def test_the_branches_of_the_rule_include_their_boundaries():
+    eligible, completes, larger_cannot_win = autosize.eligible, autosize.completes, autosize.larger_cannot_win
+    assert (autosize.MIN_TOKENS_PER_PARAM, autosize.TOKENS_PER_PARAM) == (1.0, 12.5)
+    # the budget branch: at least 1 token/param, at most the cap's passes, both ends included
+    assert eligible(_at(1.0, 8.0)) and not eligible(_at(0.999, 8.0)) and not eligible(_at(1.0, 8.001))
+    # the data branch: at least the cap's passes and the data's floor, both ends included
+    assert completes(_at(0.5, 8.0)) and not completes(_at(0.499, 8.0)) and not completes(_at(0.5, 7.999))
+    # a larger depth cannot win: under the floor ...
+    assert larger_cannot_win(_at(0.499, 100.0)) and not larger_cannot_win(_at(0.5, 100.0))
+    # ... or short of the cap's passes and of 1 token/param ...
+    assert larger_cannot_win(_at(0.9, 7.9)) and not larger_cannot_win(_at(0.9, 8.0))
+    assert not larger_cannot_win(_at(1.0, 100.0))
+    # ... or eligible under half the target (6.25), not at it
+    assert larger_cannot_win(_at(6.2, 7.9)) and not larger_cannot_win(_at(6.25, 7.9))
+
+
+def test_the_rule_says_which_branch_chose_and_the_reason_gives_the_figures():
+    rule = autosize.rule
+    assert rule(_at(12.5, 4.0)) == "nearest 12.5 tokens/param of those with >= 1 in at most 8 epochs of the budget"
+    assert rule(_at(0.5, 9.0)) == ("the budget outruns the data: the largest depth with >= 0.5 tokens/param in 8 "
+                                   "epochs, stopped there")
+    assert rule(_at(0.1, 8.0)) == "no depth has enough tokens per parameter: the smallest, stopped at 8 passes"
+    assert rule(_at(0.1, 7.9)) == "no depth has enough tokens per parameter: the smallest, for the budget"
+    c = Candidate(4, 128, 10**5, 500.0, 1.8e6, 3.0, 4.0)
+    other = dataclasses.replace(c, depth=6, tok_per_s=250.5)
+    assert autosize.reason(c, [c, other], "predicted") == (
+        "auto: d4 w128, 1.8M tokens in 1.000h, 18.0 tokens/param, 3.0 epochs (nearest 12.5 tokens/param of "
+        "those with >= 1 in at most 8 epochs of the budget; predicted tok/s: d4 500, d6 250)")
+
+
+def test_the_supported_depth_is_the_largest_the_caps_passes_give_the_floor_exactly(monkeypatch):
+    cap = autosize.pass_cap(10**6, 4096)
+    at_d4 = cap * 10**6 / autosize.rule_params(make_config(4))  # tokens per parameter, not a whole number
+    assert at_d4 != int(at_d4)
+    monkeypatch.setattr(autosize, "data_floor", lambda tokens: at_d4)
+    assert supported_depth(make_config, 10**6, 4096) == 4
+    monkeypatch.setattr(autosize, "data_floor", lambda tokens: at_d4 * (1 + 1e-9))
+    assert supported_depth(make_config, 10**6, 4096) == 2
+
+
+def test_the_probe_counts_every_rank_stops_at_the_first_depth_out_of_memory_and_frees_cuda_after_each(monkeypatch):
+    cfg = lambda d: GPTConfig(vocab_size=64, depth=d, aspect_ratio=64, head_dim=64, max_seq_len=32)
+    measured, freed = [], []
+
+    def measure(config, batch, device):
+        measured.append(config.depth)
+        if config.depth == 6:
+            raise torch.OutOfMemoryError("probe")
+        return 1e9  # far more tokens per parameter than the target: nothing stops the probe but memory
+
+    monkeypatch.setattr(autosize, "measure_tok_per_s", measure)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: freed.append(measured[-1]))
+    for device in ("cpu", "cuda"):
+        measured.clear()
+        chosen, cands = autosize.probe_and_choose(cfg, 2, torch.device(device), 4, budget_s=10, train_tokens=10**12,
+                                                  tokens_per_step=64)
+        assert measured == [2, 4, 6] and [c.tok_per_s for c in cands] == [4e9, 4e9]
+    assert freed == [2, 4, 6]  # on CUDA alone, after every depth, the one out of memory too
+
+
+def test_the_prediction_fits_each_depth_at_one_sequence_and_stops_at_the_first_that_does_not(monkeypatch):
+    from types import SimpleNamespace
+
+    gpu = lambda d: GPTConfig(vocab_size=256, depth=d, aspect_ratio=64, head_dim=128, max_seq_len=2048)
+    asked = []
+
+    def fit(config, gpus, batch, seq, gpu_bytes):
+        asked.append((config.depth, batch, seq))
+        return None if config.depth == 6 else SimpleNamespace(precision="bf16" if config.depth == 4 else "fp32")
+
+    monkeypatch.setattr(autosize, "choose_mode", fit)
+    _, cands = autosize.predict_and_choose(gpu, 989e12, 8, 80 * 2**30, 3600, 10**9, 20.0, H100, 524288)
+    assert asked == [(2, 1, 2048), (4, 1, 2048), (6, 1, 2048)]  # d8 would fit here, but memory only grows
+    assert [c.depth for c in cands] == [2, 4]
+    assert cands[1].tok_per_s == autosize.predicted_tok_per_s(gpu(4), 989e12, 8, 20.0, 2, 524288, gpu_name=H100)
