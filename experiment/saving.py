@@ -135,9 +135,9 @@ def maybe_save(t: Trainer, loop: Loop, save_due: bool, preempted: bool, writing:
                   f"(waited {waited:.1f}s); a resume trains the {step - before} steps since it again")
             loop.outcome = loop.outcome.replace(f"at step {step};", f"at step {step}, on step {before}'s checkpoint;")
             return
-        if preempted:
+        if preempted:  # the signal's wait, not a sign that saves come due too often: not counted
             t.log(f"save | saving step {step:06d} instead")
-        if final and not preempted:
+        elif final:
             t.log(f"save | the final save waited {waited:.1f}s for step {before:06d}'s write to finish")
         elif writing:
             st.save_waits, st.save_wait_seconds = st.save_waits + 1, st.save_wait_seconds + waited

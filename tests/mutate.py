@@ -40,7 +40,9 @@ TESTS = {
     "experiment/finetune.py": "tests/test_finetune.py -k 'init_from or fine_tune_writes'",
     "experiment/launchfacts.py": "tests/test_train.py -k 'launchfacts or maps_env'",
     "experiment/saver.py": "tests/test_saver.py",
-    "experiment/saving.py": "tests/test_saver.py tests/test_checkpoint.py",
+    "experiment/saving.py": "tests/test_saver.py tests/test_checkpoint.py "
+                            "tests/test_average.py::test_a_failed_best_save_falls_back_to_the_saved_best_and_its_weights "
+                            "tests/test_average.py::test_the_saver_and_the_first_save_estimate_count_the_average",
     "experiment/restarts.py": "tests/test_resilience.py -k 'lost_seconds or charged_once or heartbeat_is'",
     "experiment/plan.py": "tests/test_plan.py",
     "experiment/autosize.py": "tests/test_autosize.py -k 'not trainer_chooses and not a_run_stops and not an_unset_max_epochs'",

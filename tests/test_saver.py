@@ -367,3 +367,239 @@ def test_the_staged_share_is_the_moment_begin_returned_though_the_next_step_chan
     saved, saved_shard = ckpt.load_tensors(ckpt.model_path(tmp_path, 1)), ckpt.load_tensors(ckpt.optim_path(tmp_path, 1, 0))
     assert all(torch.equal(saved[n], v) for n, v in expected["model"].items())
     assert all(torch.equal(saved_shard["state"][n][k], v) for n, s in expected["optimizer"].items() for k, v in s.items())
+
+
+# ---------------------------------------------------------------- the saver's parts, one at a time
+
+
+def test_host_buffers_are_reused_for_the_same_shape_and_dtype_and_replaced_for_another():
+    from experiment.saver import HostBuffers
+
+    buffers = HostBuffers(pinned=False)
+    first = buffers.stage({"a": torch.ones(3), "b": [torch.zeros(5, dtype=torch.bfloat16)]})
+    assert buffers.nbytes() == 3 * 4 + 5 * 2
+    again = buffers.stage({"a": torch.full((3,), 2.0), "b": [torch.ones(5, dtype=torch.bfloat16)]})
+    assert again["a"].data_ptr() == first["a"].data_ptr() and torch.equal(again["a"], torch.full((3,), 2.0))
+    for shape in ((4,), (2,)):  # larger and smaller: a new buffer of the new shape
+        staged = buffers.stage({"a": torch.ones(shape)})["a"]
+        assert staged.shape == shape and torch.equal(staged, torch.ones(shape))
+    cast = buffers.stage({"a": torch.ones(2, dtype=torch.bfloat16)})["a"]  # same shape, another dtype
+    assert cast.dtype == torch.bfloat16 and buffers.nbytes() == 2 * 2 + 5 * 2
+
+
+def test_a_save_knows_how_long_staging_blocked_and_how_long_its_write_took(tmp_path):
+    from experiment.saver import Pending
+
+    p = Pending(3, {}, started=100.0, staged_seconds=0.1, background=True, thread=None, outcome={"done_at": 103.5})
+    assert p.write_seconds == 3.5
+    assert Saver(tmp_path, 0, 1, torch.device("cpu"), True, bool, lambda f: [f]).write_bps == 0  # no cap unless asked
+    saver = _saver(tmp_path)
+    saver.begin(1, {"w": torch.ones(10)}, {}, _meta(1), background=True)
+    assert 0 <= saver.pending.staged_seconds < 5
+    assert 0 <= saver.wait() < 5 and 0 <= saver.pending.write_seconds < 5
+    saver.complete()
+
+
+def test_host_buffers_are_pinned_for_cuda_alone():
+    for device, pinned in (("cpu", False), ("cuda", True), ("mps", False)):
+        saver = Saver("x", 0, 1, torch.device(device), background=True, all_ok=bool, gather=lambda f: [f])
+        assert saver.buffers.pinned is pinned, device
+
+
+def test_the_background_writer_alone_is_niced(tmp_path, monkeypatch):
+    import threading
+
+    from experiment import saver as saver_module
+
+    niced = []
+    monkeypatch.setattr(saver_module, "lower_priority", lambda nice: niced.append(threading.current_thread().name))
+    saver = _saver(tmp_path)
+    saver.begin(1, {"w": torch.ones(10)}, {}, _meta(1), background=False)  # written here: this thread stays as is
+    saver.complete()
+    assert niced == []
+    saver.begin(2, {"w": torch.ones(10)}, {}, _meta(2), background=True)
+    saver.wait()
+    saver.complete()
+    assert niced == ["save-2"]
+
+
+def test_any_exception_in_the_writer_fails_the_save_not_the_run(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise ValueError("a writer's bug")
+
+    monkeypatch.setattr(ckpt, "write_rank_files", broken)
+    saver = _saver(tmp_path)
+    saver.begin(1, {"w": torch.ones(10)}, {}, _meta(1), background=True)
+    saver.wait()
+    _, error = saver.complete()
+    assert error and "ValueError: a writer's bug" in error and ckpt.complete_steps(tmp_path) == []
+
+
+def test_blocking_from_now_on_gives_the_pinned_host_cache_back(tmp_path, monkeypatch):
+    emptied = []
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: emptied.append(1), raising=False)
+    pinned = Saver(tmp_path, 0, 1, torch.device("cuda"), background=True, all_ok=bool, gather=lambda f: [f])
+    assert pinned.block_from_now_on() and emptied == [1] and pinned.buffers.pinned
+    _saver(tmp_path).block_from_now_on()  # unpinned: nothing to give back
+    assert emptied == [1]
+
+
+def test_the_time_a_pending_write_still_needs_is_its_expected_length_less_its_age(tmp_path):
+    from experiment.saver import Pending
+
+    saver = _saver(tmp_path)
+    assert saver.seconds_left(5.0) == 0.0  # nothing pending
+    saver.pending = Pending(1, {}, started=time.time() - 2.0, staged_seconds=0.0, background=True, thread=None)
+    assert saver.seconds_left(5.0) == pytest.approx(3.0, abs=0.5)
+    assert saver.seconds_left(1.0) == 0.0  # overdue: nothing more is kept for it
+
+
+def test_on_cuda_staging_waits_for_its_copies_and_the_writer_never_holds_the_process(tmp_path, monkeypatch):
+    """The copies to pinned memory are non-blocking: the stream is synchronized before the writer reads
+    them. The writer is a daemon thread: a run that exits (an error, a signal's end) is not held by it."""
+    from types import SimpleNamespace
+
+    from experiment.saver import HostBuffers
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: SimpleNamespace(synchronize=lambda: synced.append(1)))
+    saver = Saver(tmp_path, 0, 1, torch.device("cuda"), background=True, all_ok=bool, gather=lambda f: [f])
+    saver.buffers = HostBuffers(pinned=False)  # no pinned memory on this CPU; the copies are the same
+    saver.begin(1, {"w": torch.ones(10)}, {}, _meta(1), background=True)
+    assert synced == [1] and saver.pending.thread.daemon
+    saver.wait()
+    assert saver.complete()[1] is None
+    cpu = _saver(tmp_path)
+    cpu.begin(2, {"w": torch.ones(10)}, {}, _meta(2), background=True)
+    assert synced == [1]
+    cpu.wait()
+    cpu.complete()
+
+
+# ---------------------------------------------------------------- maybe_save's decision, one condition at a time
+
+
+def _saving_trainer(tmp_path, monkeypatch, step=5, **loop_fields):
+    """_trainer at `step`, whose checkpoint share is a small stand-in that records what it was asked for."""
+    import dataclasses
+
+    from experiment import saving
+    from experiment.checkpoint import RunState
+
+    st, lines, asked = RunState(step=step), [], []
+
+    def share(model, opt, st, val_loss, run_meta, d, weights="raw"):
+        asked.append((st.step, val_loss, weights))
+        return {"w": torch.full((3,), float(st.step))}, {}, {**_meta(st.step, st.best_step),
+                                                              "state": dataclasses.asdict(st)}
+
+    monkeypatch.setattr(saving, "checkpoint_share", share)
+    t, loop = _trainer(tmp_path, st, lines.append)
+    t.model = t.opt = t.run_meta = None
+    loop.last_saved_step = loop.last_complete_step = -1
+    for k, v in loop_fields.items():
+        setattr(loop, k, v)
+    return t, loop, lines, asked
+
+
+def test_a_save_is_made_when_due_at_the_end_or_at_a_new_best_and_never_twice_for_a_step(tmp_path, monkeypatch):
+    from experiment import saving
+
+    t, loop, _, asked = _saving_trainer(tmp_path, monkeypatch)
+    saving.maybe_save(t, loop, save_due=False, preempted=False)
+    assert asked == [] and t.saver.pending is None  # nothing due
+    before = time.time()
+    saving.maybe_save(t, loop, save_due=True, preempted=False)
+    assert asked == [(5, loop.val_loss, "raw")] and t.saver.pending.background  # due: in the background
+    assert loop.last_saved_step == 5 and loop.last_save_time >= before and loop.last_complete_step == -1
+    saving.maybe_save(t, loop, save_due=True, preempted=False)
+    assert len(asked) == 1  # this step's save is begun already
+    t.st.step, t.st.best_step = 6, 6
+    saving.maybe_save(t, loop, save_due=False, preempted=False)  # a new best: saved, step 5's completed first
+    assert [a[0] for a in asked] == [5, 6] and loop.last_complete_step == 5 and t.saver.pending.step == 6
+    t.st.step = 7
+    loop.stop(0, "finished")
+    saving.maybe_save(t, loop, save_due=False, preempted=False)  # the final save: written and completed here
+    assert [a[0] for a in asked] == [5, 6, 7] and t.saver.pending is None and loop.last_complete_step == 7
+    assert ckpt.complete_steps(tmp_path) == [5, 6, 7]
+
+
+def test_during_skipped_updates_only_the_final_and_a_best_save_are_made(tmp_path, monkeypatch):
+    from experiment import saving
+
+    t, loop, _, asked = _saving_trainer(tmp_path, monkeypatch, bad_in_a_row=1)
+    saving.maybe_save(t, loop, save_due=True, preempted=False)
+    assert asked == []
+    t.st.best_step = 5
+    saving.maybe_save(t, loop, save_due=True, preempted=False)
+    assert [a[0] for a in asked] == [5]
+    t, loop, _, asked = _saving_trainer(tmp_path / "final", monkeypatch, bad_in_a_row=3)
+    loop.stop(0, "finished")
+    saving.maybe_save(t, loop, save_due=False, preempted=False)
+    assert [a[0] for a in asked] == [5]
+
+
+def test_a_preemptions_save_holds_the_raw_weights_and_no_eval(tmp_path, monkeypatch):
+    from experiment import saving
+
+    t, loop, _, asked = _saving_trainer(tmp_path, monkeypatch, val_loss=1.25, weights="average")
+    saving.maybe_save(t, loop, save_due=True, preempted=False)
+    assert asked == [(5, 1.25, "average")]
+    t.saver.wait()
+    saving.finish_save(t, loop)
+    t.st.step = 6
+    loop.stop(0, "stopped: SIGTERM at step 6; the same command resumes it")
+    saving.maybe_save(t, loop, save_due=False, preempted=True)
+    assert asked[1] == (6, None, "raw") and loop.last_complete_step == 6
+
+
+def test_a_save_in_flight_is_completed_first_and_a_stop_signal_stops_on_it(tmp_path, monkeypatch):
+    from experiment import saving
+
+    t, loop, lines, asked = _saving_trainer(tmp_path, monkeypatch)
+    saving.maybe_save(t, loop, save_due=True, preempted=False)  # step 5, in the background
+    t.st.step = 9
+    loop.stop(0, "stopped: SIGTERM at step 9; the same command resumes it")
+    saving.maybe_save(t, loop, save_due=False, preempted=True, writing=True)
+    assert [a[0] for a in asked] == [5] and loop.last_complete_step == 5 and t.saver.pending is None
+    assert loop.outcome == "stopped: SIGTERM at step 9, on step 5's checkpoint; the same command resumes it"
+    assert any(line.startswith("save | stopping on step 000005's checkpoint, whose write was in flight at the "
+                               "signal") and line.endswith("a resume trains the 4 steps since it again")
+               for line in lines), lines
+    assert t.st.save_waits == 0
+
+
+def test_a_stop_signal_after_a_failed_write_saves_its_own_step(tmp_path, monkeypatch):
+    from experiment import saving
+
+    t, loop, lines, asked = _saving_trainer(tmp_path, monkeypatch)
+    ckpt.optim_path(tmp_path, 5, 0).mkdir()  # step 5's shard cannot be written
+    saving.maybe_save(t, loop, save_due=True, preempted=False)
+    t.st.step = 9
+    loop.stop(0, "stopped: SIGTERM at step 9; the same command resumes it")
+    saving.maybe_save(t, loop, save_due=False, preempted=True, writing=True)
+    assert [a[0] for a in asked] == [5, 9] and loop.last_complete_step == 9
+    assert "save | saving step 000009 instead" in lines and t.st.save_waits == 0
+
+
+def test_a_due_save_that_waits_for_the_one_in_flight_is_counted_and_said(tmp_path, monkeypatch):
+    from experiment import saving
+
+    t, loop, lines, asked = _saving_trainer(tmp_path, monkeypatch)
+    saving.maybe_save(t, loop, save_due=True, preempted=False)
+    t.st.step = 6
+    saving.maybe_save(t, loop, save_due=True, preempted=False, writing=False)  # done already: no wait counted
+    assert t.st.save_waits == 0 and t.saver.pending.step == 6
+    t.st.step = 7
+    saving.maybe_save(t, loop, save_due=True, preempted=False, writing=True)
+    t.st.step = 8
+    saving.maybe_save(t, loop, save_due=True, preempted=False, writing=True)
+    assert t.st.save_waits == 2 and t.st.save_wait_seconds >= 0
+    waits = [line for line in lines if " waited " in line]
+    assert len(waits) == 2 and waits[1].startswith("save | step 000008 waited ") and "(2 waits, " in waits[1]
+    t.st.step = 9
+    loop.stop(0, "finished")
+    saving.maybe_save(t, loop, save_due=False, preempted=False, writing=True)
+    assert t.st.save_waits == 2  # the final save's wait is said, not counted
+    assert any(line.startswith("save | the final save waited ") and "for step 000008's write" in line for line in lines)
+    assert [a[0] for a in asked] == [5, 6, 7, 8, 9]
