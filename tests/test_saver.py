@@ -390,7 +390,7 @@ def test_host_buffers_are_reused_for_the_same_shape_and_dtype_and_replaced_for_a
 def test_a_save_knows_how_long_staging_blocked_and_how_long_its_write_took(tmp_path):
     from experiment.saver import Pending
 
-    p = Pending(3, {}, started=100.0, staged_seconds=0.1, background=True, thread=None, outcome={"done_at": 103.5})
+    p = Pending(3, {}, started=2.0, staged_seconds=0.1, background=True, thread=None, outcome={"done_at": 5.5})
     assert p.write_seconds == 3.5
     assert Saver(tmp_path, 0, 1, torch.device("cpu"), True, bool, lambda f: [f]).write_bps == 0  # no cap unless asked
     saver = _saver(tmp_path)
@@ -603,3 +603,30 @@ def test_a_due_save_that_waits_for_the_one_in_flight_is_counted_and_said(tmp_pat
     assert t.st.save_waits == 2  # the final save's wait is said, not counted
     assert any(line.startswith("save | the final save waited ") and "for step 000008's write" in line for line in lines)
     assert [a[0] for a in asked] == [5, 6, 7, 8, 9]
+
+
+def test_lowering_priority_nices_the_calling_thread_alone_and_a_refusal_is_not_an_error(monkeypatch):
+    import os
+    import threading
+
+    from experiment.saver import lower_priority
+
+    seen = {}
+
+    def in_a_thread(nice):
+        lower_priority(nice)
+        seen[nice] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    for nice in (0, 5):
+        thread = threading.Thread(target=in_a_thread, args=(nice,))
+        thread.start()
+        thread.join()
+    assert seen[0] == base and os.getpriority(os.PRIO_PROCESS, 0) == base  # this thread, as it was
+    assert seen[5] == 5 or base > 5  # (a process niced past 5 already may not lower it)
+
+    def refused(*args):
+        raise PermissionError("not allowed")
+
+    monkeypatch.setattr(os, "setpriority", refused)
+    lower_priority(5)  # the writer competes as it is
