@@ -2,6 +2,7 @@
 
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -649,3 +650,140 @@ def test_the_background_writer_runs_at_the_lowest_priority_linux_has(tmp_path, m
     saver.begin(1, {"w": torch.ones(10)}, {}, _meta(1), background=True)
     saver.wait()
     assert saver.complete()[1] is None and nice == [19]
+
+
+# ---------------------------------------------------------------- saving.py's other parts
+
+
+def test_staging_must_fit_every_local_ranks_share_within_the_fraction_at_its_boundary(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from conftest import tiny_config
+    from experiment import saving
+    from experiment.distributed import Dist
+    from experiment.memory import staged_bytes_per_rank
+    from experiment.model import build_model
+    from experiment.saver import HOST_STAGING_FRACTION
+
+    model = build_model(tiny_config())
+    share = staged_bytes_per_rank(tiny_config(), 1, "fp32", pinned=False)[0]
+    cfg = SimpleNamespace(async_save=1, save_write_mbps=2.5, average="none")
+    node = Dist(0, 0, 1, torch.device("cpu"), local_world_size=3)  # three ranks' shares in this node's memory
+    for available, background in ((3 * share / HOST_STAGING_FRACTION, True), (3 * share / HOST_STAGING_FRACTION - 1, False)):
+        monkeypatch.setattr(saving, "host_available_bytes", lambda: available)
+        saver = saving.make_saver(cfg, node, model, tmp_path, lambda line: None)
+        assert saver.background == background and saver.write_bps == 2.5e6
+
+
+def test_a_save_before_one_is_measured_is_the_checkpoints_bytes_at_the_planned_disk_rate():
+    from conftest import tiny_config
+    from experiment import saving
+    from experiment.guards import DISK_WRITE_GBPS
+    from experiment.memory import checkpoint_bytes_per_rank
+    from experiment.model import build_model
+
+    model = build_model(tiny_config())
+    for world in (1, 3):
+        parts = checkpoint_bytes_per_rank(tiny_config(), world, "fp32")
+        assert saving.checkpoint_seconds(model, world) == sum(a + b for a, b in parts) / (DISK_WRITE_GBPS * 1e9)
+    bf16 = sum(a + b for a, b in checkpoint_bytes_per_rank(tiny_config(), 1, "bf16"))
+    assert saving.checkpoint_seconds(model.to(torch.bfloat16), 1) == bf16 / (DISK_WRITE_GBPS * 1e9)
+
+
+def test_finish_save_reports_the_write_and_what_it_blocked_and_keeps_the_longest_write(tmp_path):
+    from experiment import saving
+    from experiment.checkpoint import RunState
+
+    st, records = RunState(), []
+    t, loop = _trainer(tmp_path, st, lambda line: None)
+    t.report.add = records.append
+    t.saver.write_bps = 4e6
+    data = {"w": torch.zeros(300_000)}  # 1.2 MB: 0.3 s at 4 MB/s
+    t.saver.begin(1, data, {}, _meta(1), background=True, context={"final": False})
+    t.saver.wait()
+    saving.finish_save(t, loop)  # the write is done: completing it blocks training for no more than that
+    half = {"w": torch.zeros(150_000)}  # 0.15 s
+    t.saver.begin(2, half, {}, _meta(2), background=False, context={"final": False})  # written here, blocking
+    saving.finish_save(t, loop)
+    (a, b) = records
+    assert a["kind"] == b["kind"] == "save" and a["ok"] and b["ok"] and (a["step"], b["step"]) == (1, 2)
+    assert a["seconds"] >= 0.25 and a["blocked"] < 0.2  # the background write's time was training's
+    assert 0.12 <= b["seconds"] < a["seconds"] and b["blocked"] >= b["seconds"]  # a blocking one blocks all of it
+    assert st.save_seconds == pytest.approx(a["seconds"], abs=1e-3)  # the longest write so far
+    assert loop.last_complete_step == 2 and loop.saved_best == ckpt.run_state(_meta(2)).best()
+
+
+def test_a_failed_final_save_ends_the_run_with_1_and_a_failed_preemption_save_says_nothing_of_going_on(tmp_path):
+    from experiment import saving
+    from experiment.checkpoint import RunState
+
+    st, lines = RunState(step=4), []
+    t, loop = _trainer(tmp_path, st, lines.append)
+    loop.last_complete_step = -1
+    ckpt.optim_path(tmp_path, 4, 0).mkdir()  # its shard cannot be written
+    t.saver.begin(4, {"w": torch.ones(3)}, {}, _meta(4), background=False, context={"final": True})
+    saving.finish_save(t, loop)
+    assert loop.end == 1 and loop.outcome.startswith("failed: the final checkpoint, step 000004, could not be")
+    assert lines[-1].startswith(f"error: the final checkpoint, step 000004, could not be written to {tmp_path}")
+    assert "the latest complete checkpoint is none: the same command resumes" in lines[-1]
+    loop.last_complete_step = 2
+    t.saver.begin(4, {"w": torch.ones(3)}, {}, _meta(4), background=False, context={"final": True})
+    saving.finish_save(t, loop)
+    assert "the latest complete checkpoint is step 000002:" in lines[-1]
+
+    st, lines = RunState(step=4), []
+    t, loop = _trainer(tmp_path, st, lines.append)
+    loop.stop(0, "stopped: SIGTERM at step 4; the same command resumes it")
+    t.saver.begin(4, {"w": torch.ones(3)}, {}, _meta(4), background=True, context={"final": False})
+    t.saver.wait()
+    saving.finish_save(t, loop)
+    assert lines == [f"error: checkpoint step 000004 not saved ({lines[0].split('(', 1)[1].rsplit(')', 1)[0]}); "
+                     "earlier checkpoints are kept"]  # neither "training goes on" nor the blocking line
+    assert loop.end == 0 and not t.saver.background
+
+
+def test_the_volume_is_named_with_its_free_space_or_why_it_cannot_be_read(tmp_path, monkeypatch):
+    from experiment import saving
+
+    monkeypatch.setattr(saving, "volume", lambda path: (Path("/mnt/x"), 2_500_000))
+    assert saving.volume_text(tmp_path) == "the volume /mnt/x has 2.5 MB free"
+
+    def unreadable(path):
+        raise OSError("gone")
+
+    monkeypatch.setattr(saving, "volume", unreadable)
+    assert saving.volume_text(tmp_path) == "its volume cannot be read (gone)"
+
+
+def test_repairing_best_json_says_so_and_a_failure_leaves_a_warning(tmp_path, monkeypatch):
+    from experiment import saving
+    from experiment.checkpoint import CheckpointError, RunState
+
+    st, lines = RunState(best_val=1.5, best_step=4), []
+    for answer, said in ((True, ["best.json names step 000004 because"]), (False, [])):
+        monkeypatch.setattr(ckpt, "repair_best", lambda run_dir, val, step: answer)
+        lines.clear()
+        saving.repair_best(tmp_path, st, lines.append, "because")
+        assert lines == said
+    for error in (OSError("disk"), CheckpointError("torn")):
+        def failing(run_dir, val, step, error=error):
+            raise error
+        monkeypatch.setattr(ckpt, "repair_best", failing)
+        lines.clear()
+        saving.repair_best(tmp_path, st, lines.append)
+        assert lines == [f"warning: best.json could not be rewritten to name step 000004 ({error})"]
+
+
+def test_the_export_at_the_end_says_where_the_file_is_or_why_there_is_none(tmp_path, monkeypatch):
+    from experiment import export, saving
+    from experiment.checkpoint import CheckpointError
+
+    facts = {"step": 7, "bytes": 2e9, "seconds": 1.25}
+    monkeypatch.setattr(export, "export", lambda run_dir, out, workspace: (tmp_path / "best.pt", facts))
+    assert saving.export_best(tmp_path) == export.describe(tmp_path / "best.pt", facts)
+    for error in (OSError("full"), CheckpointError("no best")):
+        def failing(run_dir, out, workspace, error=error):
+            raise error
+        monkeypatch.setattr(export, "export", failing)
+        assert saving.export_best(tmp_path) == (f"warning: the best model was not exported as one file ({error}); "
+                                                "python -m experiment.export retries")
