@@ -2,16 +2,20 @@
 kept; settings that extend an annealed run go back to it and anneal again at the new end, with no LR
 jump; settings that cannot are refused in one line that says what to do."""
 
+import dataclasses
 import json
 import math
 import shutil
+
+import pytest
+import torch
 
 from conftest import TINY, run_meta, run_train
 
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import RunState
-from experiment.config import parse_args, resolve
-from experiment.extend import extends, rewound, too_short
+from experiment.config import ConfigError, parse_args, resolve
+from experiment.extend import extends, rewind_step, rewound, too_short
 
 
 def _lines(proc, prefix):
@@ -205,3 +209,57 @@ def test_too_short_names_the_max_steps_that_would_leave_time_at_the_peak():
     assert short(17, 10) is None
     assert "MAX_STEPS=10 ends it: give at least 11" in short(10, 6)  # 6 / 10 is 0.6 exactly
     assert short(11, 6) is None
+
+
+def _checkpoint(run_dir, step, tokens, warmdown_begun=False, warmdown_step=-1, budget=3600.0, **state):
+    """A complete step of a run that ran 1 h with MAX_EPOCHS=8 and the stop at the val minimum off."""
+    meta = {"step": step, "val_loss": None, "world_size": 1, "model_parts": 1, "budget_seconds": budget,
+            "train_config": {"plateau_evals": 0, "max_epochs": 8.0, "max_steps": 0},
+            "state": dataclasses.asdict(RunState(step=step, tokens_seen=tokens, warmdown_begun=warmdown_begun,
+                                                 warmdown_step=warmdown_step, **state))}
+    assert ckpt.save_checkpoint(run_dir, step, {"w": torch.ones(2)}, {"s": torch.ones(1)}, meta) is None
+
+
+def test_rewind_step_goes_back_only_when_the_settings_extend_a_run_in_its_warmdown(tmp_path):
+    more = resolve(parse_args(["--training_hours", "4", "--max_epochs", "8", "--plateau_evals", "0"]), cuda=False,
+                   world_size=1)
+    same = resolve(parse_args(["--training_hours", "1", "--max_epochs", "8", "--plateau_evals", "0"]), cuda=False,
+                   world_size=1)
+    _checkpoint(tmp_path, 6, 600, used_seconds=2000.0)
+    _checkpoint(tmp_path, 10, 1000, warmdown_begun=True, warmdown_step=6, used_seconds=3600.0)
+    assert rewind_step(tmp_path, 10, more, 1000) == 6
+    assert rewind_step(tmp_path, 10, same, 1000) is None  # a plain resume: its warmdown goes on
+    assert rewind_step(tmp_path, 6, more, 1000) is None  # before the warmdown: nothing to go back from
+    # The extended run's peak is measured from the warmdown start's tokens: 6 of 8 passes leave none
+    _checkpoint(tmp_path / "late", 6, 6000, used_seconds=2000.0)
+    _checkpoint(tmp_path / "late", 10, 8000, warmdown_begun=True, warmdown_step=6, used_seconds=3600.0)
+    with pytest.raises(ConfigError, match=r"MAX_EPOCHS=8 ends it: the checkpoint from before the warmdown had seen "
+                                          r"6\.00 passes"):
+        rewind_step(tmp_path / "late", 10, more, 1000)
+
+
+def test_rewind_step_refuses_a_warmdown_start_that_is_none_gone_incomplete_or_damaged(tmp_path):
+    more = resolve(parse_args(["--training_hours", "4", "--max_epochs", "8", "--plateau_evals", "0"]), cuda=False,
+                   world_size=1)
+
+    def run(name, start=6):
+        run_dir = tmp_path / name
+        _checkpoint(run_dir, 6, 600, used_seconds=2000.0)
+        _checkpoint(run_dir, 10, 1000, warmdown_begun=True, warmdown_step=start, used_seconds=3600.0)
+        return run_dir
+
+    with pytest.raises(ConfigError, match="it has no checkpoint from before the warmdown"):
+        rewind_step(run("none", start=-1), 10, more, 1000)
+    gone = run("gone")
+    ckpt.meta_path(gone, 6).unlink()
+    incomplete = run("incomplete")
+    ckpt.optim_path(incomplete, 6, 0).unlink()  # retention dropped its optimizer shard
+    damaged = run("damaged")
+    path = ckpt.model_path(damaged, 6)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))  # same size, another checksum
+    for run_dir in (gone, incomplete, damaged):
+        with pytest.raises(ConfigError, match="step 000006, its newest checkpoint from before the warmdown, is gone "
+                                              "or damaged"):
+            rewind_step(run_dir, 10, more, 1000)
