@@ -253,7 +253,10 @@ def test_rewind_step_refuses_a_warmdown_start_that_is_none_gone_incomplete_or_da
     gone = run("gone")
     ckpt.meta_path(gone, 6).unlink()
     incomplete = run("incomplete")
-    ckpt.optim_path(incomplete, 6, 0).unlink()  # retention dropped its optimizer shard
+    ckpt.optim_path(incomplete, 6, 0).unlink()  # retention dropped its optimizer shard, in a meta that
+    meta = json.loads(ckpt.meta_path(incomplete, 6).read_text())  # predates the files' record (no damage seen)
+    del meta["files"]
+    ckpt.meta_path(incomplete, 6).write_text(json.dumps(meta))
     damaged = run("damaged")
     path = ckpt.model_path(damaged, 6)
     data = bytearray(path.read_bytes())
