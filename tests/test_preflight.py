@@ -1,0 +1,151 @@
+"""The pre-flight's parts, one condition at a time (the whole pre-flight runs in test_guards.py,
+test_regime.py and test_train.py)."""
+
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from experiment import preflight
+from experiment.config import ConfigError, TrainConfig, parse_args, resolve
+from experiment.dataloader import DataError
+from experiment.guards import Gpu
+from experiment.hardware import peak_flops
+
+H100 = Gpu("NVIDIA H100 PCIe", peak_flops("H100 PCIe"), 80 * 2**30)
+
+
+def test_more_ranks_than_gpus_is_refused_under_nccl_alone(monkeypatch):
+    cfg = TrainConfig()
+    preflight.check_ranks_per_gpu(cfg, None, 4)  # no GPU planned for: nothing to count
+    preflight.check_ranks_per_gpu(cfg, H100, 4)  # a CUDA plan on this CPU: no GPUs to count
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    preflight.check_ranks_per_gpu(cfg, H100, 2)  # one rank per GPU
+    with pytest.raises(ConfigError, match="LOCAL_RANK 2 but 2 GPU"):
+        preflight.check_ranks_per_gpu(cfg, H100, 3)
+    preflight.check_ranks_per_gpu(dataclasses.replace(cfg, dist_backend="gloo"), H100, 3)  # gloo shares GPUs
+    preflight.check_ranks_per_gpu(cfg, None, 3)
+
+
+def test_the_start_is_checked_as_the_trainer_will_check_it(tmp_path, monkeypatch):
+    from experiment import extend, finetune
+
+    calls = []
+    monkeypatch.setattr(finetune, "check_target", lambda cfg, config: calls.append(("target", config)))
+    monkeypatch.setattr(preflight, "check_resume_target", lambda *args: calls.append(("resume", args[1])))
+    monkeypatch.setattr(extend, "rewind_step", lambda run_dir, step, cfg, tokens: calls.append(("rewind", tokens)) or 3)
+    prepared = SimpleNamespace(meta={"split": {"train_tokens": 1234}})
+    assert preflight.start_checks(TrainConfig(), tmp_path, None, "cfg", prepared) is None and calls == []
+    assert preflight.start_checks(TrainConfig(init_from="x"), tmp_path, None, "cfg", prepared) is None
+    assert calls == [("target", "cfg")]
+    calls.clear()
+    assert preflight.start_checks(TrainConfig(init_from="x"), tmp_path, 7, "cfg", prepared) == 3
+    assert calls == [("resume", 7), ("rewind", 1234)]  # a resume's weights are its own: no INIT_FROM check
+
+
+def test_the_regimes_settings_are_a_resumes_own_or_predicted_where_the_gpu_is_known(tmp_path, monkeypatch):
+    from experiment import checkpoint as ckpt
+    from experiment import regime
+
+    calls, lines = [], []
+    monkeypatch.setattr(regime, "keep", lambda cfg, unset, train_config: calls.append(("keep", train_config)))
+    monkeypatch.setattr(regime, "estimate_passes", lambda *args: calls.append(("estimate",)) or (12.0, "predicted"))
+    monkeypatch.setattr(regime, "fill", lambda cfg, unset, passes: {"passes": passes})
+    monkeypatch.setattr(regime, "line", lambda passes, chosen, how: f"regime {passes} {chosen} {how}")
+    monkeypatch.setattr(ckpt, "read_meta", lambda run_dir, step: {"train_config": {"step": step}})
+    cfg, config = TrainConfig(max_epochs=0), tiny_config()
+
+    def plan(unset, config=config, gpu=H100, resume=None):
+        return preflight.plan_regime(cfg, unset, config, gpu, 8, 10**6, tmp_path, resume, 4.0, lines.append)
+
+    assert plan(["max_epochs"], resume=5) == 0.0 and calls == [("keep", {"step": 5})] and lines == []
+    calls.clear()
+    assert plan(["max_epochs"]) == 0.0 and calls == [("estimate",)]
+    assert lines == ["preflight | regime 12.0 {'passes': 12.0} predicted"]
+    calls.clear()
+    assert plan(["attn_dropout"]) == 4.0  # MAX_EPOCHS given: the data's cap stands
+    assert plan([]) == 4.0 and plan(["max_epochs"], config=None) == 0.0
+    assert plan(["max_epochs"], gpu=None) == 0.0 and plan(["max_epochs"], gpu=dataclasses.replace(H100, peak=None)) == 0.0
+    assert calls == [("estimate",)]  # nothing unset, no model, no GPU, no known peak: the trainer measures
+    cfg = TrainConfig(max_epochs=3)
+    assert plan(["max_epochs"]) == 4.0  # the regime filled a cap: the data's one stands beside it
+
+
+def test_each_source_is_said_with_its_weight_and_tokens_and_many_sources_are_warned_of():
+    def prepared(n):
+        return SimpleNamespace(meta={"source_splits": [{"name": f"s{i}", "train": [10, 110 + i], "val": [0, 10]}
+                                                       for i in range(n)]})
+
+    lines = preflight.source_lines(TrainConfig(), prepared(2), [0.25, 0.75])
+    assert lines == ["preflight | source s0 | weight 0.250 (by size) | 100 train, 10 val tokens",
+                     "preflight | source s1 | weight 0.750 (by size) | 101 train, 10 val tokens"]
+    mixed = preflight.source_lines(TrainConfig(data_mix="s0=1,s1=3"), prepared(2), [0.25, 0.75])
+    assert mixed[0].endswith("weight 0.250 (DATA_MIX) | 100 train, 10 val tokens")
+    many = preflight.MANY_SOURCES
+    assert len(preflight.source_lines(TrainConfig(), prepared(many), [1 / many] * many)) == many
+    lines = preflight.source_lines(TrainConfig(), prepared(many + 1), [1 / (many + 1)] * (many + 1))
+    assert len(lines) == many + 2 and lines[0].startswith(f"warning: {many + 1} sources (each *.txt at the top")
+    assert preflight.source_lines(TrainConfig(), prepared(1), None) == []
+
+
+def test_a_node_other_than_0_takes_a_plan_written_at_most_ten_minutes_before_it_started(tmp_path, monkeypatch):
+    plan_file, lines = tmp_path / "plan.json", []
+    monkeypatch.setattr(preflight.time, "sleep", lambda s: None)
+    started = 10_000.0
+    plan_file.write_text(json.dumps({"prepared": "p", "written_at": started - preflight.PLAN_FRESH_SECONDS}))
+    assert preflight.wait_for_node0(plan_file, started, 1, lines.append)["prepared"] == "p" and lines == []
+    plan_file.write_text(json.dumps({"prepared": "old", "written_at": started - preflight.PLAN_FRESH_SECONDS - 1}))
+    # the clock read for the deadline (30 s: within it), for the waiting line (33 s), for the deadline (61 s)
+    clock = iter([started + 30, started + 33, started + 61])
+    monkeypatch.setattr(preflight.time, "time", lambda: next(clock))
+    with pytest.raises(DataError, match="node 0's pre-flight did not finish within 1 min"):
+        preflight.wait_for_node0(plan_file, started, 1, lines.append)
+    assert lines == [f"preflight | waiting for node 0 to prepare the data ({plan_file}), 0.6 of 1 min"]
+    assert preflight.PLAN_FRESH_SECONDS == 600
+
+
+def test_the_plan_lines_say_the_data_the_model_and_what_the_run_starts_from(tmp_path):
+    from experiment.launch import model_config
+
+    cfg = resolve(parse_args(["--depth", "auto", "--max_seq_len", "32"]), cuda=False, world_size=1)
+    prepared = SimpleNamespace(dir=tmp_path, meta={"split": {"train_tokens": 4096, "val_tokens": 512}, "vocab_size": 64,
+                                                   "vocab_used": 64, "tokenizer": "char"})
+    config = model_config(dataclasses.replace(cfg, depth=2), prepared)
+    auto = preflight.plan_lines(cfg, prepared, config, 1, None, tmp_path)
+    assert " (DEPTH=auto, from the predicted tok/s)" in auto[1]
+    assert auto[3] == f"preflight | fresh run in {tmp_path}"
+    resumed = preflight.plan_lines(cfg, prepared, config, 1, 12, tmp_path)
+    assert "DEPTH=auto" not in resumed[1] and resumed[3] == f"preflight | resumes step 000012 of {tmp_path}"
+    given = preflight.plan_lines(dataclasses.replace(cfg, depth=2), prepared, config, 1, None, tmp_path)
+    assert "DEPTH=auto" not in given[1]
+    unknown = preflight.plan_lines(cfg, prepared, None, 1, None, tmp_path)
+    assert "model auto (depth chosen at start" in unknown[1]
+
+
+def test_main_exits_2_on_a_users_error_and_hands_the_launcher_its_plan(tmp_path, monkeypatch, capsys):
+    from experiment.checkpoint import CheckpointError
+
+    plan_file = tmp_path / "plan.json"
+    for error in (ConfigError("bad setting"), DataError("no data"), CheckpointError("torn")):
+        def failing(*args, error=error, **kwargs):
+            raise error
+        monkeypatch.setattr(preflight, "preflight", failing)
+        assert preflight.main(["--plan_file", str(plan_file)]) == 2
+        assert capsys.readouterr().err == f"error: {error}\n"
+    assert not plan_file.exists()
+    seen = []
+
+    def planned(cfg, world_size, node_rank, wait_minutes, log, shutdown_given, nproc_per_node):
+        seen.append((cfg.depth, world_size, node_rank, wait_minutes, shutdown_given, nproc_per_node))
+        return {"prepared": "x"}
+
+    monkeypatch.setattr(preflight, "preflight", planned)
+    args = ["--world_size", "4", "--nproc_per_node", "2", "--node_rank", "1", "--wait_minutes", "3",
+            "--shutdown_timeout", "30", "--plan_file", str(plan_file), "--depth", "3"]
+    assert preflight.main(args) == 0 and json.loads(plan_file.read_text()) == {"prepared": "x"}
+    assert seen == [(3, 4, 1, 3.0, 30, 2)]
+    assert preflight.main([]) == 0 and seen[-1] == ("auto", 1, 0, 120, 0, None)
