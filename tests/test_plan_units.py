@@ -1,0 +1,138 @@
+"""plan.py's parts, one condition at a time, without a whole plan (tests/test_plan.py runs it whole)."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from experiment import autosize, plan, regime
+from experiment.plan import PlanConfig
+
+
+def test_gpu_kinds_by_name_most_specific_first():
+    assert plan.gpu_kind("NVIDIA H200") == ("H200", 141) and plan.gpu_kind("nvidia h100 pcie") == ("H100", 80)
+    assert plan.gpu_kind("A100-SXM4-80GB") == ("A100", 80) and plan.gpu_kind("RTX 4090") is None
+
+
+def test_the_link_a_gpucheck_report_timed_is_taken_only_from_cuda():
+    link = {"figures": {"device": "cuda", "link_gbps": 12.5, "world": 8}}
+    assert plan.gpucheck_link({"link": link}) == (12.5, 8)
+    assert plan.gpucheck_link({"link": {"figures": {**link["figures"], "device": "cpu"}}}) is None
+    assert plan.gpucheck_link({"link": {"figures": {**link["figures"], "link_gbps": 0}}}) is None
+    assert plan.gpucheck_link({}) is None and plan.gpucheck_link({"link": {"figures": None}}) is None
+
+
+def test_gpus_parse_count_and_name_and_refuse_what_cannot_be_planned():
+    g = plan.parse_gpus("8xH100-PCIe")
+    assert (g.count, g.name, g.memory_bytes, g.link_gbps) == (8, "H100 PCIe", 80 * 2**30, 20.0)
+    assert plan.parse_gpus("1xH200").count == 1 and plan.parse_gpus("16xH100-SXM").count == 16
+    assert plan.parse_gpus("8xH100").peak == plan.parse_gpus("8xH100-SXM").peak  # a bare H100 is the SXM's peak
+    for bad in ("0xH100", "H100", "8H100", "ax H100", "8xTPU", "-1xH100"):
+        with pytest.raises(ValueError, match="expected COUNTxNAME"):
+            plan.parse_gpus(bad)
+    with pytest.raises(ValueError, match="plan a multiple of 8"):
+        plan.parse_gpus("12xH100")
+    assert plan.parse_gpus("8xH100").count == 8  # 8 is one node: no multiple needed
+
+
+def test_the_launch_budget_buys_more_hours_on_fewer_gpus_up_to_the_hours_available():
+    p = {"budget_usd": 992.0}
+    assert plan.launch_budget(p, PlanConfig(), 8) == (31.0, 992.0)
+    assert plan.launch_budget(p, PlanConfig(), 2) == (124.0, 992.0)
+    assert plan.launch_budget(p, PlanConfig(hours_available=24), 2) == (24.0, 192.0)
+    assert plan.launch_budget(p, PlanConfig(gpu_hourly_usd=2.0), 8) == (62.0, 992.0)
+
+
+def test_a_launch_line_carries_nodes_the_depth_the_dollars_and_every_setting_not_the_default():
+    p = {"budget_usd": 992.0, "depth": 24}
+    assert plan.launch_line(p, PlanConfig(), 8) == ("NPROC_PER_NODE=8 DEPTH=24 BUDGET_USD=992 bash experiment/run.sh",
+                                                    "$WORKSPACE/checkpoints/d24")
+    line, _ = plan.launch_line(p, PlanConfig(), 16)
+    assert line.startswith("NNODES=2 NPROC_PER_NODE=8 DEPTH=24 BUDGET_USD=992 ")
+    line, _ = plan.launch_line(p, PlanConfig(), 1)
+    assert line.startswith("NPROC_PER_NODE=1 DEPTH=24 BUDGET_USD=992 ")
+    cfg = PlanConfig(tokenizer="gpt2", alphabet="ab c", val_fraction=0.1, gpu_hourly_usd=3.0, keep_last=2,
+                     max_seq_len=1024)
+    assert plan.planned_settings(cfg) == {"TOKENIZER": "gpt2", "ALPHABET": "ab c", "VAL_FRACTION": 0.1,
+                                          "GPU_HOURLY_USD": 3.0, "KEEP_LAST": 2, "MAX_SEQ_LEN": 1024}
+    assert plan.planned_settings(PlanConfig()) == {}
+    assert "ALPHABET='ab c'" in plan.launch_line(p, cfg, 8)[0]  # quoted for the shell
+
+
+def test_dollars_are_cents_never_above_and_at_least_one():
+    assert [plan._cents(x) for x in (992.0, 991.999, 12.5, 12.345, 0.001, 0.0)] == ["992", "991.99", "12.5", "12.34",
+                                                                                   "0.01", "0.01"]
+
+
+def test_parameter_counts_read_in_millions_or_billions():
+    assert [plan._count(n) for n in (999_999_999, 10**9, 1_610_000_000, 520_000)] == ["1000.0M", "1.00B", "1.61B",
+                                                                                       "0.5M"]
+
+
+def test_the_recommendation_is_priced_on_the_launch_lines_gpus_and_budget():
+    rows = [{"gpus": 1, "hours": 20.0}, {"gpus": 8, "hours": 3.0}]
+    p = {"recommended_gpus": 8, "gpu_count": 8, "hours": 3.5, "budget_usd": 992.0}
+    plan.recommend_on(p, PlanConfig(), rows)  # the GPUs asked for: the table's own hours stay
+    assert (p["hours"], p["usd"], p["launch_hours"], p["launch_usd"], p["unspent_usd"]) == (3.5, 112.0, 31.0, 992.0, 880.0)
+    p = {"recommended_gpus": 1, "gpu_count": 8, "hours": 3.5, "budget_usd": 992.0}
+    plan.recommend_on(p, PlanConfig(hours_available=24), rows)  # one GPU finishes in 24 h: its row's hours
+    assert (p["hours"], p["usd"], p["launch_hours"], p["launch_usd"], p["unspent_usd"]) == (20.0, 80.0, 24.0, 96.0, 16.0)
+    p = {"recommended_gpus": 1, "gpu_count": 8, "hours": 3.5, "budget_usd": 992.0}
+    plan.recommend_on(p, PlanConfig(hours_available=10), rows)  # none finishes: the launch line's hours end it
+    assert (p["hours"], p["usd"], p["unspent_usd"]) == (10.0, 40.0, 0.0)
+
+
+def test_the_regime_is_the_launch_lines_passes_past_or_within_the_regimes():
+    rows = [{"gpus": 8, "fits": True, "tok_per_s": 1000.0}, {"gpus": 1, "fits": False, "tok_per_s": None}]
+    train = 3600 * 1000  # one hour at 1000 tok/s is one pass
+    p = {"recommended_gpus": 8, "budget_usd": 32.0 * (regime.PASSES + 1), "train_tokens": train}
+    r = plan.regime_plan(p, PlanConfig(), rows, 5.0)
+    assert r["budget_passes"] == regime.PASSES + 1 and r["data_limited"] and r["gpus"] == 8
+    assert r["settings"] == {k.upper(): v for k, v in regime.RECIPE.items()}
+    assert (r["hours_at_most"], r["usd_at_most"]) == (regime.PASSES + 1, 32.0 * (regime.PASSES + 1))
+    p["budget_usd"] = 32.0 * regime.PASSES  # exactly PASSES: not past them
+    r = plan.regime_plan(p, PlanConfig(), rows, 5.0)
+    assert r["budget_passes"] == regime.PASSES and not r["data_limited"]
+    assert r["settings"] == {k.upper(): v for k, v in regime.OFF.items()} and r["hours_at_most"] is None
+    p["recommended_gpus"] = 1  # the row does not fit: the rate given
+    assert plan.regime_plan(p, PlanConfig(), rows, 5.0)["budget_passes"] == pytest.approx(5.0 * 32 * regime.PASSES
+                                                                                        * 3600 / 4 / train)
+
+
+def test_the_gpu_rows_price_each_count_and_mark_budget_and_time(monkeypatch):
+    rates = {1: (100.0, 0.0), 2: (190.0, 0.05), 4: None, 8: (700.0, 0.2), 16: (1200.0, 0.4)}
+    monkeypatch.setattr(plan, "tok_per_s", lambda config, gpus, count: rates[count])
+    gpus = SimpleNamespace(count=16)
+    rows = plan.gpu_rows(PlanConfig(hours_available=1.1), gpus, None, 720_000, budget_usd=8.0)  # one GPU's $8 exactly
+    assert [r["gpus"] for r in rows] == [1, 2, 4, 8, 16]
+    one, two, four, eight, sixteen = rows
+    assert (one["hours"], one["usd"], one["in_budget"], one["in_time"]) == (2.0, 8.0, True, False)
+    assert two["hours"] == pytest.approx(720_000 / 190 / 3600) and two["in_time"]  # 1.05 h
+    assert two["comm_share"] == pytest.approx(0.05 * 190 / 524288)
+    assert not four["fits"] and four["hours"] is four["usd"] is four["comm_share"] is None
+    assert not four["in_budget"] and not four["in_time"]
+    assert not eight["in_budget"] and eight["in_time"]
+    assert plan.gpu_rows(PlanConfig(), gpus, None, 720_000, 8.0)[0]["in_time"]  # no HOURS_AVAILABLE: all in time
+
+
+def test_env_overrides_come_before_the_command_lines_own_flags(monkeypatch):
+    monkeypatch.setenv("TOKENS", "1000")
+    monkeypatch.setenv("GPUS", "")
+    assert plan.env_overrides(["--json", "--gpus=1xH200"]) == ["--tokens=1000", "--json=1", "--gpus=1xH200"]
+    monkeypatch.delenv("TOKENS")
+    assert plan.env_overrides([]) == []
+
+
+def test_the_table_marks_depths_outside_the_measured_mfu_and_those_that_do_not_fit():
+    p = plan.plan(PlanConfig(tokens=350_000_000, gpus="1xH100-PCIe", training_hours=31))
+    text = plan.table(p)
+    rows = {line.split()[0]: line for line in text.splitlines() if line.split()[0][:1] == "d" and
+            line.split()[0][1:].isdigit()}
+    assert "*" not in rows["d12"].split()[2] and "*" not in rows["d24"].split()[2]  # measured: d12-d24
+    assert rows["d10"].split()[2].endswith("*") and rows["d32"].split()[2].endswith("*")
+    fits = {r["depth"]: r["fits"] for r in p["rungs"]}
+    assert not all(fits.values())  # one 80 GB GPU: the largest do not fit
+    for depth, ok in fits.items():
+        assert rows[f"d{depth}"].endswith("does not fit in memory") != ok
+    assert math.isfinite(p["hours"])
+    assert autosize.MEASURED_MFU["H100"][0] == p["mfu_by_depth"]
