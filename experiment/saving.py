@@ -113,8 +113,9 @@ def maybe_save(t: Trainer, loop: Loop, save_due: bool, preempted: bool, writing:
     """A checkpoint when one is due, at the last step or at a new best: staged and written in the
     background (Saver), completed at a later step once every rank's writer is done. A save in
     flight is completed first (one at a time: when `writing`, some rank's writer was still at work
-    at this step's start, and the wait is logged and counted); the final save is written here and
-    completed before the run ends, and when it fails the run ends with 1."""
+    at this step's start, and the wait is logged and counted, unless it is the final save's or a
+    stop signal's); the final save is written here and completed before the run ends, and when it
+    fails the run ends with 1."""
     st, step, final = t.st, t.st.step, loop.end is not None
     if st.best_step == step == loop.last_complete_step and loop.saved_best[1] != step:
         name_resumed_best(t, loop)
@@ -136,7 +137,7 @@ def maybe_save(t: Trainer, loop: Loop, save_due: bool, preempted: bool, writing:
             loop.outcome = loop.outcome.replace(f"at step {step};", f"at step {step}, on step {before}'s checkpoint;")
             return
         if preempted:  # the signal's wait, not a sign that saves come due too often: not counted
-            t.log(f"save | saving step {step:06d} instead")
+            t.log(f"save | step {before:06d}'s write failed (waited {waited:.1f}s): saving step {step:06d} instead")
         elif final:
             t.log(f"save | the final save waited {waited:.1f}s for step {before:06d}'s write to finish")
         elif writing:

@@ -226,7 +226,9 @@ def test_kill9_during_a_save_then_resume_equals_the_uninterrupted_run(tmp_path, 
 def test_sigterm_saves_within_one_step_and_exits_zero(tmp_path, device):
     ws = tmp_path / "ws"
     log = ws / "checkpoints/d2/training.log"
-    cmd = train_cmd([*_args(tmp_path, device), "--workspace", ws], 1, torchrun=())
+    # blocking saves: no earlier save's write can be in flight at the signal (that case stops on it,
+    # test_resilience.py)
+    cmd = train_cmd([*_args(tmp_path, device, "--async_save", 0), "--workspace", ws], 1, torchrun=())
     proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait(lambda: log.exists() and "step 000008 | loss" in log.read_text(), 240, "step 8")
     logged = max(int(line.split()[1]) for line in log.read_text().splitlines() if " | loss " in line)

@@ -3,6 +3,7 @@ test_regime.py and test_train.py)."""
 
 import dataclasses
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +21,7 @@ H100 = Gpu("NVIDIA H100 PCIe", peak_flops("H100 PCIe"), 80 * 2**30)
 
 def test_more_ranks_than_gpus_is_refused_under_nccl_alone(monkeypatch):
     cfg = TrainConfig()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     preflight.check_ranks_per_gpu(cfg, None, 4)  # no GPU planned for: nothing to count
     preflight.check_ranks_per_gpu(cfg, H100, 4)  # a CUDA plan on this CPU: no GPUs to count
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -94,14 +96,14 @@ def test_each_source_is_said_with_its_weight_and_tokens_and_many_sources_are_war
 
 def test_a_node_other_than_0_takes_a_plan_written_at_most_ten_minutes_before_it_started(tmp_path, monkeypatch):
     plan_file, lines = tmp_path / "plan.json", []
-    monkeypatch.setattr(preflight.time, "sleep", lambda s: None)
+    monkeypatch.setattr(preflight, "time", SimpleNamespace(time=time.time, sleep=lambda s: None))
     started = 10_000.0
     plan_file.write_text(json.dumps({"prepared": "p", "written_at": started - preflight.PLAN_FRESH_SECONDS}))
     assert preflight.wait_for_node0(plan_file, started, 1, lines.append)["prepared"] == "p" and lines == []
     plan_file.write_text(json.dumps({"prepared": "old", "written_at": started - preflight.PLAN_FRESH_SECONDS - 1}))
     # the clock read for the deadline (30 s: within it), for the waiting line (33 s), for the deadline (61 s)
     clock = iter([started + 30, started + 33, started + 61])
-    monkeypatch.setattr(preflight.time, "time", lambda: next(clock))
+    monkeypatch.setattr(preflight, "time", SimpleNamespace(time=lambda: next(clock), sleep=lambda s: None))
     with pytest.raises(DataError, match="node 0's pre-flight did not finish within 1 min"):
         preflight.wait_for_node0(plan_file, started, 1, lines.append)
     assert lines == [f"preflight | waiting for node 0 to prepare the data ({plan_file}), 0.6 of 1 min"]

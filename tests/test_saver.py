@@ -451,7 +451,7 @@ def test_the_time_a_pending_write_still_needs_is_its_expected_length_less_its_ag
     saver = _saver(tmp_path)
     assert saver.seconds_left(5.0) == 0.0  # nothing pending
     saver.pending = Pending(1, {}, started=time.time() - 2.0, staged_seconds=0.0, background=True, thread=None)
-    assert saver.seconds_left(5.0) == pytest.approx(3.0, abs=0.5)
+    assert 2.5 <= saver.seconds_left(5.0) <= 3.0
     assert saver.seconds_left(1.0) == 0.0  # overdue: nothing more is kept for it
 
 
@@ -535,6 +535,8 @@ def test_during_skipped_updates_only_the_final_and_a_best_save_are_made(tmp_path
     t.st.best_step = 5
     saving.maybe_save(t, loop, save_due=True, preempted=False)
     assert [a[0] for a in asked] == [5]
+    t.saver.wait()
+    t.saver.complete()
     t, loop, _, asked = _saving_trainer(tmp_path / "final", monkeypatch, bad_in_a_row=3)
     loop.stop(0, "finished")
     saving.maybe_save(t, loop, save_due=False, preempted=False)
@@ -581,7 +583,8 @@ def test_a_stop_signal_after_a_failed_write_saves_its_own_step(tmp_path, monkeyp
     loop.stop(0, "stopped: SIGTERM at step 9; the same command resumes it")
     saving.maybe_save(t, loop, save_due=False, preempted=True, writing=True)
     assert [a[0] for a in asked] == [5, 9] and loop.last_complete_step == 9
-    assert "save | saving step 000009 instead" in lines and t.st.save_waits == 0
+    assert any(line.startswith("save | step 000005's write failed (waited ") and
+               line.endswith("s): saving step 000009 instead") for line in lines) and t.st.save_waits == 0
 
 
 def test_a_due_save_that_waits_for_the_one_in_flight_is_counted_and_said(tmp_path, monkeypatch):
@@ -697,18 +700,18 @@ def test_finish_save_reports_the_write_and_what_it_blocked_and_keeps_the_longest
     st, records = RunState(), []
     t, loop = _trainer(tmp_path, st, lambda line: None)
     t.report.add = records.append
-    t.saver.write_bps = 4e6
-    data = {"w": torch.zeros(300_000)}  # 1.2 MB: 0.3 s at 4 MB/s
+    t.saver.write_bps = 1e6
+    data = {"w": torch.zeros(300_000)}  # 1.2 MB: 1.2 s at 1 MB/s
     t.saver.begin(1, data, {}, _meta(1), background=True, context={"final": False})
     t.saver.wait()
     saving.finish_save(t, loop)  # the write is done: completing it blocks training for no more than that
-    half = {"w": torch.zeros(150_000)}  # 0.15 s
-    t.saver.begin(2, half, {}, _meta(2), background=False, context={"final": False})  # written here, blocking
+    quarter = {"w": torch.zeros(75_000)}  # 0.3 s
+    t.saver.begin(2, quarter, {}, _meta(2), background=False, context={"final": False})  # written here, blocking
     saving.finish_save(t, loop)
     (a, b) = records
     assert a["kind"] == b["kind"] == "save" and a["ok"] and b["ok"] and (a["step"], b["step"]) == (1, 2)
-    assert a["seconds"] >= 0.25 and a["blocked"] < 0.2  # the background write's time was training's
-    assert 0.12 <= b["seconds"] < a["seconds"] and b["blocked"] >= b["seconds"]  # a blocking one blocks all of it
+    assert a["seconds"] >= 1.1 and a["blocked"] < a["seconds"] / 2  # the background write's time was training's
+    assert 0.25 <= b["seconds"] < a["seconds"] and b["blocked"] >= b["seconds"]  # a blocking one blocks all of it
     assert st.save_seconds == pytest.approx(a["seconds"], abs=1e-3)  # the longest write so far
     assert loop.last_complete_step == 2 and loop.saved_best == ckpt.run_state(_meta(2)).best()
 
