@@ -368,6 +368,7 @@ def test_the_gradient_traffic_is_three_passes_of_the_weights_over_each_link():
     config = make_config(4)
     params = count_params(config)
     assert autosize.comm_seconds(config, 1, 20.0) == 0
+    assert autosize.comm_seconds(config, 2, 1.0) == pytest.approx(6 * params / 1e9, rel=1e-12)  # fp32 unless told
     assert autosize.comm_seconds(config, 2, 1.0, 4) == pytest.approx(6 * params / 1e9, rel=1e-12)  # 3 x 1/2 x 4 bytes
     assert autosize.comm_seconds(config, 8, 20.0, 2) == pytest.approx(3 * 7 / 8 * 2 * params / 20e9, rel=1e-12)
 
@@ -445,12 +446,12 @@ def test_the_probe_counts_every_rank_stops_at_the_first_depth_out_of_memory_and_
 
     monkeypatch.setattr(autosize, "measure_tok_per_s", measure)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: freed.append(measured[-1]))
-    for device in ("cpu", "cuda"):
+    for device, emptied in (("cpu", []), ("cuda", [2, 4, 6])):  # on CUDA alone, after every depth, the OOM one too
         measured.clear()
+        freed.clear()
         chosen, cands = autosize.probe_and_choose(cfg, 2, torch.device(device), 4, budget_s=10, train_tokens=10**12,
                                                   tokens_per_step=64)
-        assert measured == [2, 4, 6] and [c.tok_per_s for c in cands] == [4e9, 4e9]
-    assert freed == [2, 4, 6]  # on CUDA alone, after every depth, the one out of memory too
+        assert measured == [2, 4, 6] and [c.tok_per_s for c in cands] == [4e9, 4e9] and freed == emptied
 
 
 def test_the_prediction_fits_each_depth_at_one_sequence_and_stops_at_the_first_that_does_not(monkeypatch):
