@@ -44,7 +44,8 @@ TESTS = {
                             "tests/test_average.py::test_a_failed_best_save_falls_back_to_the_saved_best_and_its_weights "
                             "tests/test_average.py::test_the_saver_and_the_first_save_estimate_count_the_average",
     "experiment/restarts.py": "tests/test_resilience.py -k 'lost_seconds or charged_once or heartbeat_is'",
-    "experiment/plan.py": "tests/test_plan.py",
+    "experiment/plan.py": "tests/test_plan_units.py tests/test_plan.py -k 'not issue_example and not counted_in "
+                          "and not refuses_data and not hours_available_picks and not bad_gpus'",
     "experiment/preflight.py": "tests/test_preflight.py tests/test_guards.py "
                                "tests/test_regime.py::test_the_preflight_plans_the_recipe_and_the_repeat_guard_leaves_it",
     "experiment/autosize.py": "tests/test_autosize.py -k 'not trainer_chooses and not a_run_stops and not an_unset_max_epochs'",

@@ -136,3 +136,54 @@ def test_the_table_marks_depths_outside_the_measured_mfu_and_those_that_do_not_f
         assert rows[f"d{depth}"].endswith("does not fit in memory") != ok
     assert math.isfinite(p["hours"])
     assert autosize.MEASURED_MFU["H100"][0] == p["mfu_by_depth"]
+
+
+def _p(rows, hours_available=None, recommended=8):
+    return {"depth": 12, "max_passes": 8.0, "gpu_table": rows, "hours_available": hours_available,
+            "recommended_gpus": recommended, "launch": "L", "run_dir": "R"}
+
+
+def _row(gpus, usd, fits=True, in_budget=True, in_time=True):
+    return {"gpus": gpus, "fits": fits, "tok_per_s": 1000.0 * gpus if fits else None, "hours": usd / gpus / 4,
+            "usd": usd if fits else None, "comm_share": 0.1, "in_budget": fits and in_budget, "in_time": fits and in_time}
+
+
+def test_the_gpu_lines_mark_each_row_and_name_the_cheapest_or_the_fewest_in_time():
+    rows = [_row(1, 84.0, in_time=False), _row(2, 80.0, in_budget=False), _row(4, 0, fits=False), _row(8, 122.0)]
+    lines = plan.gpu_lines(_p(rows))
+    assert lines[2].endswith("  past HOURS_AVAILABLE") and "over the budget" not in lines[2]
+    assert lines[3].endswith("  over the budget") and "HOURS_AVAILABLE" not in lines[3]
+    assert lines[4].endswith("does not fit in memory") and lines[5].endswith("10%")  # in budget and in time: no mark
+    assert lines[6].startswith("gpus | the cheapest: 2 GPU(s), $80 in 10.00 h;")
+    assert lines[-2:] == ["launch | on the rented box, with the data in $WORKSPACE/data: L",
+                          "launch | it writes R (WORKSPACE: /workspace/<repo> where /workspace is writable, else the "
+                          "repository)"]
+    assert not any(x.startswith("gpus | the cheapest") for x in plan.gpu_lines(_p([_row(1, 1.0, fits=False)])))
+    timed = plan.gpu_lines(_p(rows, hours_available=24, recommended=8))
+    assert timed[6] == "gpus | rent 8: the fewest that finish within HOURS_AVAILABLE=24 and the budget"
+    late = plan.gpu_lines(_p(rows[:3], hours_available=24, recommended=1))
+    assert late[5].startswith("gpus | none finishes within HOURS_AVAILABLE=24 and the budget: the launch line is for 1")
+
+
+def test_the_regime_lines_say_whether_the_run_is_data_limited():
+    p = {"depth": 12, "regime": {"budget_passes": 9.0, "gpus": 8, "data_limited": True,
+                                 "settings": {"ATTN_DROPOUT": 0.2, "AVERAGE": "ema", "MAX_EPOCHS": 0.0},
+                                 "hours_at_most": 31.0, "usd_at_most": 992.0}}
+    limited = plan.regime_lines(p)
+    assert len(limited) == 2 and f"more than {regime.PASSES}: data-limited" in limited[0]
+    assert limited[0].endswith("at most the whole 31.00 h ($992): it may spend more than the hours above")
+    p["regime"] = {**p["regime"], "data_limited": False, "settings": {"ATTN_DROPOUT": 0.0, "AVERAGE": "none"}}
+    (plain,) = plan.regime_lines(p)
+    assert plain.endswith(f"at most {regime.PASSES}: the trainer's defaults are ATTN_DROPOUT=0, AVERAGE=none "
+                          "(no regularizer)")
+
+
+def test_main_prints_the_table_or_json_and_exits_2_on_bad_settings(capsys):
+    assert plan.main(["--tokens", "350000000", "--json"]) == 0
+    import json
+
+    assert json.loads(capsys.readouterr().out)["depth"] == 32
+    assert plan.main(["--tokens", "350000000", "--gpus", "8xTPU"]) == 2
+    assert capsys.readouterr().err.startswith("error: GPUS '8xTPU'")
+    assert plan.main(["--tokens", "1000000", "--hours_available", "0"]) == 2
+    assert "HOURS_AVAILABLE must be > 0, got 0" in capsys.readouterr().err
