@@ -91,6 +91,8 @@ def test_the_measured_rate_checks_a_predicted_choice():
     slow = autosize.check_prediction(dicts, chosen.depth, chosen.tok_per_s / 20, budget, tokens)
     assert "warning: at that rate the rule picks d" in slow and f"this run keeps d{chosen.depth}" in slow
     assert int(slow.split("picks d")[1].split(";")[0]) < chosen.depth
+    fast = autosize.check_prediction(dicts, chosen.depth, chosen.tok_per_s * 20, budget, tokens)
+    assert "warning: at that rate the rule picks d" in fast and int(fast.split("picks d")[1].split(";")[0]) > chosen.depth
 
 
 def test_choice_is_the_candidate_nearest_the_target_ratio():
@@ -181,6 +183,9 @@ def test_an_explicit_depth_that_repeats_the_data_gets_a_warning():
                           averaged=True)
     assert averaged[1].endswith("a smaller budget")
     assert len(data_lines(64, gpu, total_tokens=2 * 10**8, train_tokens=10**8, tokens_per_step=524288)) == 1
+    at = autosize.MAX_GOOD_EPOCHS * 10**8  # exactly MAX_GOOD_EPOCHS passes: not past them
+    assert len(data_lines(64, gpu, total_tokens=at, train_tokens=10**8, tokens_per_step=524288)) == 1
+    assert len(data_lines(64, gpu, total_tokens=at + 1, train_tokens=10**8, tokens_per_step=524288)) == 2
 
 
 def test_probe_measures_the_ladder_and_stops_below_half_the_target(monkeypatch):
