@@ -324,6 +324,7 @@ def test_the_ladder_is_the_documented_one_and_keeps_the_widths_the_head_size_div
     text = " ".join((REPO / "docs/training.md").read_text().split())
     listed = re.search(r"on a ladder \(([\d, ]+) with the run's", text)
     assert tuple(int(x) for x in listed.group(1).split(",")) == autosize.LADDER
+    assert "with one warm-up and two timed steps each" in text and autosize.PROBE_STEPS == 2
     assert autosize.ladder(64, 128) == list(autosize.LADDER)  # every width 128 * d / 2: all of them
     assert autosize.ladder(96, 128) == [4, 8, 12, 16, 20, 24, 32, 40, 48, 56, 64]  # 96 d a multiple of 128: 4 | d
     assert autosize.ladder(48, 128) == [8, 16, 24, 32, 40, 48, 56, 64]
@@ -345,6 +346,16 @@ def test_the_memory_plans_bytes_per_weight_are_the_dtypes_own():
 def test_a_candidates_seconds_are_its_tokens_at_its_rate():
     c = Candidate(depth=2, width=64, params=1000, tok_per_s=3.0, tokens=10.0, epochs=1.0)
     assert c.seconds == pytest.approx(10 / 3) and c.tokens_per_param == 0.01
+    again = autosize.at_rate(c, 5.0, budget_s=7.0, train_tokens=4)  # 35 tokens, the cap's 8 passes of 4 = 32
+    assert (again.tokens, again.epochs, again.budget_epochs, again.tok_per_s) == (32.0, 8.0, 8.75, 5.0)
+    again = autosize.at_rate(c, 5.0, budget_s=3.0, train_tokens=4)  # 15 tokens: 3.75 passes
+    assert (again.tokens, again.epochs, again.budget_epochs) == (15.0, 3.75, 3.75)
+
+
+def test_the_rules_parameters_leave_out_the_bigram_table():
+    with_table = GPTConfig(vocab_size=128, depth=2, aspect_ratio=32, head_dim=64, max_seq_len=256, bigram_vocab=128)
+    assert autosize.rule_params(with_table) == count_params(dataclasses.replace(with_table, bigram_vocab=0))
+    assert count_params(with_table) > autosize.rule_params(with_table)
 
 
 def test_the_probe_times_the_trainers_step_on_tokens_of_the_vocabulary_after_one_warm_up(monkeypatch):
