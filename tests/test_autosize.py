@@ -380,6 +380,21 @@ def test_the_probe_times_the_trainers_step_on_tokens_of_the_vocabulary_after_one
     assert x.shape == (6, 16) and x.min() == 0 and x.max() == 3  # 96 draws of 4 tokens: each end drawn
 
 
+def test_every_rank_probes_on_its_own_without_collectives(monkeypatch):
+    made = []
+    real = autosize.ShardedOptimizer
+
+    def recording(model, **kwargs):
+        made.append(kwargs["communicate"])
+        return real(model, **kwargs)
+
+    monkeypatch.setattr(autosize, "ShardedOptimizer", recording)
+    monkeypatch.setattr(autosize, "mean_seconds", lambda device, n, fn, *args: 1.0)
+    config = GPTConfig(vocab_size=4, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=16)
+    autosize.measure_tok_per_s(config, 1, torch.device("cpu"))
+    assert made == [False]
+
+
 def test_the_gradient_traffic_is_three_passes_of_the_weights_over_each_link():
     config = make_config(4)
     params = count_params(config)
@@ -431,7 +446,8 @@ def test_the_rule_says_which_branch_chose_and_the_reason_gives_the_figures():
     assert rule(_at(12.5, 4.0)) == "nearest 12.5 tokens/param of those with >= 1 in at most 8 epochs of the budget"
     assert rule(_at(0.5, 9.0)) == ("the budget outruns the data: the largest depth with >= 0.5 tokens/param in 8 "
                                    "epochs, stopped there")
-    assert rule(_at(0.1, 8.0)) == "no depth has enough tokens per parameter: the smallest, stopped at 8 passes"
+    assert rule(_at(0.1, float("8"))) == "no depth has enough tokens per parameter: the smallest, stopped at 8 passes"
+    assert rule(_at(0.1, 9.0)) == "no depth has enough tokens per parameter: the smallest, stopped at 8 passes"
     assert rule(_at(0.1, 7.9)) == "no depth has enough tokens per parameter: the smallest, for the budget"
     c = Candidate(4, 128, 10**5, 500.0, 1.8e6, 3.0, 4.0)
     other = dataclasses.replace(c, depth=6, tok_per_s=250.5)
@@ -462,7 +478,7 @@ def test_the_probe_counts_every_rank_stops_at_the_first_depth_out_of_memory_and_
 
     monkeypatch.setattr(autosize, "measure_tok_per_s", measure)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: freed.append(measured[-1]))
-    for device, emptied in (("cpu", []), ("cuda", [2, 4, 6])):  # on CUDA alone, after every depth, the OOM one too
+    for device, emptied in (("cpu", []), ("mps", []), ("cuda", [2, 4, 6])):  # CUDA's alone, after every depth
         measured.clear()
         freed.clear()
         chosen, cands = autosize.probe_and_choose(cfg, 2, torch.device(device), 4, budget_s=10, train_tokens=10**12,
