@@ -236,6 +236,13 @@ def test_rewind_step_goes_back_only_when_the_settings_extend_a_run_in_its_warmdo
     with pytest.raises(ConfigError, match=r"MAX_EPOCHS=8 ends it: the checkpoint from before the warmdown had seen "
                                           r"6\.00 passes"):
         rewind_step(tmp_path / "late", 10, more, 1000)
+    # Step 0 (the untrained model's save, when the warmdown began before any other) is a start like any
+    _checkpoint(tmp_path / "zero", 0, 0)
+    _checkpoint(tmp_path / "zero", 10, 1000, warmdown_begun=True, warmdown_step=0, used_seconds=3600.0)
+    assert rewind_step(tmp_path / "zero", 10, more, 1000) == 0
+    ckpt.meta_path(tmp_path / "zero", 0).unlink()
+    with pytest.raises(ConfigError, match="step 000000, its newest checkpoint from before the warmdown, is gone"):
+        rewind_step(tmp_path / "zero", 10, more, 1000)
 
 
 def test_rewind_step_refuses_a_warmdown_start_that_is_none_gone_incomplete_or_damaged(tmp_path):
