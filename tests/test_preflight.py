@@ -100,6 +100,8 @@ def test_a_node_other_than_0_takes_a_plan_written_at_most_ten_minutes_before_it_
     started = 10_000.0
     plan_file.write_text(json.dumps({"prepared": "p", "written_at": started - preflight.PLAN_FRESH_SECONDS}))
     assert preflight.wait_for_node0(plan_file, started, 1, lines.append)["prepared"] == "p" and lines == []
+    plan_file.write_text(json.dumps({"prepared": "q", "written_at": started + 5}))  # written after this node started
+    assert preflight.wait_for_node0(plan_file, started, 1, lines.append)["prepared"] == "q" and lines == []
     plan_file.write_text(json.dumps({"prepared": "old", "written_at": started - preflight.PLAN_FRESH_SECONDS - 1}))
     # the clock read for the deadline (30 s: within it), for the waiting line (33 s), for the deadline (61 s)
     clock = iter([started + 30, started + 33, started + 61])
@@ -151,3 +153,32 @@ def test_main_exits_2_on_a_users_error_and_hands_the_launcher_its_plan(tmp_path,
     assert preflight.main(args) == 0 and json.loads(plan_file.read_text()) == {"prepared": "x"}
     assert seen == [(3, 4, 1, 3.0, 30, 2)]
     assert preflight.main([]) == 0 and seen[-1] == ("auto", 1, 0, 120, 0, None)
+
+
+def test_a_node_other_than_0_prepares_nothing_and_takes_node_0s_plan(tmp_path, monkeypatch):
+    waited = []
+    monkeypatch.setattr(preflight, "wait_for_node0", lambda plan_file, started, minutes, log:
+                        waited.append((plan_file, minutes)) or {"prepared": "node 0's"})
+    monkeypatch.setattr(preflight, "prepare_data", lambda *args: pytest.fail("a node > 0 prepared data"))
+    cfg = parse_args(["--workspace", str(tmp_path), "--depth", "2", "--device", "cpu"])
+    assert preflight.preflight(cfg, 2, 1, 7, lambda line: None) == {"prepared": "node 0's"}
+    assert waited == [(tmp_path / "preflight" / "d2.json", 7)]
+
+
+def test_a_cpu_run_is_warned_of_a_disk_its_checkpoints_would_fill(tmp_path, corpus, monkeypatch):
+    """No GPU plan (a CPU run): the disk check still runs, on the checkpoint's bytes at the precision
+    the run asks for (no GPU memory to fit: unbounded), and warns rather than refuses."""
+    from experiment import guards
+
+    sized, asked, lines = [], [], []
+    monkeypatch.setattr(preflight, "checkpoint_bytes", lambda config, world, gpu_bytes, precision, average:
+                        sized.append((config.depth, world, gpu_bytes, precision, average)) or 123)
+    monkeypatch.setattr(guards, "disk_warning", lambda cfg, nbytes, run_dir: asked.append(nbytes) or "warning: full")
+    cfg = parse_args(["--workspace", str(tmp_path), "--data_dir", str(corpus), "--depth", "2", "--device", "cpu",
+                      "--max_seq_len", "64", "--average", "ema"])
+    preflight.preflight(cfg, 1, 0, 1, lines.append)
+    assert sized == [(2, 1, 1 << 62, "auto", True)] and asked == [123] and "warning: full" in lines
+    sized.clear()
+    preflight.preflight(parse_args(["--workspace", str(tmp_path / "auto"), "--data_dir", str(corpus), "--device",
+                                    "cpu", "--max_seq_len", "64"]), 1, 0, 1, lines.append)
+    assert sized == []  # DEPTH=auto on a CPU: the model is chosen at start, its size unknown here
