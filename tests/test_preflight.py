@@ -87,7 +87,7 @@ def test_each_source_is_said_with_its_weight_and_tokens_and_many_sources_are_war
                      "preflight | source s1 | weight 0.750 (by size) | 101 train, 10 val tokens"]
     mixed = preflight.source_lines(TrainConfig(data_mix="s0=1,s1=3"), prepared(2), [0.25, 0.75])
     assert mixed[0].endswith("weight 0.250 (DATA_MIX) | 100 train, 10 val tokens")
-    many = preflight.MANY_SOURCES
+    many = 64  # docs/data.md: "the pre-flight warns above 64 sources"
     assert len(preflight.source_lines(TrainConfig(), prepared(many), [1 / many] * many)) == many
     lines = preflight.source_lines(TrainConfig(), prepared(many + 1), [1 / (many + 1)] * (many + 1))
     assert len(lines) == many + 2 and lines[0].startswith(f"warning: {many + 1} sources (each *.txt at the top")
@@ -109,6 +109,11 @@ def test_a_node_other_than_0_takes_a_plan_written_at_most_ten_minutes_before_it_
     with pytest.raises(DataError, match="node 0's pre-flight did not finish within 1 min"):
         preflight.wait_for_node0(plan_file, started, 1, lines.append)
     assert lines == [f"preflight | waiting for node 0 to prepare the data ({plan_file}), 0.6 of 1 min"]
+    lines.clear()  # at the deadline itself it still waits; past it, it gives up
+    clock = iter([started + 60, started + 60, started + 60.5])
+    with pytest.raises(DataError):
+        preflight.wait_for_node0(plan_file, started, 1, lines.append)
+    assert len(lines) == 1
     assert preflight.PLAN_FRESH_SECONDS == 600
 
 
@@ -178,7 +183,27 @@ def test_a_cpu_run_is_warned_of_a_disk_its_checkpoints_would_fill(tmp_path, corp
                       "--max_seq_len", "64", "--average", "ema"])
     preflight.preflight(cfg, 1, 0, 1, lines.append)
     assert sized == [(2, 1, 1 << 62, "auto", True)] and asked == [123] and "warning: full" in lines
+    assert any(line.startswith("preflight | data ") for line in lines)  # the plan lines are said
     sized.clear()
     preflight.preflight(parse_args(["--workspace", str(tmp_path / "auto"), "--data_dir", str(corpus), "--device",
                                     "cpu", "--max_seq_len", "64"]), 1, 0, 1, lines.append)
     assert sized == []  # DEPTH=auto on a CPU: the model is chosen at start, its size unknown here
+
+
+def test_the_gpu_is_this_machines_on_cuda_and_the_ranks_per_node_default_to_the_world(tmp_path, monkeypatch):
+    from experiment import guards
+
+    asked, checked = [], []
+    monkeypatch.setattr(preflight, "wait_for_node0", lambda *args: {"prepared": "p"})
+    monkeypatch.setattr(guards, "local_gpu", lambda: asked.append(1) or H100)
+    monkeypatch.setattr(preflight, "check_ranks_per_gpu", lambda cfg, gpu, n: checked.append((gpu, n)))
+    cfg = parse_args(["--workspace", str(tmp_path), "--depth", "2", "--device", "cpu"])
+    preflight.preflight(cfg, 4, 1, 1, lambda line: None)
+    assert asked == [] and checked == [(None, 4)]
+    monkeypatch.setattr(preflight, "resolve_device", lambda flag: torch.device("cuda"))
+    preflight.preflight(cfg, 4, 1, 1, lambda line: None, nproc_per_node=2)
+    assert asked == [1] and checked[-1] == (H100, 2)
+    monkeypatch.undo()
+    if not torch.cuda.is_available():  # DEVICE=cuda without CUDA: the user's error, in one line
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            preflight.preflight(parse_args(["--workspace", str(tmp_path), "--device", "cuda"]), 1, 0, 1, print)
