@@ -531,6 +531,7 @@ def test_a_save_is_made_when_due_at_the_end_or_at_a_new_best_and_never_twice_for
     saving.maybe_save(t, loop, save_due=False, preempted=False)  # the final save: written and completed here
     assert [a[0] for a in asked] == [5, 6, 7] and t.saver.pending is None and loop.last_complete_step == 7
     assert ckpt.complete_steps(tmp_path) == [5, 6, 7]
+    assert t.st.save_waits == 0  # no write was in flight at any of these steps' start (writing=False, the default)
 
 
 def test_during_skipped_updates_only_the_final_and_a_best_save_are_made(tmp_path, monkeypatch):
@@ -602,11 +603,14 @@ def test_a_due_save_that_waits_for_the_one_in_flight_is_counted_and_said(tmp_pat
     t.st.step = 6
     saving.maybe_save(t, loop, save_due=True, preempted=False, writing=False)  # done already: no wait counted
     assert t.st.save_waits == 0 and t.saver.pending.step == 6
+    t.saver.write_bps = 4000  # a share's files are a few kB: about half a second a write
+    t.saver.wait()
     t.st.step = 7
     saving.maybe_save(t, loop, save_due=True, preempted=False, writing=True)
     t.st.step = 8
     saving.maybe_save(t, loop, save_due=True, preempted=False, writing=True)
-    assert t.st.save_waits == 2 and t.st.save_wait_seconds >= 0
+    t.saver.write_bps = 0
+    assert t.st.save_waits == 2 and t.st.save_wait_seconds > 0.2  # step 8 waited for step 7's whole write
     waits = [line for line in lines if " waited " in line]
     assert len(waits) == 2 and waits[1].startswith("save | step 000008 waited ") and "(2 waits, " in waits[1]
     t.st.step = 9
