@@ -104,8 +104,9 @@ def plan_regime(cfg: TrainConfig, unset: list[str], config: GPTConfig | None, gp
 def source_lines(cfg: TrainConfig, prepared: Prepared, weights: list[float] | None) -> list[str]:
     """Each source's weight and tokens, with a warning when there are many of them."""
     lines = [] if len(weights or []) <= MANY_SOURCES else [
-        f"warning: {len(weights)} sources (each *.txt at the top of DATA_DIR is one): each is evaluated at "
-        "every eval and needs a DATA_MIX weight; group files into sub-directories (one source each)"]
+        f"warning: {len(weights)} sources (each sub-directory of DATA_DIR is one, its top-level *.txt files together "
+        "another): each is evaluated at every eval and needs a DATA_MIX weight; put texts that belong together in "
+        "one sub-directory"]
     for source, w in zip(prepared.meta.get("source_splits", []), weights or []):
         lines.append(f"preflight | source {source['name']} | weight {w:.3f}"
                      f"{' (DATA_MIX)' if cfg.data_mix else ' (by size)'} | {source['train'][1] - source['train'][0]:,} "

@@ -90,7 +90,7 @@ def test_each_source_is_said_with_its_weight_and_tokens_and_many_sources_are_war
     many = 64  # docs/data.md: "the pre-flight warns above 64 sources"
     assert len(preflight.source_lines(TrainConfig(), prepared(many), [1 / many] * many)) == many
     lines = preflight.source_lines(TrainConfig(), prepared(many + 1), [1 / (many + 1)] * (many + 1))
-    assert len(lines) == many + 2 and lines[0].startswith(f"warning: {many + 1} sources (each *.txt at the top")
+    assert len(lines) == many + 2 and lines[0].startswith(f"warning: {many + 1} sources (each sub-directory of DATA_DIR is one")
     assert preflight.source_lines(TrainConfig(), prepared(1), None) == []
 
 
@@ -120,7 +120,8 @@ def test_a_node_other_than_0_takes_a_plan_written_at_most_ten_minutes_before_it_
 def test_the_plan_lines_say_the_data_the_model_and_what_the_run_starts_from(tmp_path):
     from experiment.launch import model_config
 
-    cfg = resolve(parse_args(["--depth", "auto", "--max_seq_len", "32"]), cuda=False, world_size=1)
+    auto = "".join(["au", "to"])  # as the command line gives it: a string made at run time
+    cfg = resolve(parse_args(["--depth", auto, "--max_seq_len", "32"]), cuda=False, world_size=1)
     prepared = SimpleNamespace(dir=tmp_path, meta={"split": {"train_tokens": 4096, "val_tokens": 512}, "vocab_size": 64,
                                                    "vocab_used": 64, "tokenizer": "char"})
     config = model_config(dataclasses.replace(cfg, depth=2), prepared)
@@ -175,6 +176,12 @@ def test_a_cpu_run_is_warned_of_a_disk_its_checkpoints_would_fill(tmp_path, corp
     the run asks for (no GPU memory to fit: unbounded), and warns rather than refuses."""
     from experiment import guards
 
+    text = (corpus / "sums.txt").read_text()
+    two = tmp_path / "two"  # two sources (sub-directories): the pre-flight says each one's weight and tokens
+    for name, part in (("a", text[: len(text) // 2]), ("b", text[len(text) // 2:])):
+        (two / name).mkdir(parents=True)
+        (two / name / "part.txt").write_text(part)
+    corpus = two
     sized, asked, lines = [], [], []
     monkeypatch.setattr(preflight, "checkpoint_bytes", lambda config, world, gpu_bytes, precision, average:
                         sized.append((config.depth, world, gpu_bytes, precision, average)) or 123)
@@ -184,10 +191,27 @@ def test_a_cpu_run_is_warned_of_a_disk_its_checkpoints_would_fill(tmp_path, corp
     preflight.preflight(cfg, 1, 0, 1, lines.append)
     assert sized == [(2, 1, 1 << 62, "auto", True)] and asked == [123] and "warning: full" in lines
     assert any(line.startswith("preflight | data ") for line in lines)  # the plan lines are said
+    assert any(line.startswith("preflight | source ") for line in lines)  # and each source's
+    sized.clear()
+    none = "".join(["no", "ne"])  # a setting's value as the command line gives it: a string made at run time
+    preflight.preflight(parse_args(["--workspace", str(tmp_path / "plain"), "--data_dir", str(corpus), "--depth", "2",
+                                    "--device", "cpu", "--max_seq_len", "64", "--average", none]), 1, 0, 1, lines.append)
+    assert sized == [(2, 1, 1 << 62, "auto", False)]
     sized.clear()
     preflight.preflight(parse_args(["--workspace", str(tmp_path / "auto"), "--data_dir", str(corpus), "--device",
                                     "cpu", "--max_seq_len", "64"]), 1, 0, 1, lines.append)
     assert sized == []  # DEPTH=auto on a CPU: the model is chosen at start, its size unknown here
+
+
+def test_a_fresh_gpu_run_is_refused_a_full_disk_by_the_guard_not_warned(tmp_path, corpus, monkeypatch):
+    from test_guards import run_preflight
+
+    from experiment import guards
+
+    asked = []
+    monkeypatch.setattr(guards, "disk_warning", lambda cfg, nbytes, run_dir: asked.append(nbytes))
+    plan, _ = run_preflight(tmp_path, "--data_dir", corpus, "--depth", 4)
+    assert isinstance(plan, dict) and asked == []  # guards.check holds the disk check of a fresh GPU run
 
 
 def test_the_gpu_is_this_machines_on_cuda_and_the_ranks_per_node_default_to_the_world(tmp_path, monkeypatch):
