@@ -11,8 +11,8 @@ from experiment import checkpoint as ckpt
 from experiment.saver import Saver
 
 
-def _saver(run_dir, write_bps=0):
-    return Saver(run_dir, 0, 1, torch.device("cpu"), background=True, all_ok=bool, gather=lambda files: [files],
+def _saver(run_dir, write_bps=0, device="cpu"):
+    return Saver(run_dir, 0, 1, torch.device(device), background=True, all_ok=bool, gather=lambda files: [files],
                  write_bps=write_bps)
 
 
@@ -418,7 +418,7 @@ def test_a_save_knows_how_long_staging_blocked_and_how_long_its_write_took(tmp_p
 
 def test_host_buffers_are_pinned_for_cuda_alone():
     for device, pinned in (("cpu", False), ("cuda", True), ("mps", False)):
-        saver = Saver("x", 0, 1, torch.device(device), background=True, all_ok=bool, gather=lambda f: [f])
+        saver = _saver("x", device=device)
         assert saver.buffers.pinned is pinned, device
 
 
@@ -454,7 +454,7 @@ def test_any_exception_in_the_writer_fails_the_save_not_the_run(tmp_path, monkey
 def test_blocking_from_now_on_gives_the_pinned_host_cache_back(tmp_path, monkeypatch):
     emptied = []
     monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: emptied.append(1), raising=False)
-    pinned = Saver(tmp_path, 0, 1, torch.device("cuda"), background=True, all_ok=bool, gather=lambda f: [f])
+    pinned = _saver(tmp_path, device="cuda")
     assert pinned.block_from_now_on() and emptied == [1] and pinned.buffers.pinned
     _saver(tmp_path).block_from_now_on()  # unpinned: nothing to give back
     assert emptied == [1]
@@ -479,14 +479,14 @@ def test_on_cuda_staging_waits_for_its_copies_and_the_writer_never_holds_the_pro
 
     synced = []
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: SimpleNamespace(synchronize=lambda: synced.append(1)))
-    saver = Saver(tmp_path, 0, 1, torch.device("cuda"), background=True, all_ok=bool, gather=lambda f: [f])
+    saver = _saver(tmp_path, device="cuda")
     saver.buffers = HostBuffers(pinned=False)  # no pinned memory on this CPU; the copies are the same
     saver.begin(1, {"w": torch.ones(10)}, {}, _meta(1), background=True)
     assert synced == [1] and saver.pending.thread.daemon
     saver.wait()
     assert saver.complete()[1] is None
     for step, device in ((2, "cpu"), (3, "mps")):
-        other = Saver(tmp_path, 0, 1, torch.device(device), background=True, all_ok=bool, gather=lambda f: [f])
+        other = _saver(tmp_path, device=device)
         other.begin(step, {"w": torch.ones(10)}, {}, _meta(step), background=True)
         other.wait()
         other.complete()
@@ -668,7 +668,7 @@ def test_the_background_writer_runs_at_the_lowest_priority_linux_has(tmp_path, m
         return write(*args, **kwargs)
 
     monkeypatch.setattr(ckpt, "write_rank_files", recording)
-    saver = Saver(tmp_path, 0, 1, torch.device("cpu"), background=True, all_ok=bool, gather=lambda f: [f])
+    saver = _saver(tmp_path)
     saver.begin(1, {"w": torch.ones(10)}, {}, _meta(1), background=True)
     saver.wait()
     assert saver.complete()[1] is None and nice == [19]
