@@ -422,6 +422,7 @@ def test_the_saver_and_the_first_save_estimate_count_the_average(tmp_path, monke
     plain, averaged = (staged_bytes_per_rank(tiny_config(), 1, "fp32", pinned=False, average=a)[0] for a in (0, 1))
     monkeypatch.setattr(saving, "host_available_bytes", lambda: (plain + averaged) / 2 / HOST_STAGING_FRACTION)
     for average, background in (("none", True), ("ema", False)):  # staging fits without it, not with it
+        average = "".join(average)  # as parsed from a command line: equal to the literal, not the same object
         cfg = SimpleNamespace(async_save=1, save_write_mbps=0.0, average=average)
         assert saving.make_saver(cfg, d, model, tmp_path, lambda line: None).background == background
 

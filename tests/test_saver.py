@@ -618,7 +618,7 @@ def test_a_due_save_that_waits_for_the_one_in_flight_is_counted_and_said(tmp_pat
     t.st.step = 8
     saving.maybe_save(t, loop, save_due=True, preempted=False, writing=True)
     t.saver.write_bps = 0
-    assert t.st.save_waits == 2 and t.st.save_wait_seconds > 0.2  # step 8 waited for step 7's whole write
+    assert t.st.save_waits == 2 and 0.2 < t.st.save_wait_seconds < 1.5  # step 8 waited for step 7's whole write
     waits = [line for line in lines if " waited " in line]
     assert len(waits) == 2 and waits[1].startswith("save | step 000008 waited ") and "(2 waits, " in waits[1]
     t.st.step = 9
@@ -837,7 +837,7 @@ def test_a_restore_takes_this_ranks_shard_or_the_first_and_cuda_rng_only_on_cuda
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: loaded.append((state, str(device))))
     model = SimpleNamespace(load_state_dict=lambda state: loaded.append(state))
     opt = SimpleNamespace(load_shards=lambda s: loaded.append(len(s)))
-    for rank, world, device, expect, cuda in ((1, 2, "cpu", 1, []), (2, 3, "cpu", 0, []),
+    for rank, world, device, expect, cuda in ((1, 2, "cpu", 1, []), (2, 3, "cpu", 0, []), (3, 4, "cpu", 0, []),
                                               (1, 2, "cuda", 1, [("cuda 1", "cuda:1")])):
         loaded.clear()
         st = saving.restore_checkpoint(tmp_path, 5, model, opt, Dist(rank, rank, world, torch.device(device, rank)
@@ -861,6 +861,15 @@ def test_a_failed_save_of_an_earlier_step_leaves_a_later_best_standing(tmp_path)
     st.best_val, st.best_step, st.best_score = 1.5, 6, 1.5
     saving.finish_save(t, loop, wait=True)
     assert (st.best_val, st.best_step, st.best_score) == (1.5, 6, 1.5)
+    # The same, with the new best's eval (step 8) made a step before the one (9) at which step 7's write failed
+    st.step = 7
+    ckpt.optim_path(tmp_path, 7, 0).mkdir()
+    t.saver.begin(7, {"w": torch.ones(3)}, {}, _meta(7, best_step=6), background=True, context={"final": False})
+    st.step, st.last_eval_step, loop.val_loss, loop.score = 8, 8, 1.4, 1.4
+    st.best_val, st.best_step, st.best_score = 1.4, 8, 1.4
+    st.step = 9
+    saving.finish_save(t, loop, wait=True)
+    assert (st.best_val, st.best_step, st.best_score) == (1.4, 8, 1.4)
 
 
 def test_steps_are_compared_by_value_past_the_small_ints(tmp_path, monkeypatch):
@@ -881,3 +890,150 @@ def test_steps_are_compared_by_value_past_the_small_ints(tmp_path, monkeypatch):
     ckpt.save_checkpoint(tmp_path, 1000, {"w": torch.ones(2)}, {}, _meta(1000, best_step=997))
     saving.maybe_save(t, loop, save_due=False, preempted=False)
     assert loop.saved_best[1] == 1000 and ckpt.read_best(tmp_path)["step"] == 1000
+    # a new best at a step of its own (not due, not final), also during skipped updates: saved
+    for bad in (0, 2):
+        t, loop, _, asked = _saving_trainer(tmp_path / f"bad{bad}", monkeypatch, step=int("1001"), bad_in_a_row=bad)
+        t.st.best_step = int("1001")
+        saving.maybe_save(t, loop, save_due=False, preempted=False)
+        assert [a[0] for a in asked] == [1001]
+        t.saver.wait()
+        t.saver.complete()
+
+
+def test_the_line_that_every_later_save_blocks_is_said_once_whatever_fails_after(tmp_path):
+    from experiment import saving
+    from experiment.checkpoint import RunState
+
+    st, lines = RunState(), []
+    t, loop = _trainer(tmp_path, st, lines.append)
+    for step in (1, 2, 3):  # three failed saves: the first in the background, the next two blocking
+        st.step = step
+        ckpt.optim_path(tmp_path, step, 0).mkdir()
+        t.saver.begin(step, {"w": torch.ones(3)}, {}, _meta(step), background=True, context={"final": False})
+        saving.finish_save(t, loop, wait=True)
+    assert sum("not saved" in line for line in lines) == 3
+    assert sum(line.startswith("save | every later save blocks training") for line in lines) == 1
+
+
+def _failing_best_save(tmp_path, saved_best=2.0, best=1.5, base=0):
+    """Step 2's save completed as the best (saved_best); step 3's eval was a new best (`best`) and its
+    background save is in flight and will fail. base: steps counted from there, each int made anew."""
+    from experiment import saving
+    from experiment.checkpoint import RunState
+
+    st = RunState()
+    t, loop = _trainer(tmp_path, st, lambda line: None)
+    for step, val, fails in ((int(str(base + 2)), saved_best, False), (int(str(base + 3)), best, True)):
+        st.step, st.last_eval_step, loop.val_loss, loop.score = step, step, val, val
+        st.best_val, st.best_step, st.best_score = val, int(str(step)), val  # read back: equal, not the same int
+        if fails:
+            ckpt.optim_path(tmp_path, step, 0).mkdir()
+        meta = {"step": step, "val_loss": val, "state": {"best_val": val, "best_step": step, "best_score": val},
+                "world_size": 1, "model_parts": 1}
+        t.saver.begin(step, {"w": torch.ones(3)}, {}, meta, background=True, context={"final": False})
+        if not fails:
+            saving.finish_save(t, loop, wait=True)
+    return saving, st, t, loop
+
+
+def test_a_failed_best_save_completed_after_a_later_eval_of_another_step_keeps_the_saved_best(tmp_path):
+    """Step 3's best save fails; it completes at step 5, whose weights had no eval; step 4's eval (1.6,
+    better than the saved best 2.0) was of step 4's weights, which nothing will save: the best goes back
+    to step 2."""
+    saving, st, t, loop = _failing_best_save(tmp_path)
+    st.step, st.last_eval_step, loop.val_loss, loop.score = 4, 4, 1.6, 1.6  # step 4's eval: no new best then
+    st.step = 5
+    saving.finish_save(t, loop, wait=True)
+    assert (st.best_val, st.best_step, st.best_score) == (2.0, 2, 2.0)
+
+
+def test_a_failed_best_save_completed_at_an_eval_worse_than_the_saved_best_keeps_the_saved_best(tmp_path):
+    saving, st, t, loop = _failing_best_save(tmp_path)
+    st.step, st.last_eval_step, loop.val_loss, loop.score = 4, 4, 2.5, 2.5  # worse than step 2's 2.0
+    saving.finish_save(t, loop, wait=True)
+    assert (st.best_val, st.best_step, st.best_score) == (2.0, 2, 2.0)
+
+
+def test_a_checkpoint_share_holds_this_ranks_part_the_average_when_asked_and_cuda_rng_only_on_cuda(monkeypatch):
+    """checkpoint_share on one rank and on rank 1 of 2 (the gather of data positions stood in for):
+    the model part is the whole state alone, else the parameters this rank owns; weights="average"
+    takes the average's model part; the CUDA RNG state is recorded on CUDA alone."""
+    from types import SimpleNamespace
+
+    from experiment import saving
+    from experiment.checkpoint import RunState
+    from experiment.distributed import Dist
+    from experiment.model import GPTConfig
+
+    config = GPTConfig(vocab_size=8, depth=1, aspect_ratio=8, head_dim=8, max_seq_len=8)
+    state = {"a": torch.zeros(2), "b": torch.ones(2)}
+    model = SimpleNamespace(state_dict=lambda: dict(state), config=config, activation_checkpointing=False,
+                            wte=SimpleNamespace(weight=torch.zeros(1)))
+    average = {"a": torch.full((2,), 5.0), "b": torch.full((2,), 6.0)}
+    opt = SimpleNamespace(owner={"a": 0, "b": 1}, shard_state=lambda: {"shard": 1},
+                          average=SimpleNamespace(model_part=lambda s: dict(average)))
+    monkeypatch.setattr(saving, "gather_objects", lambda obj, d: [obj] * d.world_size)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: torch.tensor([7], dtype=torch.uint8))
+    st = RunState(step=3)
+    for rank, world, device, weights, mine in ((0, 1, "cpu", "raw", state), (1, 2, "cpu", "raw", {"b": state["b"]}),
+                                               (0, 2, "cuda", "raw", {"a": state["a"]}),
+                                               (0, 1, "cpu", "".join(["aver", "age"]), average)):
+        d = Dist(rank, rank, world, torch.device(device, rank) if device == "cuda" else torch.device(device))
+        part, shard, meta = saving.checkpoint_share(model, opt, st, 1.5, {"tag": "x"}, d, weights)
+        assert part.keys() == mine.keys() and all(torch.equal(part[k], mine[k]) for k in mine)
+        assert shard["shard"] == 1 and sorted(shard["rng"]) == (["cpu", "cuda"] if device == "cuda" else ["cpu"])
+        assert (meta["step"], meta["val_loss"], meta["world_size"], meta["model_parts"], meta["weights"],
+                meta["tag"]) == (3, 1.5, world, world, weights, "x")
+
+
+def test_a_save_is_taken_to_last_the_longest_measured_else_the_estimate():
+    from types import SimpleNamespace
+
+    from experiment import saving
+    from experiment.checkpoint import RunState
+
+    t = SimpleNamespace(st=RunState(), first_save_seconds=4.0)
+    assert saving.save_seconds(t) == 4.0  # none measured yet
+    t.st.save_seconds = 1.5
+    assert saving.save_seconds(t) == 1.5
+
+
+def test_a_new_best_whose_save_then_fails_falls_back_to_the_saved_best(tmp_path, monkeypatch):
+    """Through maybe_save: step 5's best save completes, step 6's eval is a new best and its save
+    fails: the best goes back to step 5 (a best not yet saved is no resumed step to name)."""
+    from experiment import saving
+
+    t, loop, lines, asked = _saving_trainer(tmp_path, monkeypatch)
+    t.st.best_val, t.st.best_step, t.st.best_score = 2.0, 5, 2.0
+    saving.maybe_save(t, loop, save_due=False, preempted=False)
+    t.saver.wait()
+    saving.finish_save(t, loop)
+    assert loop.last_complete_step == 5 and loop.saved_best[:2] == (2.0, 5)
+    t.st.step = t.st.last_eval_step = 6
+    t.st.best_val, t.st.best_step, t.st.best_score = 1.5, 6, 1.5
+    ckpt.optim_path(tmp_path, 6, 0).mkdir()  # its shard cannot be written
+    saving.maybe_save(t, loop, save_due=False, preempted=False)
+    saving.finish_save(t, loop, wait=True)
+    assert (t.st.best_val, t.st.best_step) == (2.0, 5) and ckpt.read_best(tmp_path)["step"] == 5
+    assert not any(line.startswith("best.json names") for line in lines)
+
+
+@pytest.mark.parametrize("base", [0, 1000])
+def test_a_best_steps_own_failed_save_completed_at_that_step_keeps_the_saved_best(tmp_path, base):
+    """Step 3's eval (1.5) beat step 2's saved best (2.0) and step 3's own save fails, completed at
+    step 3: that eval is of weights nothing holds, so the best goes back to step 2. base=1000: steps
+    as a long run counts them (ints compared by value)."""
+    saving, st, t, loop = _failing_best_save(tmp_path, base=base)
+    st.step = st.last_eval_step = int(str(base + 3))
+    saving.finish_save(t, loop, wait=True)
+    assert (st.best_val, st.best_step, st.best_score) == (2.0, base + 2, 2.0)
+
+
+def test_an_eval_made_while_a_best_save_was_in_flight_is_compared_by_value_past_the_small_ints(tmp_path):
+    """The case of test_a_best_eval_made_while_a_failed_best_save_was_in_flight_becomes_the_best with
+    steps past 256: step 1004's eval (1.8) beats the saved best once step 1003's save fails."""
+    saving, st, t, loop = _failing_best_save(tmp_path, base=1000)
+    st.step, loop.val_loss, loop.score = int("1004"), 1.8, 1.8
+    st.last_eval_step = int("1004")
+    saving.finish_save(t, loop, wait=True)
+    assert (st.best_val, st.best_step, st.best_score) == (1.8, 1004, 1.8)
