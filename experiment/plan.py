@@ -278,8 +278,7 @@ def plan(cfg: PlanConfig) -> dict:
     by_depth, mfu_source, measured_on = gpus.measured or autosize.mfu_table(gpus.name)
     rows = gpu_rows(cfg, gpus, model_config(best.depth, cfg, vocab), chosen["tokens"], hours * per_hour)
     in_time = [r["gpus"] for r in rows if r["in_time"] and r["in_budget"]]
-    p = {"depth": chosen["depth"], "hours": chosen["useful_hours"], "usd": chosen["useful_hours"] * per_hour,
-         "unspent_usd": (hours - chosen["useful_hours"]) * per_hour, "budget_hours": hours,
+    p = {"depth": chosen["depth"], "hours": chosen["useful_hours"], "budget_hours": hours,  # recommend_on prices it
          "budget_usd": hours * per_hour, "usd_per_hour": per_hour, "tokens": tokens, "train_tokens": train_tokens,
          "counted": counted, "gpus": f"{gpus.count} x {gpus.name}", "gpu_count": gpus.count, "peak_flops": gpus.peak,
          "max_passes": chosen["epochs"], "stops_at_val_minimum": PLATEAU_EVALS > 0,

@@ -113,6 +113,9 @@ def test_the_gpu_rows_price_each_count_and_mark_budget_and_time(monkeypatch):
     assert not four["in_budget"] and not four["in_time"]
     assert not eight["in_budget"] and eight["in_time"]
     assert plan.gpu_rows(PlanConfig(), gpus, None, 720_000, 8.0)[0]["in_time"]  # no HOURS_AVAILABLE: all in time
+    assert two["usd"] == pytest.approx(720_000 / 190 / 3600 * 2 * 4.0)  # 1.05 h on 2 GPUs at $4: $8.42
+    assert plan.gpu_rows(PlanConfig(), gpus, None, 720_000, 8.5)[1]["in_budget"]
+    assert plan.gpu_rows(PlanConfig(hours_available=2.0), gpus, None, 720_000, 8.0)[0]["in_time"]  # 2 h: just in time
 
 
 def test_env_overrides_come_before_the_command_lines_own_flags(monkeypatch):
@@ -187,3 +190,90 @@ def test_main_prints_the_table_or_json_and_exits_2_on_bad_settings(capsys):
     assert capsys.readouterr().err.startswith("error: GPUS '8xTPU'")
     assert plan.main(["--tokens", "1000000", "--hours_available", "0"]) == 2
     assert "HOURS_AVAILABLE must be > 0, got 0" in capsys.readouterr().err
+
+
+def test_a_rungs_row_is_each_figure_by_its_definition():
+    from experiment.guards import EXTRA_CHECKPOINTS
+    from experiment.memory import checkpoint_bytes
+
+    cfg = PlanConfig(tokens=100_000_000, disk_write_gbps=0.4)  # KEEP_LAST 3
+    gpus = plan.parse_gpus("8xH100-PCIe")
+    train = 90_000_000
+    row, c = plan.rung(12, cfg, gpus, train, 3600.0, plan.VOCAB_CHAR)
+    config = plan.model_config(12, cfg, plan.VOCAB_CHAR)
+    ckpt = checkpoint_bytes(config, 8, gpus.memory_bytes)
+    assert row["fits"] and row["tok_per_s"] == c.tok_per_s == plan.tok_per_s(config, gpus, 8)[0]
+    assert row["hours_per_pass"] == pytest.approx(train / c.tok_per_s / 3600, rel=1e-12)
+    assert 0 < c.seconds <= 3600 and row["useful_hours"] == pytest.approx(c.seconds / 3600, rel=1e-12)
+    assert row["checkpoint_gb"] == pytest.approx(ckpt / 1e9, rel=1e-12)
+    assert row["disk_peak_gb"] == pytest.approx((3 + EXTRA_CHECKPOINTS) * ckpt / 1e9, rel=1e-12)
+    assert row["save_minutes"] == pytest.approx(ckpt / 0.4e9 / 60, rel=1e-12)
+    assert (row["params"], row["tokens"], row["epochs"]) == (c.params, c.tokens, c.epochs)
+
+
+def test_a_depth_is_priced_in_the_precision_it_fits_at_device_batch_1():
+    """d54 on 8 H100s fits in fp32 only with no activations (device batch 0): at batch 1 it is bf16,
+    whose weights the all-reduce moves at half the bytes."""
+    from experiment.memory import choose_mode
+
+    config, gpus = plan.model_config(54, PlanConfig(), plan.VOCAB_CHAR), plan.parse_gpus("8xH100-PCIe")
+    assert choose_mode(config, 8, 1, config.max_seq_len, gpus.memory_bytes).precision == "bf16"
+    rate, comm = plan.tok_per_s(config, gpus, 8)
+    assert comm == autosize.comm_seconds(config, 8, gpus.link_gbps, autosize.WEIGHT_BYTES["bf16"])
+    assert rate == autosize.predicted_tok_per_s(config, gpus.peak, 8, gpus.link_gbps, autosize.WEIGHT_BYTES["bf16"],
+                                                gpu_name=gpus.name)
+    assert plan.tok_per_s(plan.model_config(64, PlanConfig(), plan.VOCAB_CHAR), plan.parse_gpus("1xH100"), 1) is None
+
+
+def test_the_bigram_table_is_for_characters_alone_however_the_name_was_made():
+    char = "".join(["ch", "ar"])  # as parsed from a command line: equal to the literal, not the same object
+    assert plan.model_config(12, PlanConfig(tokenizer=char), 256).bigram_vocab == 256
+    assert plan.model_config(12, PlanConfig(tokenizer="gpt2"), 256).bigram_vocab == 0
+    assert plan.model_config(12, PlanConfig(tokenizer="cl100k_base"), 256).bigram_vocab == 0
+
+
+def test_tokens_are_tokens_else_counted_in_data_dir_else_in_the_workspaces_data(tmp_path, monkeypatch):
+    assert plan.count_tokens(PlanConfig(tokens=1234)) == (1234, "TOKENS")
+    data = tmp_path / "ws" / "data"
+    data.mkdir(parents=True)
+    (data / "a.txt").write_text("abcd\n" * 10_000)  # 5% of val holds one 2049-token window
+    monkeypatch.setattr(plan, "default_workspace", lambda: tmp_path / "ws")
+    tokens, counted = plan.count_tokens(PlanConfig())
+    assert tokens == 1 + 50_000 and counted == f"characters in 1 source(s) of {data}, checked as the pre-flight checks them"
+    tokens, counted = plan.count_tokens(PlanConfig(data_dir=str(data), tokenizer="gpt2", max_seq_len=256))
+    assert counted.startswith(f"estimated as bytes / 4 in 1 source(s) of {data},") and counted.endswith("(set TOKENS to be exact)")
+    with pytest.raises(plan.DataError):
+        plan.count_tokens(PlanConfig(data_dir=str(tmp_path / "none")))
+
+
+def test_the_plans_defaults_are_the_trainers_and_a_setting_equal_to_one_is_not_carried(capsys):
+    from experiment.config import TrainConfig
+
+    assert PlanConfig().keep_last == TrainConfig().keep_last  # else a launch line would leave KEEP_LAST out wrongly
+    assert plan.planned_settings(PlanConfig(max_seq_len=int("2048"), keep_last=int("3"))) == {}  # read from flags
+    assert plan.main(["--tokens", "350000000"]) == 0  # no --json: the table
+    assert capsys.readouterr().out.startswith("plan | data: ")
+
+
+def test_gpus_past_one_node_come_in_nodes_of_8():
+    assert plan.parse_gpus("24xH100").count == 24 and plan.parse_gpus("16xH200").count == 16
+    for bad in ("12xH100", "20xH100"):
+        with pytest.raises(ValueError, match="plan a multiple of 8"):
+            plan.parse_gpus(bad)
+
+
+def test_a_gpucheck_report_of_the_same_kind_at_another_peak_is_refused(tmp_path):
+    """An H100 SXM (989 TFLOP/s) measured for H100 PCIe (756): the kind matches, the speed does not."""
+    import json
+
+    report = tmp_path / "report.json"
+    for gpu in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe"):
+        report.write_text(json.dumps({"items": [{"name": "env", "figures": {"gpu": gpu}},
+                                                {"name": "speed", "figures": {"d12": {"mfu": 0.3}}}]}))
+        for spec in ("8xH100-PCIe", "8xH100-SXM"):
+            gpus = plan.parse_gpus(spec)
+            if (gpu.endswith("PCIe")) == (spec.endswith("PCIe")):
+                assert plan.gpucheck_mfu(str(report), gpus)[0][0] == {12: 0.3}
+            else:
+                with pytest.raises(ValueError, match=f"measured on {gpu}, but GPUS is 8x"):
+                    plan.gpucheck_mfu(str(report), gpus)
