@@ -277,3 +277,21 @@ def test_a_gpucheck_report_of_the_same_kind_at_another_peak_is_refused(tmp_path)
             else:
                 with pytest.raises(ValueError, match=f"measured on {gpu}, but GPUS is 8x"):
                     plan.gpucheck_mfu(str(report), gpus)
+
+
+def test_the_recommendation_says_the_run_stops_at_the_val_minimum_only_where_it_does():
+    p = plan.plan(PlanConfig(tokens=350_000_000))
+    assert p["stops_at_val_minimum"]
+    line = next(x for x in plan.table(p).splitlines() if x.startswith("recommendation | at most "))
+    assert line.endswith("; stops earlier when val stops improving (the warmdown starts at the val minimum: "
+                         "docs/training.md)")
+    p["stops_at_val_minimum"] = False
+    line = next(x for x in plan.table(p).splitlines() if x.startswith("recommendation | at most "))
+    assert line == f"recommendation | at most {p['max_passes']:.1f} passes"
+
+
+def test_the_vocabulary_is_the_characters_however_the_tokenizers_name_was_made():
+    char = "".join(["ch", "ar"])  # as parsed from a command line
+    params = {name: [r["params"] for r in plan.plan(PlanConfig(tokens=350_000_000, tokenizer=name))["rungs"]]
+              for name in ("char", char, "gpt2")}
+    assert params["char"] == params[char] and all(a < b for a, b in zip(params["char"], params["gpt2"]))
