@@ -116,6 +116,9 @@ def test_the_gpu_rows_price_each_count_and_mark_budget_and_time(monkeypatch):
     assert two["usd"] == pytest.approx(720_000 / 190 / 3600 * 2 * 4.0)  # 1.05 h on 2 GPUs at $4: $8.42
     assert plan.gpu_rows(PlanConfig(), gpus, None, 720_000, 8.5)[1]["in_budget"]
     assert plan.gpu_rows(PlanConfig(hours_available=2.0), gpus, None, 720_000, 8.0)[0]["in_time"]  # 2 h: just in time
+    # $8 against a budget a rounding error below it is in the budget; against $7.60 it is not
+    assert plan.gpu_rows(PlanConfig(), gpus, None, 720_000, 8.0 / (1 + 5e-10))[0]["in_budget"]
+    assert not plan.gpu_rows(PlanConfig(), gpus, None, 720_000, 7.6)[0]["in_budget"]
 
 
 def test_env_overrides_come_before_the_command_lines_own_flags(monkeypatch):
@@ -213,7 +216,7 @@ def test_a_rungs_row_is_each_figure_by_its_definition():
 
 def test_a_depth_is_priced_in_the_precision_it_fits_at_device_batch_1():
     """d54 on 8 H100s fits in fp32 only with no activations (device batch 0): at batch 1 it is bf16,
-    whose weights the all-reduce moves at half the bytes."""
+    whose weights the all-reduce moves at half the bytes; d52 is fp32 at batch 1, bf16 at batch 2."""
     from experiment.memory import choose_mode
 
     config, gpus = plan.model_config(54, PlanConfig(), plan.VOCAB_CHAR), plan.parse_gpus("8xH100-PCIe")
@@ -223,6 +226,11 @@ def test_a_depth_is_priced_in_the_precision_it_fits_at_device_batch_1():
     assert rate == autosize.predicted_tok_per_s(config, gpus.peak, 8, gpus.link_gbps, autosize.WEIGHT_BYTES["bf16"],
                                                 gpu_name=gpus.name)
     assert plan.tok_per_s(plan.model_config(64, PlanConfig(), plan.VOCAB_CHAR), plan.parse_gpus("1xH100"), 1) is None
+    # d52 fits in fp32 at device batch 1 (in bf16 alone at batch 2)
+    config = plan.model_config(52, PlanConfig(), plan.VOCAB_CHAR)
+    assert choose_mode(config, 8, 1, config.max_seq_len, gpus.memory_bytes).precision == "fp32"
+    assert plan.tok_per_s(config, gpus, 8)[1] == autosize.comm_seconds(config, 8, gpus.link_gbps,
+                                                                       autosize.WEIGHT_BYTES["fp32"])
 
 
 def test_the_bigram_table_is_for_characters_alone_however_the_name_was_made():
@@ -251,6 +259,7 @@ def test_the_plans_defaults_are_the_trainers_and_a_setting_equal_to_one_is_not_c
 
     assert PlanConfig().keep_last == TrainConfig().keep_last  # else a launch line would leave KEEP_LAST out wrongly
     assert plan.planned_settings(PlanConfig(max_seq_len=int("2048"), keep_last=int("3"))) == {}  # read from flags
+    assert plan.planned_settings(PlanConfig(max_seq_len=4096)) == {"MAX_SEQ_LEN": 4096}
     assert plan.main(["--tokens", "350000000"]) == 0  # no --json: the table
     assert capsys.readouterr().out.startswith("plan | data: ")
 
@@ -272,7 +281,7 @@ def test_a_gpucheck_report_of_the_same_kind_at_another_peak_is_refused(tmp_path)
                                                 {"name": "speed", "figures": {"d12": {"mfu": 0.3}}}]}))
         for spec in ("8xH100-PCIe", "8xH100-SXM"):
             gpus = plan.parse_gpus(spec)
-            if (gpu.endswith("PCIe")) == (spec.endswith("PCIe")):
+            if gpu.endswith("PCIe") == spec.endswith("PCIe"):
                 assert plan.gpucheck_mfu(str(report), gpus)[0][0] == {12: 0.3}
             else:
                 with pytest.raises(ValueError, match=f"measured on {gpu}, but GPUS is 8x"):
@@ -295,3 +304,41 @@ def test_the_vocabulary_is_the_characters_however_the_tokenizers_name_was_made()
     params = {name: [r["params"] for r in plan.plan(PlanConfig(tokens=350_000_000, tokenizer=name))["rungs"]]
               for name in ("char", char, "gpt2")}
     assert params["char"] == params[char] and all(a < b for a, b in zip(params["char"], params["gpt2"]))
+    rungs = [plan.plan(PlanConfig(tokens=350_000_000, tokenizer=name))["rungs"] for name in ("char", char)]
+    assert rungs[0] == rungs[1]  # serving's characters per token too
+
+
+def test_more_gpus_than_a_run_is_priced_for_are_over_its_budget():
+    """One GPU for 10 h ($40): the same tokens on 4 and 8 cost more (their traffic between GPUs)."""
+    p = plan.plan(PlanConfig(tokens=350_000_000, gpus="1xH100-PCIe", training_hours=10))
+    assert p["budget_usd"] == 40.0
+    assert [(r["gpus"], r["in_budget"]) for r in p["gpu_table"]] == [(1, True), (2, True), (4, False), (8, False)]
+
+
+def test_main_reads_the_command_line_and_its_help_opens_with_the_modules_first_line(monkeypatch, capsys):
+    import json
+    import sys
+
+    monkeypatch.setattr(sys, "argv", ["plan", "--tokens", "1000000", "--json"])
+    assert plan.main() == 0 and json.loads(capsys.readouterr().out)["tokens"] == 1_000_000
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--help"])
+    assert e.value.code == 0
+    assert " ".join(capsys.readouterr().out.split()).count(" ".join(plan.__doc__.split("\n")[0].split())) == 1
+
+
+def test_a_gpucheck_report_of_another_kind_at_the_same_peak_is_refused_either_way(tmp_path):
+    """H100 SXM and H200 share a peak (989 TFLOP/s) but not their memory: neither's report plans the other."""
+    import json
+
+    report = tmp_path / "report.json"
+    for gpu, spec in (("NVIDIA H200", "8xH100-SXM"), ("NVIDIA H100 80GB HBM3", "8xH200")):
+        report.write_text(json.dumps({"items": [{"name": "env", "figures": {"gpu": gpu}},
+                                                {"name": "speed", "figures": {"d12": {"mfu": 0.3}}}]}))
+        with pytest.raises(ValueError, match=f"measured on {gpu}, but GPUS is 8x"):
+            plan.gpucheck_mfu(str(report), plan.parse_gpus(spec))
+
+
+def test_a_gpu_whose_memory_is_known_but_not_its_peak_is_refused():
+    with pytest.raises(ValueError, match="expected COUNTxNAME with a GPU whose peak is known"):
+        plan.parse_gpus("8xH100-NVL")  # an H100 (80 GB) of no listed peak
