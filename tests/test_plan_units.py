@@ -342,3 +342,10 @@ def test_a_gpucheck_report_of_another_kind_at_the_same_peak_is_refused_either_wa
 def test_a_gpu_whose_memory_is_known_but_not_its_peak_is_refused():
     with pytest.raises(ValueError, match="expected COUNTxNAME with a GPU whose peak is known"):
         plan.parse_gpus("8xH100-NVL")  # an H100 (80 GB) of no listed peak
+
+
+def test_hours_available_recommends_the_fewest_gpus_in_time_and_in_budget():
+    p = plan.plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, hours_available=10))
+    rows = {r["gpus"]: r for r in p["gpu_table"]}
+    assert rows[1]["in_budget"] and not rows[1]["in_time"] and rows[4]["in_time"] and not rows[2]["in_time"]
+    assert p["recommended_gpus"] == 4
