@@ -247,9 +247,11 @@ def test_tokens_are_tokens_else_counted_in_data_dir_else_in_the_workspaces_data(
     (data / "a.txt").write_text("abcd\n" * 10_000)  # 5% of val holds one 2049-token window
     monkeypatch.setattr(plan, "default_workspace", lambda: tmp_path / "ws")
     tokens, counted = plan.count_tokens(PlanConfig())
-    assert tokens == 1 + 50_000 and counted == f"characters in 1 source(s) of {data}, checked as the pre-flight checks them"
+    assert tokens == 1 + 50_000
+    assert counted == f"characters in 1 source(s) of {data}, checked as the pre-flight checks them"
     tokens, counted = plan.count_tokens(PlanConfig(data_dir=str(data), tokenizer="gpt2", max_seq_len=256))
-    assert counted.startswith(f"estimated as bytes / 4 in 1 source(s) of {data},") and counted.endswith("(set TOKENS to be exact)")
+    assert counted.startswith(f"estimated as bytes / 4 in 1 source(s) of {data},")
+    assert counted.endswith("(set TOKENS to be exact)")
     with pytest.raises(plan.DataError):
         plan.count_tokens(PlanConfig(data_dir=str(tmp_path / "none")))
 
