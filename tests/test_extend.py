@@ -273,3 +273,59 @@ def test_rewind_step_refuses_a_warmdown_start_that_is_none_gone_incomplete_or_da
         with pytest.raises(ConfigError, match="step 000006, its newest checkpoint from before the warmdown, is gone "
                                               "or damaged"):
             rewind_step(run_dir, 10, more, 1000)
+
+
+def _cfg(*flags):
+    return resolve(parse_args([*map(str, flags)]), cuda=False, world_size=1)
+
+
+def test_extends_compares_budgets_to_the_second_and_max_steps_by_value():
+    old = {"plateau_evals": 0, "max_epochs": 8.0, "max_steps": 1000}
+    st = RunState(used_seconds=3600.0)
+    cfg = _cfg("--training_hours", 3600.5 / 3600, "--max_epochs", 8, "--plateau_evals", 0, "--max_steps", 1000)
+    assert extends(cfg, old, 3600.0, st, 1000)  # half a second more is more
+    same = _cfg("--training_hours", 1, "--max_epochs", 8, "--plateau_evals", 0, "--max_steps", 1000)
+    assert extends(same, old, 3599.5, st, 1000) and not extends(same, old, 3600.0, st, 1000)
+    assert not extends(same, {**old, "max_steps": int("1000")}, 3600.0, st, 1000)  # equal, as read from a meta
+    fewer = _cfg("--training_hours", 1, "--max_epochs", 8, "--plateau_evals", 0, "--max_steps", 500)
+    assert not extends(fewer, old, 3600.0, st, 1000)  # fewer steps extend nothing
+    assert extends(same, {**old, "max_steps": 500}, 3600.0, st, 1000)
+
+
+def test_too_short_at_its_boundaries():
+    one = _cfg("--training_hours", 1, "--max_epochs", 0)
+    assert too_short(one, RunState(used_seconds=2160.0), 10, 0, 1000)  # 60% used: the warmdown's start itself
+    assert too_short(one, RunState(used_seconds=2159.9), 10, 0, 1000) is None
+    tiny = _cfg("--training_hours", 0.01, "--max_epochs", 0)  # 36 s, less than the reserve for the end
+    assert too_short(tiny, RunState(used_seconds=1.0, eval_seconds=100.0), 10, 0, 1000)
+    # the hours it names, at the third decimal's rounding: 6,481.9 s is 1.80053 h, 6,481.77 s 1.80049 h
+    hours = _cfg("--training_hours", 1.8, "--max_epochs", 0)
+    assert "give more than 1.801" in too_short(hours, RunState(used_seconds=3889.14), 10, 0, 1000)
+    assert "give more than 1.800" in too_short(hours, RunState(used_seconds=3889.06), 10, 0, 1000)
+    # passes: the warmdown start's 6.9 of MAX_EPOCHS=11 is 63% (ends it), 4.8 of 8 is 60% exactly (ends it)
+    eleven, eight = _cfg("--training_hours", 100, "--max_epochs", 11), _cfg("--training_hours", 100, "--max_epochs", 8)
+    assert "MAX_EPOCHS=11 ends it: " in too_short(eleven, RunState(), 10, 6900, 1000)
+    assert "MAX_EPOCHS=8 ends it: " in too_short(eight, RunState(), 10, 4800, 1000)
+    assert too_short(eight, RunState(), 10, 4799, 1000) is None
+    # the cap that ended the run: 2.5 passes of MAX_EPOCHS=2.5, and a hair short of 8 over 10^10 tokens
+    half = _cfg("--training_hours", 100, "--max_epochs", 2.5)
+    assert "ends it where it ended, after 2.50 passes" in too_short(half, RunState(tokens_seen=2500), 10, 0, 1000)
+    big = 10**10
+    assert "ends it where it ended" in too_short(eight, RunState(tokens_seen=8 * big - 1), 10, 0, big)
+
+
+def test_rewound_and_drop_anneal_clear_every_field_of_the_old_warmdown():
+    latest = RunState(step=10, tokens_seen=1000, warmdown_begun=True, warmdown_step=6, anneal_start_tokens=800,
+                      anneal_tokens=300, plateau_stopped=True, warmdown_seen=True, evals_without_gain=2,
+                      warmdown_window=[1.7])
+    st = rewound(RunState(step=6, tokens_seen=600), latest)
+    assert (st.anneal_start_tokens, st.anneal_tokens, st.plateau_stopped) == (-1, 0, False)
+    assert (st.last_eval_step, st.last_eval_tokens) == (10, 600)
+    from experiment.extend import drop_anneal
+
+    tokens = int("800")  # as read from a meta: equal, not the same int
+    st = RunState(tokens_seen=800, anneal_start_tokens=tokens, anneal_tokens=400, warmdown_seen=True,
+                  evals_without_gain=3, warmdown_window=[1.5], plateau_ref=1.2)
+    assert drop_anneal(st, _cfg("--plateau_evals", 0))
+    assert (st.anneal_start_tokens, st.anneal_tokens, st.warmdown_seen, st.evals_without_gain, st.warmdown_window,
+            st.plateau_ref) == (-1, 0, False, 0, [], math.inf)
