@@ -298,6 +298,7 @@ def test_too_short_at_its_boundaries():
     assert too_short(one, RunState(used_seconds=2159.9), 10, 0, 1000) is None
     tiny = _cfg("--training_hours", 0.01, "--max_epochs", 0)  # 36 s, less than the reserve for the end
     assert too_short(tiny, RunState(used_seconds=1.0, eval_seconds=100.0), 10, 0, 1000)
+    assert too_short(tiny, RunState(used_seconds=0.4, eval_seconds=35.5), 10, 0, 1000)  # 0.4 of the 0.5 s left
     # the hours it names, at the third decimal's rounding: 6,481.9 s is 1.80053 h, 6,481.77 s 1.80049 h
     hours = _cfg("--training_hours", 1.8, "--max_epochs", 0)
     assert "give more than 1.801" in too_short(hours, RunState(used_seconds=3889.14), 10, 0, 1000)
@@ -310,6 +311,7 @@ def test_too_short_at_its_boundaries():
     # the cap that ended the run: 2.5 passes of MAX_EPOCHS=2.5, and a hair short of 8 over 10^10 tokens
     half = _cfg("--training_hours", 100, "--max_epochs", 2.5)
     assert "ends it where it ended, after 2.50 passes" in too_short(half, RunState(tokens_seen=2500), 10, 0, 1000)
+    assert too_short(eight, RunState(tokens_seen=7500), 10, 0, 1000) is None  # 7.5 of 8: the cap did not end it
     big = 10**10
     assert "ends it where it ended" in too_short(eight, RunState(tokens_seen=8 * big - 1), 10, 0, big)
 
