@@ -350,4 +350,15 @@ def test_hours_available_recommends_the_fewest_gpus_in_time_and_in_budget():
     p = plan.plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, hours_available=10))
     rows = {r["gpus"]: r for r in p["gpu_table"]}
     assert rows[1]["in_budget"] and not rows[1]["in_time"] and rows[4]["in_time"] and not rows[2]["in_time"]
-    assert p["recommended_gpus"] == 4
+    assert p["recommended_gpus"] == 4 and p["hours"] == rows[4]["hours"]  # priced on the 4 it recommends
+    # More GPUs than asked for (2) when only 4 finish in time: priced on those 4 too
+    p = plan.plan(PlanConfig(tokens=350_000_000, gpus="2xH100-PCIe", training_hours=31, hours_available=10))
+    rows = {r["gpus"]: r for r in p["gpu_table"]}
+    assert p["recommended_gpus"] == 4 and p["hours"] == rows[4]["hours"] < 10
+
+
+def test_hours_available_must_be_positive_and_may_be_under_an_hour():
+    assert plan.plan(PlanConfig(tokens=350_000_000, hours_available=0.5))["hours"] <= 0.5
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=f"HOURS_AVAILABLE must be > 0, got {bad}"):
+            plan.plan(PlanConfig(tokens=350_000_000, hours_available=bad))
