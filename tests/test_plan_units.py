@@ -1,5 +1,6 @@
 """plan.py's parts, one condition at a time, without a whole plan (tests/test_plan.py runs it whole)."""
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -186,8 +187,6 @@ def test_the_regime_lines_say_whether_the_run_is_data_limited():
 
 def test_main_prints_the_table_or_json_and_exits_2_on_bad_settings(capsys):
     assert plan.main(["--tokens", "350000000", "--json"]) == 0
-    import json
-
     assert json.loads(capsys.readouterr().out)["depth"] == 32
     assert plan.main(["--tokens", "350000000", "--gpus", "8xTPU"]) == 2
     assert capsys.readouterr().err.startswith("error: GPUS '8xTPU'")
@@ -273,14 +272,18 @@ def test_gpus_past_one_node_come_in_nodes_of_8():
             plan.parse_gpus(bad)
 
 
+def _gpucheck_report(tmp_path, gpu):
+    """A gpucheck report.json measured on `gpu`: its env item and d12's MFU, 0.3."""
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"items": [{"name": "env", "figures": {"gpu": gpu}},
+                                            {"name": "speed", "figures": {"d12": {"mfu": 0.3}}}]}))
+    return report
+
+
 def test_a_gpucheck_report_of_the_same_kind_at_another_peak_is_refused(tmp_path):
     """An H100 SXM (989 TFLOP/s) measured for H100 PCIe (756): the kind matches, the speed does not."""
-    import json
-
-    report = tmp_path / "report.json"
     for gpu in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe"):
-        report.write_text(json.dumps({"items": [{"name": "env", "figures": {"gpu": gpu}},
-                                                {"name": "speed", "figures": {"d12": {"mfu": 0.3}}}]}))
+        report = _gpucheck_report(tmp_path, gpu)
         for spec in ("8xH100-PCIe", "8xH100-SXM"):
             gpus = plan.parse_gpus(spec)
             if gpu.endswith("PCIe") == spec.endswith("PCIe"):
@@ -303,11 +306,10 @@ def test_the_recommendation_says_the_run_stops_at_the_val_minimum_only_where_it_
 
 def test_the_vocabulary_is_the_characters_however_the_tokenizers_name_was_made():
     char = "".join(["ch", "ar"])  # as parsed from a command line
-    params = {name: [r["params"] for r in plan.plan(PlanConfig(tokens=350_000_000, tokenizer=name))["rungs"]]
-              for name in ("char", char, "gpt2")}
-    assert params["char"] == params[char] and all(a < b for a, b in zip(params["char"], params["gpt2"]))
-    rungs = [plan.plan(PlanConfig(tokens=350_000_000, tokenizer=name))["rungs"] for name in ("char", char)]
-    assert rungs[0] == rungs[1]  # serving's characters per token too
+    literal, made, gpt2 = (plan.plan(PlanConfig(tokens=350_000_000, tokenizer=name))["rungs"]
+                           for name in ("char", char, "gpt2"))
+    assert made == literal  # the parameters, and serving's characters per token too
+    assert all(a["params"] < b["params"] for a, b in zip(literal, gpt2))
 
 
 def test_more_gpus_than_a_run_is_priced_for_are_over_its_budget():
@@ -318,7 +320,6 @@ def test_more_gpus_than_a_run_is_priced_for_are_over_its_budget():
 
 
 def test_main_reads_the_command_line_and_its_help_opens_with_the_modules_first_line(monkeypatch, capsys):
-    import json
     import sys
 
     monkeypatch.setattr(sys, "argv", ["plan", "--tokens", "1000000", "--json"])
@@ -331,12 +332,8 @@ def test_main_reads_the_command_line_and_its_help_opens_with_the_modules_first_l
 
 def test_a_gpucheck_report_of_another_kind_at_the_same_peak_is_refused_either_way(tmp_path):
     """H100 SXM and H200 share a peak (989 TFLOP/s) but not their memory: neither's report plans the other."""
-    import json
-
-    report = tmp_path / "report.json"
     for gpu, spec in (("NVIDIA H200", "8xH100-SXM"), ("NVIDIA H100 80GB HBM3", "8xH200")):
-        report.write_text(json.dumps({"items": [{"name": "env", "figures": {"gpu": gpu}},
-                                                {"name": "speed", "figures": {"d12": {"mfu": 0.3}}}]}))
+        report = _gpucheck_report(tmp_path, gpu)
         with pytest.raises(ValueError, match=f"measured on {gpu}, but GPUS is 8x"):
             plan.gpucheck_mfu(str(report), plan.parse_gpus(spec))
 
