@@ -16,6 +16,7 @@ seconds each spent. Runs one after another: nothing else should run beside it (t
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -82,7 +83,18 @@ def describe(name: str, res, run_dir: Path, corpus: str, chars: int, seconds: fl
             "used": round(state["used_seconds"], 2), "passes": round(state["tokens_seen"] / train_tokens, 3),
             "best_passes": round(best["step"] * meta["train_config"]["total_batch_size"] / train_tokens, 3),
             "tokens_per_param": round(state["tokens_seen"] / params, 3), "train_tokens": train_tokens,
-            "outcome": end[-1]["outcome"] if end else "", "peak_gflops": round(peak / 1e9)}
+            "outcome": end[-1]["outcome"] if end else "", "peak_gflops": round(peak / 1e9),
+            "attn_dropout": meta["train_config"].get("attn_dropout"), "average": meta["train_config"].get("average"),
+            **regime_estimate(run_dir / "training.log"),
+            "candidates": {f"d{c['depth']}": round(c["tok_per_s"]) for c in (meta.get("auto") or {}).get("candidates", [])}}
+
+
+def regime_estimate(log_path: Path) -> dict:
+    """The regime line's passes and tok/s (the rate a rule sees at this depth before training), if
+    the run left its settings to the regime."""
+    found = re.search(r"regime \| the budget makes about ([\d.]+) passes .*? at the \w+ ([\d,]+) tok/s",
+                      log_path.read_text(errors="replace") if log_path.exists() else "")
+    return {"regime_passes": float(found[1]), "regime_tok_per_s": int(found[2].replace(",", ""))} if found else {}
 
 
 def read_rows(results: Path) -> list[dict]:
