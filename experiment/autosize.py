@@ -14,6 +14,14 @@ smaller data, where the grid's winners were larger models stopped at their val m
 it for those passes only (else the smallest depth, for the budget or its passes, whichever ends first). The run stops there (stopping.py),
 and the rest of the budget, which would only repeat the data, is left unspent.
 
+A run that leaves the regime's settings to it (experiment/regime.py: past PASSES passes, attention
+dropout, the weight average and no pass cap) is `regularized`, and its data branch is refitted: it
+takes the largest depth whose budget makes more than PASSES passes (so the regime regularizes it) and
+at least REG_MIN_STEPS optimizer steps and REG_FLOOR tokens per parameter (of at most REG_MAX_PASSES
+passes), and trains it for the whole budget (the stop at the val minimum still guards it). A regularized model keeps gaining from
+passes a plain one would overfit, so the budget buys a larger model instead of being left unspent
+(docs/performance.md, "DEPTH=auto for regularized training"). The budget branch is the same for both.
+
 The tok/s: on CPU measured here, a few eager steps per depth (probe_and_choose); on CUDA predicted
 (predicted_tok_per_s: the MFU gpucheck measured on one such GPU x its peak x the GPUs, less the gradient
 traffic between them at an assumed link bandwidth), since measuring a
@@ -66,6 +74,20 @@ MAX_PASS_CAP = 2 * MAX_EPOCHS  # and at most this many: the grid's winners made 
 # passes) lost to d4 by 2.8% on Tiny Shakespeare: exponents 0.53-0.65 separate them.
 FLOOR_TOKENS = 1_000_000
 FLOOR_EXPONENT = 0.6
+# Fitted on the regularized grid (docs/performance.md, "DEPTH=auto for regularized training"; every
+# depth with the regime's defaults): a depth needs at least this many optimizer steps in the budget
+# (at the probe's tok/s). At 90 s d4 with 377-417 steps won 4 of 5 cells of 20k-150k characters and
+# d6 with 143-160 lost; at 30 s d4 with 130-153 lost to d2. 250 is the middle (in log) of 161-377.
+REG_MIN_STEPS = 250
+# And at least this many tokens per parameter over the whole budget: without a floor any depth whose
+# budget passes the data 4 times would do, on a long budget over small data a model far larger than
+# any measured. The one long cell where the larger model won (code, 1.1M characters, 1,800 s: d8 over
+# d6) gave it 0.84; the grid's cells never reach the floor.
+REG_FLOOR = 0.5
+# Counted over at most this many passes: the tokens of passes past it (worth less and less: Muennighoff
+# et al. 2023) buy no larger model, else a long budget over small data would take the largest depth
+# (40k characters for 31 h on 8 GPUs: d56). The grid's winners needed 21 (d4 on 19,001 tokens).
+REG_MAX_PASSES = 32
 LADDER = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64)
 PROBE_STEPS = 2  # timed steps per candidate at the run's micro-batch, after one warm-up step
 
@@ -90,11 +112,25 @@ class Candidate:
     epochs: float  # the passes those tokens make
     budget_epochs: float = 0.0  # the passes the whole budget would make at that rate
     cap: float = float(MAX_EPOCHS)  # the most passes a run may make on this data (pass_cap)
+    cap: float = float(MAX_EPOCHS)  # the most passes a run may make on this data (pass_cap)
     floor: float = MIN_TOKENS_PER_PARAM  # tokens/param a depth that completes them needs (data_floor)
+    regularized: bool = False  # the regime may regularize it and lift the cap: the refitted data branch
+    needs: float | None = None  # the passes the data branch needs of the budget: reg_passes, else the cap
+
+    def __post_init__(self):
+        if self.needs is None:
+            self.needs = self.cap
 
     @property
     def tokens_per_param(self) -> float:
         return self.tokens / self.params
+
+    @property
+    def floor_tokens_per_param(self) -> float:
+        """The tokens per parameter the floor is held against: regularized, of at most REG_MAX_PASSES passes."""
+        if not self.regularized or self.epochs <= REG_MAX_PASSES:
+            return self.tokens_per_param
+        return self.tokens_per_param * REG_MAX_PASSES / self.epochs
 
     @property
     def seconds(self) -> float:
@@ -194,16 +230,25 @@ def data_floor(train_tokens: int) -> float:
     return MIN_TOKENS_PER_PARAM * min(1.0, train_tokens / FLOOR_TOKENS) ** FLOOR_EXPONENT
 
 
+def reg_passes(train_tokens: int, tokens_per_step: int) -> float:
+    """The passes a regularized depth's budget must make for the data branch: more than PASSES (the
+    regime's threshold) and at least REG_MIN_STEPS optimizer steps."""
+    return max(float(MAX_GOOD_EPOCHS), REG_MIN_STEPS * tokens_per_step / train_tokens)
+
+
 def candidate(config: GPTConfig, tok_per_s: float, budget_s: float, train_tokens: int,
-              tokens_per_step: int) -> Candidate:
+              tokens_per_step: int, regularized: bool = False) -> Candidate:
+    cap = pass_cap(train_tokens, tokens_per_step)
     c = Candidate(config.depth, config.n_embd, rule_params(config), tok_per_s, 0.0, 0.0,
-                  cap=pass_cap(train_tokens, tokens_per_step), floor=data_floor(train_tokens))
+                  cap=cap, floor=REG_FLOOR if regularized else data_floor(train_tokens), regularized=regularized,
+                  needs=reg_passes(train_tokens, tokens_per_step) if regularized else None)
     return at_rate(c, tok_per_s, budget_s, train_tokens)
 
 
 def at_rate(c: Candidate, tok_per_s: float, budget_s: float, train_tokens: int) -> Candidate:
-    """The candidate at another tok/s: the tokens that buys in the budget, at most its cap's passes."""
-    tokens = min(tok_per_s * budget_s, c.cap * train_tokens)
+    """The candidate at another tok/s: the tokens that buys in the budget, at most its cap's passes
+    (a regularized run's cap is lifted where the regime regularizes it, and above PASSES it is)."""
+    tokens = tok_per_s * budget_s if c.regularized else min(tok_per_s * budget_s, c.cap * train_tokens)
     return dataclasses.replace(c, tok_per_s=tok_per_s, tokens=tokens, epochs=tokens / train_tokens,
                                budget_epochs=tok_per_s * budget_s / train_tokens)
 
@@ -218,8 +263,9 @@ def check_prediction(candidates: list[dict], depth: int, measured: float, budget
     head = f"auto | measured {measured:,.0f} tok/s, {factor:.2f}x the predicted: "
     if again.depth == depth:
         return head + f"at that rate the rule picks d{depth} too"
+    fresh = f"DEPTH={again.depth}" + ("" if again.regularized else f" MAX_EPOCHS={again.cap:g}")
     return head + (f"warning: at that rate the rule picks d{again.depth}; this run keeps d{depth} (a fresh run with "
-                   f"DEPTH={again.depth} MAX_EPOCHS={again.cap:g} follows the measured rate)")
+                   f"{fresh} follows the measured rate)")
 
 
 def eligible(c: Candidate) -> bool:
@@ -228,8 +274,9 @@ def eligible(c: Candidate) -> bool:
 
 
 def completes(c: Candidate) -> bool:
-    """The data branch: the budget makes the cap's passes, which give at least the data's floor."""
-    return c.budget_epochs >= c.cap and c.tokens_per_param >= c.floor
+    """The data branch: the budget makes the passes it needs (the cap's; regularized, reg_passes),
+    which give at least the data's floor of tokens per parameter (regularized: REG_FLOOR)."""
+    return c.budget_epochs >= c.needs and c.floor_tokens_per_param >= c.floor
 
 
 def choose(candidates: list[Candidate]) -> Candidate:
@@ -240,7 +287,8 @@ def choose(candidates: list[Candidate]) -> Candidate:
 
 
 def predict_and_choose(make_config, peak: float, gpus: int, gpu_bytes: int, budget_s: float, train_tokens: int,
-                       link_gbps: float, gpu_name: str, tokens_per_step: int) -> tuple[Candidate, list[Candidate]]:
+                       link_gbps: float, gpu_name: str, tokens_per_step: int,
+                       regularized: bool = False) -> tuple[Candidate, list[Candidate]]:
     """CUDA: every ladder depth that the memory plan fits on these GPUs (at one sequence per
     micro-batch), at its predicted tok/s; then choose."""
     candidates = []
@@ -250,12 +298,12 @@ def predict_and_choose(make_config, peak: float, gpus: int, gpu_bytes: int, budg
             break
         rate = predicted_tok_per_s(config, peak, gpus, link_gbps, WEIGHT_BYTES[fit.precision], tokens_per_step,
                                    gpu_name=gpu_name)
-        candidates.append(candidate(config, rate, budget_s, train_tokens, tokens_per_step))
+        candidates.append(candidate(config, rate, budget_s, train_tokens, tokens_per_step, regularized))
     return choose(candidates), candidates
 
 
 def probe_and_choose(make_config, batch: int, device: torch.device, world_size: int, budget_s: float,
-                     train_tokens: int, tokens_per_step: int) -> tuple[Candidate, list[Candidate]]:
+                     train_tokens: int, tokens_per_step: int, regularized: bool = False) -> tuple[Candidate, list[Candidate]]:
     """Measure the ladder from the smallest depth up until no larger depth can be chosen (larger ones
     only get fewer tokens per parameter and fewer passes: one below the data's floor, one that neither
     completes its passes nor reaches MIN_TOKENS_PER_PARAM, or one eligible below half the target),
@@ -270,7 +318,7 @@ def probe_and_choose(make_config, batch: int, device: torch.device, world_size: 
         finally:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        candidates.append(c := candidate(config, rate, budget_s, train_tokens, tokens_per_step))
+        candidates.append(c := candidate(config, rate, budget_s, train_tokens, tokens_per_step, regularized))
         if larger_cannot_win(c):
             break
     return choose(candidates), candidates
@@ -280,7 +328,7 @@ def larger_cannot_win(c: Candidate) -> bool:
     """A larger depth gets fewer tokens per parameter and fewer passes than c: none can be chosen once
     c is under the data's floor, or neither completes its passes nor reaches MIN_TOKENS_PER_PARAM, or
     is eligible under half the target (the budget branch then decides, and larger ones are further)."""
-    return (c.tokens_per_param < c.floor or (c.budget_epochs < c.cap and c.tokens_per_param < MIN_TOKENS_PER_PARAM)
+    return (c.floor_tokens_per_param < c.floor or (c.budget_epochs < c.needs and c.tokens_per_param < MIN_TOKENS_PER_PARAM)
             or (eligible(c) and c.tokens_per_param < TOKENS_PER_PARAM / 2))
 
 
@@ -295,6 +343,10 @@ def rule(c: Candidate) -> str:
     if eligible(c):
         return (f"nearest {TOKENS_PER_PARAM:g} tokens/param of those with >= {MIN_TOKENS_PER_PARAM:g} in at most "
                 f"{c.cap:g} epochs of the budget")
+    if completes(c) and c.regularized:
+        return (f"the budget outruns the data: the largest depth the regime regularizes, more than {MAX_GOOD_EPOCHS} "
+                f"epochs, at least {REG_MIN_STEPS} steps and {c.floor:g} tokens/param (of at most {REG_MAX_PASSES} epochs) "
+                "in the budget, for the whole budget")
     if completes(c):
         return (f"the budget outruns the data: the largest depth with >= {c.floor:.2g} tokens/param in "
                 f"{c.cap:g} epochs, stopped there")

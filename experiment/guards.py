@@ -67,14 +67,15 @@ def local_gpu(device: int | torch.device = 0) -> Gpu:
     return Gpu(name, peak_flops(name), torch.cuda.get_device_properties(device).total_memory)
 
 
-def auto_depth(cfg: TrainConfig, make_config, gpu: Gpu, world_size: int, train_tokens: int) -> int | None:
+def auto_depth(cfg: TrainConfig, make_config, gpu: Gpu, world_size: int, train_tokens: int,
+               regularized: bool) -> int | None:
     """The depth DEPTH=auto will build on these GPUs (the trainer predicts the same); None when the
     GPU's peak is unknown (the trainer then measures at start)."""
     if gpu.peak is None:
         return None
     chosen, _ = autosize.predict_and_choose(make_config, gpu.peak, world_size, gpu.memory_bytes,
                                             cfg.training_hours * 3600, train_tokens, link_gbps(gpu.name), gpu.name,
-                                            cfg.total_batch_size)
+                                            cfg.total_batch_size, regularized)
     return chosen.depth
 
 

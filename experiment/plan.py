@@ -76,6 +76,9 @@ class PlanConfig:
     gpucheck: str | None = opt("report.json of `bash run.sh gpucheck` on the rented box (or one like it): the MFU it "
                                "measured per depth replaces the table's, so the tok/s rest on that box's own speed")
     max_seq_len: int = opt("context length", CUDA_DEFAULTS["max_seq_len"])
+    regularizers: str = opt("auto: the trainer's defaults (past 4 passes the regime regularizes the run and DEPTH=auto "
+                            "sizes for that); off: a run with ATTN_DROPOUT=0 AVERAGE=none (the plain rule: at most the "
+                            "pass cap's passes), which the launch line then pins", "auto")
     json: int = opt("1: print one JSON object instead of the table", 0)
 
 
@@ -190,7 +193,10 @@ def rung(depth: int, cfg: PlanConfig, gpus: Gpus, train_tokens: int, budget_s: f
     rate = predicted[0] if fits else autosize.predicted_tok_per_s(config, gpus.peak, gpus.count, gpus.link_gbps,
                                                                   gpu_name=gpus.name,
                                                                   mfu_by_depth=gpus.mfu_by_depth)
-    c = autosize.candidate(config, rate, budget_s, train_tokens, CUDA_DEFAULTS["total_batch_size"])
+    # The trainer's defaults leave the regime's settings to it: the regularized rule (autosize.reg_passes)
+    # unless the plan is for a run with the regularizers off
+    c = autosize.candidate(config, rate, budget_s, train_tokens, CUDA_DEFAULTS["total_batch_size"],
+                           regularized=cfg.regularizers == "auto")
     ckpt = checkpoint_bytes(config, gpus.count, gpus.memory_bytes)
     return {"depth": depth, "params": c.params, "tok_per_s": c.tok_per_s, "fits": fits,
             "hours_per_pass": train_tokens / c.tok_per_s / 3600, "useful_hours": c.seconds / 3600,
@@ -243,6 +249,8 @@ def planned_settings(cfg: PlanConfig) -> dict:
                                                               "keep_last") if getattr(cfg, name) != defaults[name]}
     if cfg.max_seq_len != CUDA_DEFAULTS["max_seq_len"]:
         settings["MAX_SEQ_LEN"] = cfg.max_seq_len
+    if cfg.regularizers == "off":
+        settings |= {"ATTN_DROPOUT": 0, "AVERAGE": "none"}
     return settings
 
 
@@ -262,6 +270,8 @@ def plan(cfg: PlanConfig) -> dict:
             gpus.link_gbps, gpus.link_source = link[0], f"MEASURED by gpucheck over {link[1]} GPUs"
     if cfg.link_gbps is not None:
         gpus.link_gbps, gpus.link_source = cfg.link_gbps, "LINK_GBPS"
+    if cfg.regularizers not in ("auto", "off"):
+        raise ValueError(f"REGULARIZERS must be auto or off, got {cfg.regularizers!r}")
     if cfg.hours_available is not None and cfg.hours_available <= 0:
         raise ValueError(f"HOURS_AVAILABLE must be > 0, got {cfg.hours_available:g}")
     tokens, counted = count_tokens(cfg)
@@ -273,6 +283,9 @@ def plan(cfg: PlanConfig) -> dict:
     pairs = [rung(d, cfg, gpus, train_tokens, hours * 3600, vocab) for d in ladder]
     rungs = [r for r, _ in pairs]
     best = autosize.choose([c for r, c in pairs if r["fits"]])
+    # What a run that keeps the regularizers off would train instead (the plain rule, at most the cap's passes)
+    plain = autosize.choose([autosize.candidate(model_config(c.depth, cfg, vocab), c.tok_per_s, hours * 3600, train_tokens,
+                                                CUDA_DEFAULTS["total_batch_size"]) for r, c in pairs if r["fits"]])
     chosen = next(r for r in rungs if r["depth"] == best.depth)
     per_hour = cfg.gpu_hourly_usd * gpus.count
     by_depth, mfu_source, measured_on = gpus.measured or autosize.mfu_table(gpus.name)
@@ -284,9 +297,12 @@ def plan(cfg: PlanConfig) -> dict:
          "max_passes": chosen["epochs"], "stops_at_val_minimum": PLATEAU_EVALS > 0,
          "mfu_source": mfu_source, "mfu_measured_on": measured_on, "mfu_by_depth": by_depth,
          "mfu_from_box": gpus.measured is not None,
+         "plain": {"depth": plain.depth, "hours": plain.seconds / 3600, "passes": plain.epochs},
          "pass_cap": best.cap,
-         "rule": autosize.rule(best) + f"; never more than {best.cap:g} "
-         "passes (repeated data is worth less and less: Muennighoff et al. 2023)", "rungs": rungs,
+         "rule": autosize.rule(best) + (f"; past {regime.PASSES} passes regularized and no pass cap, the stop at "
+                                        "the val minimum the guard" if best.budget_epochs > regime.PASSES else
+                                        f"; never more than {best.cap:g} passes (repeated data is worth less and less: "
+                                        "Muennighoff et al. 2023)"), "rungs": rungs,
          "link_gbps": gpus.link_gbps, "link_source": gpus.link_source, "hours_available": cfg.hours_available, "gpu_table": rows,
          "recommended_gpus": min(in_time) if cfg.hours_available is not None and in_time else gpus.count}
     recommend_on(p, cfg, rows)
@@ -319,7 +335,8 @@ def sweep_plan(p: dict, cfg: PlanConfig, gpus: Gpus, depths: list[int], vocab: i
              for d in [p["depth"]] + depths[max(i - 1, 0):i] + depths[i + 1:i + 2]}  # the pick, below, above
     passes = {d: r[0] * hours * 3600 / p["train_tokens"] for d, r in rates.items() if r is not None}
     near = list(passes)
-    members = [_sweep_member(d, passes[d], variant) for variant in range(count) for d in near][:count]
+    members = [_sweep_member(d, passes[d], variant, cfg.regularizers == "auto") for variant in range(count)
+               for d in near][:count]
     passes = {d: passes[d] for d in near[:count]}  # the depths the members use
     ddp = next(r for r in p["gpu_table"] if r["gpus"] == count)
     usd = hours * count * cfg.gpu_hourly_usd
@@ -329,13 +346,13 @@ def sweep_plan(p: dict, cfg: PlanConfig, gpus: Gpus, depths: list[int], vocab: i
             "launch": launch}
 
 
-def _sweep_member(depth: int, passes: float, variant: int) -> str:
+def _sweep_member(depth: int, passes: float, variant: int, regularized: bool = True) -> str:
     """A sweep member's settings: variant 0 is the depth with the trainer's defaults; later variants of a
     data-limited depth take SWEEP_DROPOUTS' next dropout (with a seed once they repeat), of any other
-    depth another seed."""
+    depth, or with the regularizers off, another seed."""
     if variant == 0:
         return f"DEPTH={depth}"
-    if passes <= regime.PASSES:
+    if passes <= regime.PASSES or not regularized:
         return f"DEPTH={depth}+SEED={variant}"
     dropout = SWEEP_DROPOUTS[variant % len(SWEEP_DROPOUTS)]
     return f"DEPTH={depth}+ATTN_DROPOUT={dropout}" + (f"+SEED={variant}" if variant >= len(SWEEP_DROPOUTS) else "")
@@ -365,10 +382,11 @@ def regime_plan(p: dict, cfg: PlanConfig, rows: list[dict], rate: float) -> dict
     hours = launch_budget(p, cfg, count)[0]
     passes = rate * hours * 3600 / p["train_tokens"]
     limited = passes > regime.PASSES
-    values = regime.RECIPE if limited else regime.OFF
-    return {"budget_passes": passes, "gpus": count, "data_limited": limited,
-            "settings": {k.upper(): v for k, v in values.items()}, "hours_at_most": hours if limited else None,
-            "usd_at_most": hours * cfg.gpu_hourly_usd * count if limited else None}
+    recipe = limited and cfg.regularizers == "auto"  # REGULARIZERS=off: the launch line pins them off
+    values = regime.RECIPE if recipe else regime.OFF
+    return {"budget_passes": passes, "gpus": count, "data_limited": limited, "regularized": recipe,
+            "settings": {k.upper(): v for k, v in values.items()}, "hours_at_most": hours if recipe else None,
+            "usd_at_most": hours * cfg.gpu_hourly_usd * count if recipe else None}
 
 
 def table(p: dict) -> str:
@@ -437,12 +455,20 @@ def regime_lines(p: dict) -> list[str]:
             f"d{p['depth']} on {r['gpus']} GPU(s)")
     if not r["data_limited"]:
         return [f"{head}, at most {regime.PASSES}: the trainer's defaults are {settings} (no regularizer)"]
+    if not r.get("regularized", True):
+        return [f"{head}, more than {regime.PASSES}: data-limited, but REGULARIZERS=off: the launch line pins "
+                f"{settings}, so the run stops at the pass cap or its val minimum"]
+    spends = (f"it trains the whole {r['hours_at_most']:.2f} h (${r['usd_at_most']:,.0f}) unless the stop at the val "
+              "minimum ends it first" if p.get("hours", 0) >= r["hours_at_most"] else
+              f"it trains on past the pass cap until the stop at the val minimum, at most the whole "
+              f"{r['hours_at_most']:.2f} h (${r['usd_at_most']:,.0f}): it may spend more than the hours above")
+    plain = p["plain"]
     return [f"{head}, more than {regime.PASSES}: data-limited, so the trainer's defaults are {settings}: regularized, "
-            f"it trains on past the pass cap until the stop at the val minimum, at most the whole "
-            f"{r['hours_at_most']:.2f} h (${r['usd_at_most']:,.0f}): it may spend more than the hours above",
-            "recommendation | what those extra passes buy at this size is EXTRAPOLATED from 2-core CPU screens of up "
-            "to 1.1M characters and one H200 run on 9.9M (docs/performance.md, \"Defaults by regime\"); ATTN_DROPOUT=0 AVERAGE=none "
-            "stops at the pass cap as before"]
+            + spends,
+            f"recommendation | d{p['depth']} and what its passes buy are EXTRAPOLATED: the rule that sized it was checked on "
+            "2-core CPU grids of up to 1.1M characters and d8, and one H200 run on 9.9M (docs/performance.md, \"DEPTH=auto "
+            f"for regularized training\"); with ATTN_DROPOUT=0 AVERAGE=none the plain rule trains d{plain['depth']} for "
+            f"{plain['passes']:.1f} passes, {plain['hours']:.2f} h on these GPUs, and leaves the rest unspent"]
 
 
 def gpu_lines(p: dict) -> list[str]:

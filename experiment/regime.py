@@ -45,6 +45,12 @@ def left_unset(cfg) -> list[str]:
     return names
 
 
+def regularizes(unset: list[str]) -> bool:
+    """Whether a data-limited run takes the whole recipe (every one of its settings left to the
+    regime): DEPTH=auto's data branch for regularized training assumes it (autosize.reg_passes)."""
+    return set(SETTINGS) <= set(unset)
+
+
 def estimate_passes(cfg, config, train_tokens: int, gpu, world_size: int, device, auto: dict | None,
                     unset: list[str]) -> tuple[float, str]:
     """(The passes the run makes over the training data: the budget's at `config`'s tok/s, or fewer

@@ -137,8 +137,8 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     unset = regime.left_unset(cfg)  # before the data's pass cap fills MAX_EPOCHS
     prepared, resume_step, rewind_step, lock, lost = prepare_data(cfg, d, workspace, run_dir, log)
     assert cfg.max_epochs is not None, "the pass cap is set with the data (launch.fill_pass_cap)"
-    auto, probe_seconds = (choose_depth(cfg, d, gpu, prepared, run_dir, resume_step, log) if cfg.depth == "auto"
-                           else (None, 0))
+    auto, probe_seconds = (choose_depth(cfg, d, gpu, prepared, run_dir, resume_step, regime.regularizes(unset), log)
+                           if cfg.depth == "auto" else (None, 0))
     fill_lrs(cfg, cuda)
     model_config = launch.model_config(cfg, prepared)
     regime_seconds, regime_line = regime.settle(cfg, d, gpu, model_config, prepared.meta["split"]["train_tokens"],
@@ -256,8 +256,9 @@ def eval_sample_text(coverage: tuple[int, int, bool]) -> str:
 
 
 def choose_depth(cfg: TrainConfig, d: Dist, gpu: guards.Gpu | None, prepared: Prepared, run_dir: Path,
-                 resume_step: int | None, log: RunLog) -> tuple[dict, float]:
-    """DEPTH=auto: sets cfg.depth. A resume keeps its checkpoint's depth. A fresh run on a GPU whose
+                 resume_step: int | None, regularized: bool, log: RunLog) -> tuple[dict, float]:
+    """DEPTH=auto: sets cfg.depth (`regularized`: the run leaves the regime's recipe to it, so the
+    refitted data branch applies: autosize.reg_passes). A resume keeps its checkpoint's depth. A fresh run on a GPU whose
     peak is known predicts each depth's tok/s (autosize.predict_and_choose: no compile per depth);
     otherwise every rank measures the ladder at once (so each sees the load training will put on the
     machine). Rank 0's choice is taken. Returns (what the checkpoint meta records, seconds the
@@ -273,11 +274,11 @@ def choose_depth(cfg: TrainConfig, d: Dist, gpu: guards.Gpu | None, prepared: Pr
     if predicted:
         chosen, candidates = autosize.predict_and_choose(make_config, gpu.peak, d.world_size, gpu.memory_bytes,
                                                          cfg.training_hours * 3600, train_tokens, link_gbps(gpu.name),
-                                                         gpu.name, cfg.total_batch_size)
+                                                         gpu.name, cfg.total_batch_size, regularized)
     else:
         chosen, candidates = autosize.probe_and_choose(make_config, cfg.device_batch_size or 1, d.device,
                                                        d.world_size, cfg.training_hours * 3600, train_tokens,
-                                                       cfg.total_batch_size)
+                                                       cfg.total_batch_size, regularized)
     how = "predicted" if predicted else "measured"
     auto = broadcast_object({"depth": chosen.depth, "reason": autosize.reason(chosen, candidates, how), "how": how,
                              "candidates": [dataclasses.asdict(c) for c in candidates]}, d)

@@ -19,8 +19,8 @@ def run_plan(*args, env=None, cwd=REPO):
                           capture_output=True, text=True, timeout=120)
 
 
-def test_the_issue_example_as_json_and_as_a_table():
-    env = {"TOKENS": "350000000", "GPUS": "8xH100-PCIe", "TRAINING_HOURS": "31"}
+def test_the_issue_example_with_the_regularizers_off_as_json_and_as_a_table():
+    env = {"TOKENS": "350000000", "GPUS": "8xH100-PCIe", "TRAINING_HOURS": "31", "REGULARIZERS": "off"}
     proc = run_plan("--json", env=env)
     assert proc.returncode == 0, proc.stderr
     p = json.loads(proc.stdout)
@@ -40,7 +40,8 @@ def test_the_issue_example_as_json_and_as_a_table():
     compute = 524288 * autosize.flops_per_token(config) / (0.528 * 756e12 * 8)
     comm = 3 * 7 / 8 * count_params(config) * 4 / 20e9
     assert p["hours"] == pytest.approx(8 * 332_500_000 / (524288 / (compute + comm)) / 3600)
-    assert 3.7 < p["hours"] < 3.9 and p["launch"] == "NPROC_PER_NODE=8 DEPTH=32 BUDGET_USD=992 bash experiment/run.sh"
+    assert 3.7 < p["hours"] < 3.9
+    assert p["launch"] == "NPROC_PER_NODE=8 DEPTH=32 BUDGET_USD=992 ATTN_DROPOUT=0 AVERAGE=none bash experiment/run.sh"
     one, eight = p["gpu_table"][0], p["gpu_table"][-1]
     assert (one["gpus"], eight["gpus"]) == (1, 8) and eight["hours"] == pytest.approx(p["hours"])
     assert 20.8 < one["hours"] < 21.0 and one["comm_share"] == 0 and one["usd"] < eight["usd"]  # no all-reduce
@@ -51,6 +52,26 @@ def test_the_issue_example_as_json_and_as_a_table():
     assert p["max_passes"] == pytest.approx(autosize.MAX_EPOCHS)  # the data limits: all its passes
     assert f"at most {p['max_passes']:.1f} passes; stops earlier when val stops improving" in table
     assert p["stops_at_val_minimum"] is True
+
+
+def test_the_issue_example_with_the_trainers_defaults_trains_the_largest_regularized_depth_all_31_hours():
+    """The trainer's defaults regularize a data-limited run, so the plan sizes for that (autosize's
+    regularized data branch): the largest depth whose 31 h make more than 4 passes, 250 steps and
+    0.5 tokens/param, for the whole budget; the plain rule's d32 for 8 passes is said beside it."""
+    p = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31))
+    rungs = {r["depth"]: r for r in p["rungs"]}
+    chosen = rungs[p["depth"]]
+    assert p["depth"] == 56 and p["hours"] == pytest.approx(31) and p["unspent_usd"] == pytest.approx(0)
+    assert chosen["budget_epochs"] > 4 and chosen["tokens_per_param"] >= autosize.REG_FLOOR
+    assert rungs[64]["budget_epochs"] > 4 and rungs[64]["tokens_per_param"] < autosize.REG_FLOOR  # 0.3: too few
+    assert p["launch"] == "NPROC_PER_NODE=8 DEPTH=56 BUDGET_USD=992 bash experiment/run.sh"
+    assert (p["plain"]["depth"], p["plain"]["passes"]) == (32, pytest.approx(8)) and 3.7 < p["plain"]["hours"] < 3.9
+    assert p["regime"]["regularized"] and p["regime"]["settings"]["ATTN_DROPOUT"] == 0.2
+    text = table_of(p)
+    assert "the largest depth the regime regularizes" in text and "$0 unspent" in text
+    assert "d56 and what its passes buy are EXTRAPOLATED" in text
+    assert f"the plain rule trains d32 for 8.0 passes, {p['plain']['hours']:.2f} h on these GPUs" in text
+    assert p["sweep"] is None  # one GPU cannot hold d56: no sweep of single-GPU members
 
 
 def test_the_hours_are_the_budget_or_the_passes_whichever_ends_first_and_dollars_set_the_budget():
@@ -74,11 +95,15 @@ def test_the_plan_says_the_regime_of_the_launch_lines_run():
     assert r["gpus"] == 8 and r["budget_passes"] == pytest.approx(chosen["budget_epochs"])
     assert r["data_limited"] and r["settings"] == {"ATTN_DROPOUT": 0.2, "AVERAGE": "ema", "MAX_EPOCHS": 0.0}
     assert r["usd_at_most"] == pytest.approx(992) and r["hours_at_most"] == pytest.approx(31)
-    assert "passes at d32 on 8 GPU(s), more than 4: data-limited" in "\n".join(regime_lines(p))
-    one = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, hours_available=24))["regime"]
-    row = next(x for x in p["gpu_table"] if x["gpus"] == 1)  # the launch line's 1 GPU for 24 h, not 8 for 31
+    assert "passes at d56 on 8 GPU(s), more than 4: data-limited" in "\n".join(regime_lines(p))
+    # With the regularizers off (the plain rule's d32): the launch line's 1 GPU for 24 h, not 8 for 31
+    off = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, hours_available=24,
+                          regularizers="off"))
+    one, row = off["regime"], next(x for x in off["gpu_table"] if x["gpus"] == 1)
     assert one["gpus"] == 1 and one["budget_passes"] == pytest.approx(row["tok_per_s"] * 24 * 3600 / p["train_tokens"])
-    assert one["usd_at_most"] == pytest.approx(96)
+    assert one["data_limited"] and not one["regularized"] and one["usd_at_most"] is None
+    assert one["settings"] == {"ATTN_DROPOUT": 0.0, "AVERAGE": "none"}
+    assert "but REGULARIZERS=off: the launch line pins ATTN_DROPOUT=0, AVERAGE=none" in regime_lines(off)[0]
     half = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=30.5))["regime"]
     assert half["hours_at_most"] == pytest.approx(30.5) and half["usd_at_most"] == pytest.approx(976)
     few = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=0.1))  # d12, 2.9 passes
@@ -128,11 +153,18 @@ def test_a_sweep_members_settings_by_variant_and_passes():
 
 
 def test_the_plan_proposes_a_sweep_where_one_gpu_trains_the_pick_within_the_boxs_hours(monkeypatch):
-    """The seed user's box: one GPU trains d32's 8 passes in 20.9 h of the 31.25 h $1000 buys on 8, so
-    the plan proposes 8 members, one per GPU for the box's whole hours: d32 and the depths beside it,
-    each with the recipe, then with the other attention dropouts; the single DDP run's price beside."""
-    from experiment import sweep
+    """The seed user's box with the plain rule's pick (forced here: with the trainer's defaults the plan
+    picks d56, which one GPU cannot hold, so it proposes no sweep): one GPU trains d32's 8 passes in
+    20.9 h of the 31.25 h $1000 buys on 8, so the plan proposes 8 members, one per GPU for the box's
+    whole hours: d32 and the depths beside it, each with the recipe, then with the other attention
+    dropouts; the single DDP run's price beside. REGULARIZERS=off: other seeds instead of dropouts."""
+    from experiment import autosize, sweep
 
+    plain = autosize.candidate
+    monkeypatch.setattr(autosize, "candidate", lambda *a, regularized=False, **k: plain(*a, **k))
+    off = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", budget_usd=1000, regularizers="off"))["sweep"]
+    assert off["members"][:4] == ["DEPTH=32", "DEPTH=24", "DEPTH=40", "DEPTH=32+SEED=1"]
+    assert off["launch"].endswith("BUDGET_USD=1000 ATTN_DROPOUT=0 AVERAGE=none bash experiment/run.sh")
     p = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", budget_usd=1000))
     sw, one = p["sweep"], next(r for r in p["gpu_table"] if r["gpus"] == 1)
     assert sw["single_gpu_hours"] == one["hours"] < sw["member_hours"] == pytest.approx(31.25)
@@ -198,8 +230,11 @@ def test_the_plan_refuses_data_the_preflight_would_refuse(tmp_path):
 
 def test_hours_available_picks_the_fewest_gpus_and_the_launch_line_is_one_the_preflight_accepts(tmp_path, corpus):
     env = {"TOKENS": "350000000", "GPUS": "8xH100-PCIe", "TRAINING_HOURS": "31"}
+    # The plain rule's d32 (REGULARIZERS=off), which fits on any count; the launch line pins the regularizers off
+    off = "ATTN_DROPOUT=0 AVERAGE=none"
     for hours, gpus in ((24, 1), (15, 2), (8, 4), (4, 8)):
-        p = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, hours_available=hours))
+        p = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, hours_available=hours,
+                            regularizers="off"))
         rows = {r["gpus"]: r for r in p["gpu_table"]}
         assert p["recommended_gpus"] == gpus and rows[gpus]["hours"] <= hours, (hours, rows)
         assert all(rows[n]["hours"] > hours for n in rows if n < gpus)
@@ -207,13 +242,13 @@ def test_hours_available_picks_the_fewest_gpus_and_the_launch_line_is_one_the_pr
         # with more GPUs must not run on all of them) and a budget in dollars, which means the same
         # money on any count; the same $992 on fewer GPUs buys more hours, capped at the hours available.
         budget = min(hours, 992 / (4 * gpus)) * 4 * gpus
-        assert p["launch"] == f"NPROC_PER_NODE={gpus} DEPTH=32 BUDGET_USD={budget:g} bash experiment/run.sh"
+        assert p["launch"] == f"NPROC_PER_NODE={gpus} DEPTH=32 BUDGET_USD={budget:g} {off} bash experiment/run.sh"
         assert (p["hours"], p["usd"]) == pytest.approx((rows[gpus]["hours"], rows[gpus]["usd"]))
         assert p["launch_usd"] == pytest.approx(budget) and p["unspent_usd"] == pytest.approx(budget - p["usd"])
         assert f"recommendation | DEPTH=32 on {gpus} GPU(s) for {p['hours']:.2f} h" in table_of(p)
     # none finishes within the hour available: the GPUs asked for, for that hour, never more than the line spends
-    p = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, hours_available=1))
-    assert p["recommended_gpus"] == 8 and p["launch"] == "NPROC_PER_NODE=8 DEPTH=32 BUDGET_USD=32 bash experiment/run.sh"
+    p = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, hours_available=1, regularizers="off"))
+    assert p["recommended_gpus"] == 8 and p["launch"] == f"NPROC_PER_NODE=8 DEPTH=32 BUDGET_USD=32 {off} bash experiment/run.sh"
     assert p["hours"] == 1 and p["usd"] == p["launch_usd"] == 32 and p["unspent_usd"] == 0
     # more than one box: nodes of 8, the count of each, and cents, never rounded up
     p = plan(PlanConfig(tokens=350_000_000, gpus="16xH100-PCIe", budget_usd=1234.567))
@@ -222,13 +257,16 @@ def test_hours_available_picks_the_fewest_gpus_and_the_launch_line_is_one_the_pr
         plan(PlanConfig(tokens=350_000_000, gpus="12xH100-PCIe"))
     quoted = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", alphabet="ab c$'", max_seq_len=1024))
     assert "ALPHABET='ab c$'\"'\"'' MAX_SEQ_LEN=1024 bash experiment/run.sh" in quoted["launch"]  # pasteable
-    table = run_plan(env={**env, "HOURS_AVAILABLE": "24"}).stdout
+    table = run_plan(env={**env, "HOURS_AVAILABLE": "24", "REGULARIZERS": "off"}).stdout
     assert "gpus | rent 1: the fewest that finish within HOURS_AVAILABLE=24 and the budget" in table
-    assert "launch | on the rented box, with the data in $WORKSPACE/data: NPROC_PER_NODE=1 DEPTH=32 BUDGET_USD=96 bash" in table
+    assert ("launch | on the rented box, with the data in $WORKSPACE/data: NPROC_PER_NODE=1 DEPTH=32 BUDGET_USD=96 "
+            f"{off} bash") in table
     assert "launch | it writes $WORKSPACE/checkpoints/d32" in table
     # On a small corpus (64-token context), the plan's launch line passes the pre-flight's guards on
-    # the GPUs it recommends, and DEPTH=auto there picks the plan's depth.
-    p = plan(PlanConfig(data_dir=str(corpus), gpus="8xH100-PCIe", max_seq_len=64, hours_available=1))
+    # the GPUs it recommends, and DEPTH=auto there picks the plan's depth (both with the regularizers
+    # off: run_preflight pins them so, as the launch line does)
+    p = plan(PlanConfig(data_dir=str(corpus), gpus="8xH100-PCIe", max_seq_len=64, hours_available=1,
+                        regularizers="off"))
     settings = dict(kv.split("=") for kv in p["launch"].split(" bash")[0].split())
     assert settings["NPROC_PER_NODE"] == str(p["recommended_gpus"])
     accepted, lines = run_preflight(tmp_path, "--data_dir", corpus, "--depth", settings["DEPTH"],

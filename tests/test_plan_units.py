@@ -176,9 +176,20 @@ def test_the_regime_lines_say_whether_the_run_is_data_limited():
     p = {"depth": 12, "regime": {"budget_passes": 9.0, "gpus": 8, "data_limited": True,
                                  "settings": {"ATTN_DROPOUT": 0.2, "AVERAGE": "ema", "MAX_EPOCHS": 0.0},
                                  "hours_at_most": 31.0, "usd_at_most": 992.0}}
+    p |= {"hours": 10.0, "plain": {"depth": 8, "hours": 2.5, "passes": 8.0}}
     limited = plan.regime_lines(p)
     assert len(limited) == 2 and f"more than {regime.PASSES}: data-limited" in limited[0]
     assert limited[0].endswith("at most the whole 31.00 h ($992): it may spend more than the hours above")
+    assert limited[1].startswith("recommendation | d12 and what its passes buy are EXTRAPOLATED")
+    assert limited[1].endswith("the plain rule trains d8 for 8.0 passes, 2.50 h on these GPUs, and leaves the rest unspent")
+    p["hours"] = 31.0  # the regularized rule's pick: the whole budget
+    assert plan.regime_lines(p)[0].endswith("it trains the whole 31.00 h ($992) unless the stop at the val minimum "
+                                            "ends it first")
+    off = {**p, "regime": {**p["regime"], "regularized": False, "settings": {"ATTN_DROPOUT": 0.0, "AVERAGE": "none"}}}
+    assert plan.regime_lines(off) == [
+        "recommendation | regime: the launch line's budget makes 9.0 passes at d12 on 8 GPU(s), more than 4: "
+        "data-limited, but REGULARIZERS=off: the launch line pins ATTN_DROPOUT=0, AVERAGE=none, so the run stops at "
+        "the pass cap or its val minimum"]
     p["regime"] = {**p["regime"], "data_limited": False, "settings": {"ATTN_DROPOUT": 0.0, "AVERAGE": "none"}}
     (plain,) = plan.regime_lines(p)
     assert plain.endswith(f"at most {regime.PASSES}: the trainer's defaults are ATTN_DROPOUT=0, AVERAGE=none "
@@ -187,7 +198,11 @@ def test_the_regime_lines_say_whether_the_run_is_data_limited():
 
 def test_main_prints_the_table_or_json_and_exits_2_on_bad_settings(capsys):
     assert plan.main(["--tokens", "350000000", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["depth"] == 56  # the regularized rule (the trainer's defaults)
+    assert plan.main(["--tokens", "350000000", "--json", "--regularizers", "off"]) == 0
     assert json.loads(capsys.readouterr().out)["depth"] == 32
+    assert plan.main(["--tokens", "350000000", "--regularizers", "some"]) == 2
+    assert "REGULARIZERS must be auto or off, got 'some'" in capsys.readouterr().err
     assert plan.main(["--tokens", "350000000", "--gpus", "8xTPU"]) == 2
     assert capsys.readouterr().err.startswith("error: GPUS '8xTPU'")
     assert plan.main(["--tokens", "1000000", "--hours_available", "0"]) == 2
@@ -313,8 +328,9 @@ def test_the_vocabulary_is_the_characters_however_the_tokenizers_name_was_made()
 
 
 def test_more_gpus_than_a_run_is_priced_for_are_over_its_budget():
-    """One GPU for 10 h ($40): the same tokens on 4 and 8 cost more (their traffic between GPUs)."""
-    p = plan.plan(PlanConfig(tokens=350_000_000, gpus="1xH100-PCIe", training_hours=10))
+    """One GPU for 10 h ($40): the same tokens on 4 and 8 cost more (their traffic between GPUs); the
+    plain rule's pick (REGULARIZERS=off), which fits every count."""
+    p = plan.plan(PlanConfig(tokens=350_000_000, gpus="1xH100-PCIe", training_hours=10, regularizers="off"))
     assert p["budget_usd"] == 40.0
     assert [(r["gpus"], r["in_budget"]) for r in p["gpu_table"]] == [(1, True), (2, True), (4, False), (8, False)]
 
@@ -344,12 +360,14 @@ def test_a_gpu_whose_memory_is_known_but_not_its_peak_is_refused():
 
 
 def test_hours_available_recommends_the_fewest_gpus_in_time_and_in_budget():
-    p = plan.plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, hours_available=10))
+    p = plan.plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, hours_available=10,
+                             regularizers="off"))  # the plain rule's d32, which fits every count
     rows = {r["gpus"]: r for r in p["gpu_table"]}
     assert rows[1]["in_budget"] and not rows[1]["in_time"] and rows[4]["in_time"] and not rows[2]["in_time"]
     assert p["recommended_gpus"] == 4 and p["hours"] == rows[4]["hours"]  # priced on the 4 it recommends
     # More GPUs than asked for (2) when only 4 finish in time: priced on those 4 too
-    p = plan.plan(PlanConfig(tokens=350_000_000, gpus="2xH100-PCIe", training_hours=31, hours_available=10))
+    p = plan.plan(PlanConfig(tokens=350_000_000, gpus="2xH100-PCIe", training_hours=31, hours_available=10,
+                             regularizers="off"))
     rows = {r["gpus"]: r for r in p["gpu_table"]}
     assert p["recommended_gpus"] == 4 and p["hours"] == rows[4]["hours"] < 10
 

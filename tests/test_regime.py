@@ -235,3 +235,17 @@ def test_auto_is_a_setting_and_a_bad_average_is_named(tmp_path, corpus):
     proc = run_train([*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--average", "swa"], check=False)
     assert proc.returncode == 2 and "--average must be one of none, ema, auto, got 'swa'" in proc.stderr
     assert TrainConfig().average == "auto" and TrainConfig().attn_dropout is None
+
+
+def test_depth_auto_takes_the_regularized_rule_only_where_the_run_leaves_the_whole_recipe_to_the_regime(
+        tmp_path, corpus):
+    assert regime.regularizes(regime.left_unset(_cfg()))
+    for pinned in (["--attn_dropout", 0], ["--average", "none"], ["--max_epochs", 8], ["--plateau_evals", 0]):
+        assert not regime.regularizes(regime.left_unset(_cfg(*pinned))), pinned
+    t, lines = _setup(tmp_path / "left", corpus, "--depth", "auto")  # 36k tokens for an hour: the data branch
+    assert all(c["regularized"] and c["floor"] == autosize.REG_FLOOR for c in t.run_meta["auto"]["candidates"])
+    assert "the largest depth the regime regularizes" in t.run_meta["auto"]["reason"]
+    assert (t.cfg.attn_dropout, t.cfg.average, t.cfg.max_epochs) == (0.2, "ema", 0.0)  # as the rule assumed
+    t, lines = _setup(tmp_path / "pinned", corpus, "--depth", "auto", "--attn_dropout", 0)
+    assert not any(c["regularized"] for c in t.run_meta["auto"]["candidates"])
+    assert "the largest depth the regime regularizes" not in t.run_meta["auto"]["reason"]
