@@ -18,8 +18,9 @@ A run that leaves the regime's settings to it (experiment/regime.py: past PASSES
 dropout, the weight average and no pass cap) is `regularized`, and its data branch is refitted: it
 takes the largest depth whose budget makes more than PASSES passes (so the regime regularizes it) and
 at least REG_MIN_STEPS optimizer steps and REG_FLOOR tokens per parameter (of at most REG_MAX_PASSES
-passes), and trains it for the whole budget (the stop at the val minimum still guards it). A regularized model keeps gaining from
-passes a plain one would overfit, so the budget buys a larger model instead of being left unspent
+passes), and trains it for the whole budget (the stop at the val minimum still guards it). A
+regularized model keeps gaining from passes a plain one would overfit, so the budget buys a larger
+model instead of being left unspent
 (docs/performance.md, "DEPTH=auto for regularized training"). The budget branch is the same for both.
 
 The tok/s: on CPU measured here, a few eager steps per depth (probe_and_choose); on CUDA predicted
@@ -76,8 +77,8 @@ FLOOR_TOKENS = 1_000_000
 FLOOR_EXPONENT = 0.6
 # Fitted on the regularized grid (docs/performance.md, "DEPTH=auto for regularized training"; every
 # depth with the regime's defaults): a depth needs at least this many optimizer steps in the budget
-# (at the probe's tok/s). At 90 s d4 with 377-417 steps won 4 of 5 cells of 20k-150k characters and
-# d6 with 143-160 lost; at 30 s d4 with 130-153 lost to d2. 250 is the middle (in log) of 161-377.
+# (at the probe's tok/s). At 90 s d4 with 377-434 steps won 9 of 10 cells and d6 with 143-160 none;
+# at 30 s d4 with 128-153 lost to d2 in 8 of 10. 250 is the middle (in log) of 161-377.
 REG_MIN_STEPS = 250
 # And at least this many tokens per parameter over the whole budget: without a floor any depth whose
 # budget passes the data 4 times would do, on a long budget over small data a model far larger than
@@ -111,7 +112,6 @@ class Candidate:
     tokens: float  # in the budget at that rate, at most `cap` passes over the data
     epochs: float  # the passes those tokens make
     budget_epochs: float = 0.0  # the passes the whole budget would make at that rate
-    cap: float = float(MAX_EPOCHS)  # the most passes a run may make on this data (pass_cap)
     cap: float = float(MAX_EPOCHS)  # the most passes a run may make on this data (pass_cap)
     floor: float = MIN_TOKENS_PER_PARAM  # tokens/param a depth that completes them needs (data_floor)
     regularized: bool = False  # the regime may regularize it and lift the cap: the refitted data branch
@@ -231,8 +231,8 @@ def data_floor(train_tokens: int) -> float:
 
 
 def reg_passes(train_tokens: int, tokens_per_step: int) -> float:
-    """The passes a regularized depth's budget must make for the data branch: more than PASSES (the
-    regime's threshold) and at least REG_MIN_STEPS optimizer steps."""
+    """The passes a regularized depth's budget must make for the data branch: PASSES (completes asks
+    for more, the regime's threshold) and at least REG_MIN_STEPS optimizer steps."""
     return max(float(MAX_GOOD_EPOCHS), REG_MIN_STEPS * tokens_per_step / train_tokens)
 
 
@@ -247,7 +247,8 @@ def candidate(config: GPTConfig, tok_per_s: float, budget_s: float, train_tokens
 
 def at_rate(c: Candidate, tok_per_s: float, budget_s: float, train_tokens: int) -> Candidate:
     """The candidate at another tok/s: the tokens that buys in the budget, at most its cap's passes
-    (a regularized run's cap is lifted where the regime regularizes it, and above PASSES it is)."""
+    (regularized: the whole budget's; past PASSES passes the regime lifts the cap, below them the
+    cap is not reached)."""
     tokens = tok_per_s * budget_s if c.regularized else min(tok_per_s * budget_s, c.cap * train_tokens)
     return dataclasses.replace(c, tok_per_s=tok_per_s, tokens=tokens, epochs=tokens / train_tokens,
                                budget_epochs=tok_per_s * budget_s / train_tokens)
@@ -276,7 +277,8 @@ def eligible(c: Candidate) -> bool:
 def completes(c: Candidate) -> bool:
     """The data branch: the budget makes the passes it needs (the cap's; regularized, reg_passes),
     which give at least the data's floor of tokens per parameter (regularized: REG_FLOOR)."""
-    return c.budget_epochs >= c.needs and c.floor_tokens_per_param >= c.floor
+    past = not c.regularized or c.budget_epochs > MAX_GOOD_EPOCHS  # the regime regularizes past PASSES only
+    return past and c.budget_epochs >= c.needs and c.floor_tokens_per_param >= c.floor
 
 
 def choose(candidates: list[Candidate]) -> Candidate:
@@ -350,7 +352,7 @@ def rule(c: Candidate) -> str:
     if completes(c):
         return (f"the budget outruns the data: the largest depth with >= {c.floor:.2g} tokens/param in "
                 f"{c.cap:g} epochs, stopped there")
-    until = f"stopped at {c.cap:g} passes" if c.budget_epochs >= c.cap else "for the budget"
+    until = f"stopped at {c.cap:g} passes" if c.budget_epochs >= c.cap and not c.regularized else "for the budget"
     return f"no depth has enough tokens per parameter: the smallest, {until}"
 
 

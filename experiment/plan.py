@@ -280,7 +280,9 @@ def plan(cfg: PlanConfig) -> dict:
         cfg.training_hours or CUDA_DEFAULTS["training_hours"]
     vocab = VOCAB_CHAR if cfg.tokenizer == "char" else VOCAB_TIKTOKEN
     ladder = autosize.ladder(CUDA_DEFAULTS["aspect_ratio"], CUDA_DEFAULTS["head_dim"])
-    pairs = [rung(d, cfg, gpus, train_tokens, hours * 3600, vocab) for d in ladder]
+    # A regularized pick trains the whole budget: sized for the hours the launch line will buy
+    size_hours = min(hours, cfg.hours_available) if cfg.hours_available and cfg.regularizers == "auto" else hours
+    pairs = [rung(d, cfg, gpus, train_tokens, size_hours * 3600, vocab) for d in ladder]
     rungs = [r for r, _ in pairs]
     best = autosize.choose([c for r, c in pairs if r["fits"]])
     # What a run that keeps the regularizers off would train instead (the plain rule, at most the cap's passes)
@@ -300,7 +302,8 @@ def plan(cfg: PlanConfig) -> dict:
          "plain": {"depth": plain.depth, "hours": plain.seconds / 3600, "passes": plain.epochs},
          "pass_cap": best.cap,
          "rule": autosize.rule(best) + (f"; past {regime.PASSES} passes regularized and no pass cap, the stop at "
-                                        "the val minimum the guard" if best.budget_epochs > regime.PASSES else
+                                        "the val minimum the guard" if best.regularized
+                                        and best.budget_epochs > regime.PASSES else
                                         f"; never more than {best.cap:g} passes (repeated data is worth less and less: "
                                         "Muennighoff et al. 2023)"), "rungs": rungs,
          "link_gbps": gpus.link_gbps, "link_source": gpus.link_source, "hours_available": cfg.hours_available, "gpu_table": rows,
@@ -459,16 +462,17 @@ def regime_lines(p: dict) -> list[str]:
         return [f"{head}, more than {regime.PASSES}: data-limited, but REGULARIZERS=off: the launch line pins "
                 f"{settings}, so the run stops at the pass cap or its val minimum"]
     spends = (f"it trains the whole {r['hours_at_most']:.2f} h (${r['usd_at_most']:,.0f}) unless the stop at the val "
-              "minimum ends it first" if p.get("hours", 0) >= r["hours_at_most"] else
+              "minimum ends it first" if p.get("hours", 0) >= r["hours_at_most"] * (1 - 1e-9) else
               f"it trains on past the pass cap until the stop at the val minimum, at most the whole "
               f"{r['hours_at_most']:.2f} h (${r['usd_at_most']:,.0f}): it may spend more than the hours above")
-    plain = p["plain"]
+    plain = p.get("plain")
+    beside = (f"; with ATTN_DROPOUT=0 AVERAGE=none the plain rule trains d{plain['depth']} for {plain['passes']:.1f} "
+              f"passes, {plain['hours']:.2f} h on these GPUs, and leaves the rest unspent" if plain else "")
     return [f"{head}, more than {regime.PASSES}: data-limited, so the trainer's defaults are {settings}: regularized, "
             + spends,
             f"recommendation | d{p['depth']} and what its passes buy are EXTRAPOLATED: the rule that sized it was checked on "
             "2-core CPU grids of up to 1.1M characters and d8, and one H200 run on 9.9M (docs/performance.md, \"DEPTH=auto "
-            f"for regularized training\"); with ATTN_DROPOUT=0 AVERAGE=none the plain rule trains d{plain['depth']} for "
-            f"{plain['passes']:.1f} passes, {plain['hours']:.2f} h on these GPUs, and leaves the rest unspent"]
+            "for regularized training\")" + beside]
 
 
 def gpu_lines(p: dict) -> list[str]:

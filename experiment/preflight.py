@@ -162,7 +162,7 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
     depth, train_tokens = depth_for(cfg, run_dir, resume_step), prepared.meta["split"]["train_tokens"]
     if depth is None and gpu is not None:
         depth = guards.auto_depth(cfg, make_config(cfg, prepared), gpu, world_size, train_tokens,
-                                  regime.regularizes(unset))
+                                  regime.regularizes(cfg, unset, train_tokens))
     config = model_config(dataclasses.replace(cfg, depth=depth), prepared) if depth else None
     rewind = start_checks(cfg, run_dir, resume_step, config, prepared)
     default_cap = plan_regime(cfg, unset, config, gpu, world_size, train_tokens, run_dir, resume_step, default_cap, log)

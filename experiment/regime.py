@@ -45,10 +45,12 @@ def left_unset(cfg) -> list[str]:
     return names
 
 
-def regularizes(unset: list[str]) -> bool:
+def regularizes(cfg, unset: list[str], train_tokens: int) -> bool:
     """Whether a data-limited run takes the whole recipe (every one of its settings left to the
-    regime): DEPTH=auto's data branch for regularized training assumes it (autosize.reg_passes)."""
-    return set(SETTINGS) <= set(unset)
+    regime, and no MAX_STEPS that keeps it within PASSES passes, where the regime leaves it plain):
+    DEPTH=auto's data branch for regularized training assumes it (autosize.reg_passes)."""
+    bounded = cfg.max_steps and cfg.max_steps * cfg.total_batch_size / train_tokens <= PASSES
+    return set(SETTINGS) <= set(unset) and not bounded
 
 
 def estimate_passes(cfg, config, train_tokens: int, gpu, world_size: int, device, auto: dict | None,

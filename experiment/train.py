@@ -137,7 +137,8 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     unset = regime.left_unset(cfg)  # before the data's pass cap fills MAX_EPOCHS
     prepared, resume_step, rewind_step, lock, lost = prepare_data(cfg, d, workspace, run_dir, log)
     assert cfg.max_epochs is not None, "the pass cap is set with the data (launch.fill_pass_cap)"
-    auto, probe_seconds = (choose_depth(cfg, d, gpu, prepared, run_dir, resume_step, regime.regularizes(unset), log)
+    regularized = regime.regularizes(cfg, unset, prepared.meta["split"]["train_tokens"])
+    auto, probe_seconds = (choose_depth(cfg, d, gpu, prepared, run_dir, resume_step, regularized, log)
                            if cfg.depth == "auto" else (None, 0))
     fill_lrs(cfg, cuda)
     model_config = launch.model_config(cfg, prepared)

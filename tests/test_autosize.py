@@ -505,7 +505,7 @@ def test_the_prediction_fits_each_depth_at_one_sequence_and_stops_at_the_first_t
 
 def test_the_regularized_data_branch_takes_the_largest_depth_past_four_passes_by_hand():
     """The refitted data branch (a run that leaves the regime's recipe to it): hand-worked candidates."""
-    assert (autosize.REG_MIN_STEPS, autosize.REG_FLOOR) == (250, 0.5)
+    assert (autosize.REG_MIN_STEPS, autosize.REG_FLOOR, autosize.REG_MAX_PASSES) == (250, 0.5, 32)
     assert autosize.reg_passes(10**9, 4096) == 4.0  # the regime's threshold binds on large data
     assert autosize.reg_passes(19_001, 4096) == pytest.approx(250 * 4096 / 19_001)  # 53.9: the steps bind
 
@@ -518,7 +518,8 @@ def test_the_regularized_data_branch_takes_the_largest_depth_past_four_passes_by
     assert choose([small, mid]).depth == "M"  # past 4 passes and over the floor: the larger wins
     assert choose([small, mid, c("B", 150_000, 4.5)]).depth == "M"  # 0.3 tokens/param: under the floor
     assert choose([small, c("F", 60_000, 3.9)]).depth == "S"  # 3.9 passes: the regime would not regularize it
-    assert choose([small, c("E", 50_000, 4.0)]).depth == "E"  # exactly the passes needed, 0.8 tokens/param
+    assert choose([small, c("E", 50_000, 4.0)]).depth == "S"  # exactly 4 passes: the regime leaves it plain
+    assert choose([small, c("E", 50_000, 4.01)]).depth == "E"  # just past them, 0.8 tokens/param
     # The budget branch comes first, as for an unregularized run: 6 passes give 1 token/param
     assert choose([small, mid, c("Q", 60_000, 6.0, train=10_000)]).depth == "Q"
     # candidate(): the whole budget's tokens, no cap, and the steps the data branch needs

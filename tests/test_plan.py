@@ -72,6 +72,13 @@ def test_the_issue_example_with_the_trainers_defaults_trains_the_largest_regular
     assert "d56 and what its passes buy are EXTRAPOLATED" in text
     assert f"the plain rule trains d32 for 8.0 passes, {p['plain']['hours']:.2f} h on these GPUs" in text
     assert p["sweep"] is None  # one GPU cannot hold d56: no sweep of single-GPU members
+    assert "past 4 passes regularized and no pass cap" in p["rule"]
+    # Sized for the hours the launch line buys: 24 h available pick d48 for those 24 h on all 8
+    short = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, hours_available=24))
+    assert (short["depth"], short["recommended_gpus"], short["hours"]) == (48, 8, pytest.approx(24))
+    assert short["launch"] == "NPROC_PER_NODE=8 DEPTH=48 BUDGET_USD=768 bash experiment/run.sh"
+    off = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, regularizers="off"))
+    assert off["depth"] == 32 and "never more than 8 passes" in off["rule"] and "regularized" not in off["rule"]
 
 
 def test_the_hours_are_the_budget_or_the_passes_whichever_ends_first_and_dollars_set_the_budget():

@@ -239,9 +239,15 @@ def test_auto_is_a_setting_and_a_bad_average_is_named(tmp_path, corpus):
 
 def test_depth_auto_takes_the_regularized_rule_only_where_the_run_leaves_the_whole_recipe_to_the_regime(
         tmp_path, corpus):
-    assert regime.regularizes(regime.left_unset(_cfg()))
+    cfg = _cfg("--total_batch_size", 4096)
+    assert regime.regularizes(cfg, regime.left_unset(cfg), 40_960)
     for pinned in (["--attn_dropout", 0], ["--average", "none"], ["--max_epochs", 8], ["--plateau_evals", 0]):
-        assert not regime.regularizes(regime.left_unset(_cfg(*pinned))), pinned
+        cfg = _cfg("--total_batch_size", 4096, *pinned)
+        assert not regime.regularizes(cfg, regime.left_unset(cfg), 40_960), pinned
+    # MAX_STEPS that keeps the run within 4 passes: the regime leaves it plain, so the plain rule sizes it
+    for steps, expected in ((40, False), (41, True), (0, True)):
+        cfg = _cfg("--total_batch_size", 4096, "--max_steps", steps)
+        assert regime.regularizes(cfg, regime.left_unset(cfg), 40_960) is expected, steps
     t, lines = _setup(tmp_path / "left", corpus, "--depth", "auto")  # 36k tokens for an hour: the data branch
     assert all(c["regularized"] and c["floor"] == autosize.REG_FLOOR for c in t.run_meta["auto"]["candidates"])
     assert "the largest depth the regime regularizes" in t.run_meta["auto"]["reason"]
