@@ -520,6 +520,11 @@ def test_the_regularized_data_branch_takes_the_largest_depth_past_four_passes_by
     assert choose([small, c("F", 60_000, 3.9)]).depth == "S"  # 3.9 passes: the regime would not regularize it
     assert choose([small, c("E", 50_000, 4.0)]).depth == "S"  # exactly 4 passes: the regime leaves it plain
     assert choose([small, c("E", 50_000, 4.01)]).depth == "E"  # just past them, 0.8 tokens/param
+    edge = c("G", 100_000, 5.0)  # exactly the floor, 0.5 tokens/param: taken
+    assert edge.tokens_per_param == 0.5 and choose([small, edge]).depth == "G"
+    steps = dataclasses.replace(c("N", 50_000, 10.0), needs=10.0)  # exactly the steps' passes: taken
+    assert choose([small, steps]).depth == "N"
+    assert choose([small, dataclasses.replace(steps, budget_epochs=9.99)]).depth == "S"
     # The budget branch comes first, as for an unregularized run: 6 passes give 1 token/param
     assert choose([small, mid, c("Q", 60_000, 6.0, train=10_000)]).depth == "Q"
     # candidate(): the whole budget's tokens, no cap, and the steps the data branch needs

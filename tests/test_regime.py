@@ -248,6 +248,8 @@ def test_depth_auto_takes_the_regularized_rule_only_where_the_run_leaves_the_who
     for steps, expected in ((40, False), (41, True), (0, True)):
         cfg = _cfg("--total_batch_size", 4096, "--max_steps", steps)
         assert regime.regularizes(cfg, regime.left_unset(cfg), 40_960) is expected, steps
+    cfg = _cfg("--total_batch_size", 4096, "--max_steps", 30)  # 2.5 passes over 50,000 tokens
+    assert not regime.regularizes(cfg, regime.left_unset(cfg), 50_000)
     t, lines = _setup(tmp_path / "left", corpus, "--depth", "auto")  # 36k tokens for an hour: the data branch
     assert all(c["regularized"] and c["floor"] == autosize.REG_FLOOR for c in t.run_meta["auto"]["candidates"])
     assert "the largest depth the regime regularizes" in t.run_meta["auto"]["reason"]
