@@ -137,8 +137,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     unset = regime.left_unset(cfg)  # before the data's pass cap fills MAX_EPOCHS
     prepared, resume_step, rewind_step, lock, lost = prepare_data(cfg, d, workspace, run_dir, log)
     assert cfg.max_epochs is not None, "the pass cap is set with the data (launch.fill_pass_cap)"
-    regularized = regime.regularizes(cfg, unset, prepared.meta["split"]["train_tokens"])
-    auto, probe_seconds = (choose_depth(cfg, d, gpu, prepared, run_dir, resume_step, regularized, log)
+    auto, probe_seconds = (choose_depth(cfg, d, gpu, prepared, run_dir, resume_step, unset, log)
                            if cfg.depth == "auto" else (None, 0))
     fill_lrs(cfg, cuda)
     model_config = launch.model_config(cfg, prepared)
@@ -257,9 +256,9 @@ def eval_sample_text(coverage: tuple[int, int, bool]) -> str:
 
 
 def choose_depth(cfg: TrainConfig, d: Dist, gpu: guards.Gpu | None, prepared: Prepared, run_dir: Path,
-                 resume_step: int | None, regularized: bool, log: RunLog) -> tuple[dict, float]:
-    """DEPTH=auto: sets cfg.depth (`regularized`: the run leaves the regime's recipe to it, so the
-    refitted data branch applies: autosize.reg_passes). A resume keeps its checkpoint's depth. A fresh run on a GPU whose
+                 resume_step: int | None, unset: list[str], log: RunLog) -> tuple[dict, float]:
+    """DEPTH=auto: sets cfg.depth (sized for the regime's recipe where the run leaves it to the
+    regime: regime.regularizes). A resume keeps its checkpoint's depth. A fresh run on a GPU whose
     peak is known predicts each depth's tok/s (autosize.predict_and_choose: no compile per depth);
     otherwise every rank measures the ladder at once (so each sees the load training will put on the
     machine). Rank 0's choice is taken. Returns (what the checkpoint meta records, seconds the
@@ -271,6 +270,7 @@ def choose_depth(cfg: TrainConfig, d: Dist, gpu: guards.Gpu | None, prepared: Pr
         return auto, 0.0
     t0 = time.time()
     make_config, train_tokens = launch.make_config(cfg, prepared), prepared.meta["split"]["train_tokens"]
+    regularized = regime.regularizes(cfg, unset, train_tokens)
     predicted = gpu is not None and gpu.peak is not None
     if predicted:
         chosen, candidates = autosize.predict_and_choose(make_config, gpu.peak, d.world_size, gpu.memory_bytes,
