@@ -250,10 +250,14 @@ def test_depth_auto_takes_the_regularized_rule_only_where_the_run_leaves_the_who
         assert regime.regularizes(cfg, regime.left_unset(cfg), 40_960) is expected, steps
     cfg = _cfg("--total_batch_size", 4096, "--max_steps", 30)  # 2.5 passes over 50,000 tokens
     assert not regime.regularizes(cfg, regime.left_unset(cfg), 50_000)
-    t, lines = _setup(tmp_path / "left", corpus, "--depth", "auto")  # 36k tokens for an hour: the data branch
+    auto = "".join(["au", "to"])  # as argv gives it: equal to "auto", not the same object
+    t, lines = _setup(tmp_path / "left", corpus, "--depth", auto)  # 36k tokens for an hour: the data branch
     assert all(c["regularized"] and c["floor"] == autosize.REG_FLOOR for c in t.run_meta["auto"]["candidates"])
     assert "the largest depth the regime regularizes" in t.run_meta["auto"]["reason"]
     assert (t.cfg.attn_dropout, t.cfg.average, t.cfg.max_epochs) == (0.2, "ema", 0.0)  # as the rule assumed
     t, lines = _setup(tmp_path / "pinned", corpus, "--depth", "auto", "--attn_dropout", 0)
     assert not any(c["regularized"] for c in t.run_meta["auto"]["candidates"])
     assert "the largest depth the regime regularizes" not in t.run_meta["auto"]["reason"]
+    # An explicit depth with nothing left to the regime: no probe, no measurement, nothing charged
+    t, lines = _setup(tmp_path / "explicit", corpus, "--attn_dropout", 0, "--average", "none", "--max_epochs", 8)
+    assert t.run_meta["auto"] is None and t.st.used_seconds == 0.0
