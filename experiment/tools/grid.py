@@ -40,12 +40,16 @@ def add_arguments(p) -> None:
     p.add_argument("--depths", default="2,4,6,8", help="the explicit sweep")
     p.add_argument("--auto", action="append", default=None, metavar="NAME:FLAGS",
                    help="a DEPTH=auto run and its extra flags, e.g. 'auto16:--max_epochs 16' (repeatable; "
-                        "default 'auto:', the trainer's defaults); the table compares each with the sweep")
+                        "default 'auto:', the trainer's defaults; 'none': the sweep alone); the table compares each with "
+                        "the sweep")
+    p.add_argument("--seed", type=int, default=None,
+                   help="every run's SEED (default: the trainer's); one seed per results file, as a cell's runs "
+                        "are keyed by name")
     p.add_argument("--table", action="store_true", help="print the table from --results; train nothing")
 
 
 def run_cell(corpus: Path, chars: int, seconds: float, depths: list[int], autos: list[tuple[str, list[str]]],
-             peak: float, results: Path) -> None:
+             peak: float, results: Path, seed: int | None = None) -> None:
     """Every run of one cell not yet in `results`, sweep first, then auto, each appended as it ends;
     the data written once into a temp workspace."""
     done = cells(read_rows(results)).get((corpus.stem, chars, seconds), {})
@@ -60,7 +64,7 @@ def run_cell(corpus: Path, chars: int, seconds: float, depths: list[int], autos:
         (data / "corpus.txt").write_text(corpus.read_text(encoding="utf-8")[:chars], encoding="utf-8")
         for name, flags in todo:
             run_ws = ws / name
-            res = run_ours(data, seconds, VAL_FRACTION, run_ws, flags)
+            res = run_ours(data, seconds, VAL_FRACTION, run_ws, flags + ([] if seed is None else ["--seed", str(seed)]))
             row = describe(name, res, run_ws / "checkpoints" / "speedrun", corpus.stem, chars, seconds, peak)
             with results.open("a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -85,6 +89,7 @@ def describe(name: str, res, run_dir: Path, corpus: str, chars: int, seconds: fl
             "tokens_per_param": round(state["tokens_seen"] / params, 3), "train_tokens": train_tokens,
             "outcome": end[-1]["outcome"] if end else "", "peak_gflops": round(peak / 1e9),
             "attn_dropout": meta["train_config"].get("attn_dropout"), "average": meta["train_config"].get("average"),
+            "seed": meta["train_config"].get("seed"),
             **regime_estimate(run_dir / "training.log"),
             "candidates": {f"d{c['depth']}": round(c["tok_per_s"]) for c in (meta.get("auto") or {}).get("candidates", [])}}
 
@@ -133,10 +138,10 @@ def main(args) -> int:
         peak = cpu_matmul_peak()
         print(f"grid | fp32 matmul peak {peak / 1e9:.0f} GFLOP/s | results {results}", flush=True)
         depths = [int(d) for d in args.depths.split(",")]
-        autos = [parse_variant(a) for a in args.auto or ["auto:"]]
+        autos = [] if args.auto == ["none"] else [parse_variant(a) for a in args.auto or ["auto:"]]
         for seconds in args.seconds:
             for chars in args.chars:
                 for corpus in map(Path, args.corpus):
-                    run_cell(corpus, chars, seconds, depths, autos, peak, results)  # skips the runs done already
+                    run_cell(corpus, chars, seconds, depths, autos, peak, results, args.seed)  # skips runs done
     print(table(read_rows(results)))
     return 0
