@@ -375,12 +375,18 @@ def supports(make_config, train_tokens: int, tokens_per_step: int) -> str:
 def data_lines(depth: int, make_config, total_tokens: float, train_tokens: int, tokens_per_step: int,
                auto: bool = False, averaged: bool = False) -> list[str]:
     """The depth the data supports, and a warning when this depth will repeat the data more than
-    MAX_GOOD_EPOCHS times in the budget (naming the weight average when the run is without it)."""
+    MAX_GOOD_EPOCHS times in the budget (naming the weight average when the run is without it). A
+    DEPTH=auto run with the average gets a plain line instead: there the repeats are the regularized
+    rule's choice (reg_passes), not a setting to reconsider."""
     params = rule_params(make_config(depth))
     lines = [f"planner | the data ({train_tokens:,} train tokens) supports up to "
              f"{supports(make_config, train_tokens, tokens_per_step)}; d{depth} has {params:,} params"]
     epochs = total_tokens / train_tokens
-    if epochs > MAX_GOOD_EPOCHS:
+    if epochs > MAX_GOOD_EPOCHS and auto and averaged:
+        lines.append(f"planner | d{depth} will see the training data {epochs:.1f} times in the budget: past "
+                     f"{MAX_GOOD_EPOCHS}, as DEPTH=auto sized it, with the weight average (docs/training.md, \"Defaults "
+                     "by regime\"); more data would still be worth more than the repeats")
+    elif epochs > MAX_GOOD_EPOCHS:
         fix = "more data" if auto else "DEPTH=auto, a smaller DEPTH, more data or a smaller budget"
         if not averaged:  # docs/performance.md, "Weight averaging: the first screen"
             fix += "; to make more of the passes, AVERAGE=ema with ATTN_DROPOUT=0.2 (docs/training.md)"

@@ -182,6 +182,17 @@ def test_an_explicit_depth_that_repeats_the_data_gets_a_warning():
     averaged = data_lines(64, gpu, total_tokens=8 * 31 * 3600 * 20_000, train_tokens=10**8, tokens_per_step=524288,
                           averaged=True)
     assert averaged[1].endswith("a smaller budget")
+    # DEPTH=auto with the average: the regularized rule chose the repeats, so no warning to undo them
+    sized = data_lines(64, gpu, total_tokens=8 * 31 * 3600 * 20_000, train_tokens=10**8, tokens_per_step=524288,
+                       auto=True, averaged=True)
+    assert sized[1].startswith("planner | d64 will see the training data 178.6 times in the budget: past 4, "
+                               "as DEPTH=auto sized it, with the weight average") and "warning" not in " ".join(sized)
+    plain = data_lines(64, gpu, total_tokens=8 * 31 * 3600 * 20_000, train_tokens=10**8, tokens_per_step=524288,
+                       auto=True)
+    assert plain[1].startswith("warning: d64 will see") and "consider more data; to make more" in plain[1]
+    at = autosize.MAX_GOOD_EPOCHS * 10**8
+    assert len(data_lines(64, gpu, total_tokens=at, train_tokens=10**8, tokens_per_step=524288, auto=True,
+                          averaged=True)) == 1
     assert len(data_lines(64, gpu, total_tokens=2 * 10**8, train_tokens=10**8, tokens_per_step=524288)) == 1
     at = autosize.MAX_GOOD_EPOCHS * 10**8  # exactly MAX_GOOD_EPOCHS passes: not past them
     assert len(data_lines(64, gpu, total_tokens=at, train_tokens=10**8, tokens_per_step=524288)) == 1
