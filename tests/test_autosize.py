@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import re
+import statistics
 
 import pytest
 import torch
@@ -608,6 +609,33 @@ def test_the_refit_picks_each_grid_cells_winner_from_the_rates_its_sweep_measure
     rates, train = {2: 84_225, 4: 18_850, 6: 6_525, 8: 2_967}, 991_354
     pick = lambda reg: choose([candidate(cpu(d), r, 1800, train, 4096, regularized=reg) for d, r in rates.items()])
     assert (pick(False).depth, pick(True).depth) == (6, 8)
+
+
+def test_with_seeds_on_the_smallest_cells_the_refit_is_within_1_percent_in_17_of_20():
+    """reports/autosize-grid-seeds.jsonl: seeds 1 and 2 of the depths within a few % of the winner on
+    the 20,000-character cells, where one run cannot resolve 1% (the spread of three runs: 0.01-0.08).
+    Each depth's loss is then the mean of its runs. The refit: 17 of 20 within 1% (TS 20,000 at 90 s
+    is now a hit, +0.17%; at 30 s d2 is 3.0% behind d4, which won all three seeds in 38 steps, under
+    the rule's 250); the plain rule: 16 of 20."""
+    cpu = lambda d: GPTConfig(vocab_size=100, depth=d, aspect_ratio=32, head_dim=64, max_seq_len=256, bigram_vocab=100)
+    seeds = {}
+    for line in (REPO / "reports" / "autosize-grid-seeds.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        seeds.setdefault((r["corpus"], r["chars"], r["seconds"], r["depth"]), []).append(r["served"])
+    assert {k[:3] for k in seeds} == {(c, 20_000, s) for c in ("code", "tinyshakespeare") for s in (30.0, 90.0)}
+    misses = {}
+    for reg in (True, False):
+        misses[reg] = set()
+        for key, runs in _grid_cells(REPO / "reports" / "autosize-grid-regime.jsonl").items():
+            served = {d: statistics.mean([r["served"], *seeds.get((*key, d), [])]) for d, r in runs.items()}
+            cands = [candidate(cpu(d), r["regime_tok_per_s"], r["seconds"], r["train_tokens"], 4096, regularized=reg)
+                     for d, r in sorted(runs.items())]
+            if served[choose(cands).depth] / min(served.values()) - 1 > 0.01:
+                misses[reg].add(key)
+    assert misses[True] == {("tinyshakespeare", 20_000, 30.0), ("code", 1_100_000, 90.0),
+                            ("tinyshakespeare", 1_100_000, 90.0)}
+    assert misses[False] == {("tinyshakespeare", 50_000, 30.0), ("code", 20_000, 90.0),
+                             ("code", 1_100_000, 90.0), ("tinyshakespeare", 1_100_000, 90.0)}
 
 
 # 16 of 20 within 1%: d2 1.0% and d4 1.2% behind on 20,000 characters of Tiny Shakespeare, where the
