@@ -613,10 +613,10 @@ def test_the_refit_picks_each_grid_cells_winner_from_the_rates_its_sweep_measure
 
 def test_with_seeds_on_the_smallest_cells_the_refit_is_within_1_percent_in_17_of_20():
     """reports/autosize-grid-seeds.jsonl: seeds 1 and 2 of the depths within a few % of the winner on
-    the 20,000-character cells, where one run cannot resolve 1% (the spread of three runs: 0.01-0.08).
+    the 20,000-character cells, where one run cannot resolve 1% (the standard deviation of three runs: 0.01-0.08).
     Each depth's loss is then the mean of its runs. The refit: 17 of 20 within 1% (TS 20,000 at 90 s
-    is now a hit, +0.17%; at 30 s d2 is 3.0% behind d4, which won all three seeds in 38 steps, under
-    the rule's 250); the plain rule: 16 of 20."""
+    is now a hit, +0.17%; at 30 s d2 is 3.0% behind d4, which won all three seeds with 144 predicted
+    steps, under the rule's 250); the plain rule: 16 of 20."""
     cpu = lambda d: GPTConfig(vocab_size=100, depth=d, aspect_ratio=32, head_dim=64, max_seq_len=256, bigram_vocab=100)
     seeds = {}
     for line in (REPO / "reports" / "autosize-grid-seeds.jsonl").read_text().splitlines():
