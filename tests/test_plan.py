@@ -81,6 +81,23 @@ def test_the_issue_example_with_the_trainers_defaults_trains_the_largest_regular
     assert off["depth"] == 32 and "never more than 8 passes" in off["rule"] and "regularized" not in off["rule"]
 
 
+def test_regularizers_as_the_environment_gives_it_and_a_budget_limited_pick_keeps_the_cap_in_its_rule():
+    """REGULARIZERS read from the environment is a string built at run time, not the literal: it sizes
+    the regularized pick all the same. The plain pick said beside it is the pick of REGULARIZERS=off,
+    to the second. A pick that makes at most 4 passes keeps the pass cap in its rule with the
+    regularizers on (the regime does not regularize it)."""
+    auto = "".join(["au", "to"])  # what os.environ or argv hands over
+    p = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, regularizers=auto))
+    assert p["depth"] == 56 and p["regime"]["regularized"] and "past 4 passes regularized" in p["rule"]
+    short = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, hours_available=24,
+                            regularizers=auto))
+    assert (short["depth"], short["hours"]) == (48, pytest.approx(24))
+    off = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, regularizers="off"))
+    assert (p["plain"]["depth"], p["plain"]["hours"]) == (off["depth"], pytest.approx(off["hours"], rel=1e-9))
+    big = plan(PlanConfig(tokens=20_000_000_000, gpus="8xH100-PCIe", training_hours=31))
+    assert big["max_passes"] <= 4 and "never more than" in big["rule"] and "regularized" not in big["rule"]
+
+
 def test_the_hours_are_the_budget_or_the_passes_whichever_ends_first_and_dollars_set_the_budget():
     for hours in (0.1, 0.5, 3.0):
         p = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=hours))
