@@ -186,10 +186,12 @@ def test_the_plan_proposes_a_sweep_where_one_gpu_trains_the_pick_within_the_boxs
 
     plain = autosize.candidate
     monkeypatch.setattr(autosize, "candidate", lambda *a, regularized=False, **k: plain(*a, **k))
-    off = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", budget_usd=1000, regularizers="off"))["sweep"]
+    # REGULARIZERS as the environment hands it over: strings built at run time, not the literals
+    off = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", budget_usd=1000,
+                          regularizers="".join(["of", "f"])))["sweep"]
     assert off["members"][:4] == ["DEPTH=32", "DEPTH=24", "DEPTH=40", "DEPTH=32+SEED=1"]
     assert off["launch"].endswith("BUDGET_USD=1000 ATTN_DROPOUT=0 AVERAGE=none bash experiment/run.sh")
-    p = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", budget_usd=1000))
+    p = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", budget_usd=1000, regularizers="".join(["au", "to"])))
     sw, one = p["sweep"], next(r for r in p["gpu_table"] if r["gpus"] == 1)
     assert sw["single_gpu_hours"] == one["hours"] < sw["member_hours"] == pytest.approx(31.25)
     assert sw["usd"] == pytest.approx(1000) and (sw["ddp_hours"], sw["ddp_usd"]) == (p["gpu_table"][-1]["hours"],
