@@ -185,6 +185,13 @@ def test_the_regime_lines_say_whether_the_run_is_data_limited():
     p["hours"] = 31.0  # the regularized rule's pick: the whole budget
     assert plan.regime_lines(p)[0].endswith("it trains the whole 31.00 h ($992) unless the stop at the val minimum "
                                             "ends it first")
+    p["hours"] = 31.0 * (1 - 1e-12)  # the same hours after a float's rounding: still the whole budget
+    assert "it trains the whole 31.00 h" in plan.regime_lines(p)[0]
+    for hours_at_most in (30.5, 31.0):  # a pick 0.3 h short of the launch line's hours does not train them all
+        p |= {"hours": hours_at_most - 0.3, "regime": {**p["regime"], "hours_at_most": hours_at_most}}
+        assert plan.regime_lines(p)[0].endswith(f"at most the whole {hours_at_most:.2f} h ($992): it may spend "
+                                                "more than the hours above")
+    p |= {"hours": 31.0, "regime": {**p["regime"], "hours_at_most": 31.0}}
     off = {**p, "regime": {**p["regime"], "regularized": False, "settings": {"ATTN_DROPOUT": 0.0, "AVERAGE": "none"}}}
     assert plan.regime_lines(off) == [
         "recommendation | regime: the launch line's budget makes 9.0 passes at d12 on 8 GPU(s), more than 4: "
