@@ -96,6 +96,8 @@ def test_regularizers_as_the_environment_gives_it_and_a_budget_limited_pick_keep
     assert (p["plain"]["depth"], p["plain"]["hours"]) == (off["depth"], pytest.approx(off["hours"], rel=1e-9))
     big = plan(PlanConfig(tokens=20_000_000_000, gpus="8xH100-PCIe", training_hours=31))
     assert big["max_passes"] <= 4 and "never more than" in big["rule"] and "regularized" not in big["rule"]
+    big_off = plan(PlanConfig(tokens=20_000_000_000, gpus="8xH100-PCIe", training_hours=31, regularizers="off"))
+    assert big["plain"]["hours"] == pytest.approx(big_off["hours"], rel=1e-9) == 31  # the budget binds the plain pick
 
 
 def test_the_hours_are_the_budget_or_the_passes_whichever_ends_first_and_dollars_set_the_budget():
