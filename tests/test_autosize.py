@@ -192,8 +192,9 @@ def test_an_explicit_depth_that_repeats_the_data_gets_a_warning():
                        auto=True)
     assert plain[1].startswith("warning: d64 will see") and "consider more data; to make more" in plain[1]
     at = autosize.MAX_GOOD_EPOCHS * 10**8
-    assert len(data_lines(64, gpu, total_tokens=at, train_tokens=10**8, tokens_per_step=524288, auto=True,
-                          averaged=True)) == 1
+    for total in (at, 2 * 10**8):  # exactly 4 passes, and 2: within them, no line about repeats
+        assert len(data_lines(64, gpu, total_tokens=total, train_tokens=10**8, tokens_per_step=524288, auto=True,
+                              averaged=True)) == 1
     assert len(data_lines(64, gpu, total_tokens=2 * 10**8, train_tokens=10**8, tokens_per_step=524288)) == 1
     at = autosize.MAX_GOOD_EPOCHS * 10**8  # exactly MAX_GOOD_EPOCHS passes: not past them
     assert len(data_lines(64, gpu, total_tokens=at, train_tokens=10**8, tokens_per_step=524288)) == 1
