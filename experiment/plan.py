@@ -471,8 +471,8 @@ def regime_lines(p: dict) -> list[str]:
     return [f"{head}, more than {regime.PASSES}: data-limited, so the trainer's defaults are {settings}: regularized, "
             + spends,
             f"recommendation | d{p['depth']} and what its passes buy are EXTRAPOLATED: the rule that sized it was checked on "
-            "2-core CPU grids of up to 1.1M characters and d8, and one H200 run on 9.9M (docs/performance.md, \"DEPTH=auto "
-            "for regularized training\")" + beside]
+            "2-core CPU grids of up to 1.1M characters and d8; the regularizers' gain also on one H200 run of d10 on 9.9M "
+            "(docs/performance.md, \"DEPTH=auto for regularized training\")" + beside]
 
 
 def gpu_lines(p: dict) -> list[str]:
