@@ -643,3 +643,19 @@ def test_with_seeds_on_the_smallest_cells_the_refit_is_within_1_percent_in_17_of
 # sweep's depths lie within 1-2.5% of each other (one run each), and the two 1.1M cells at 90 s.
 GRID_MISSES = {("tinyshakespeare", 20_000, 30.0), ("tinyshakespeare", 20_000, 90.0),
                ("code", 1_100_000, 90.0), ("tinyshakespeare", 1_100_000, 90.0)}
+
+
+def test_on_the_h200_runs_data_and_budget_the_regularized_rule_picks_the_plain_rules_d10():
+    """reports/gpu-h200-2026-11-27.md: DEPTH=auto on 9,406,627 training tokens (vocabulary 97) for 180 s on
+    one H200 chose d10 by the plain rule, the one at that commit. The regularized rule, which that run did
+    not have, picks d10 too (docs/performance.md, docs/status.md say so): d12's 227 predicted steps are
+    under its 250, and the plain rule stops at d10 by the floor of its 8 passes."""
+    make = lambda d: GPTConfig(vocab_size=97, depth=d, aspect_ratio=64, head_dim=128, max_seq_len=2048, bigram_vocab=97)
+    picks = {}
+    for reg in (False, True):
+        chosen, cands = autosize.predict_and_choose(make, 989e12, 1, int(139.8 * 2**30), 180, 9_406_627,
+                                                    link_gbps("NVIDIA H200"), "NVIDIA H200", 524288, reg)
+        picks[reg] = (chosen.depth, round(chosen.epochs, 1))
+        d12 = next(c for c in cands if c.depth == 12)
+        assert d12.tok_per_s * 180 / 524288 < autosize.REG_MIN_STEPS  # why d12 is out when regularized
+    assert picks == {False: (10, 8.0), True: (10, 20.6)}  # the run logged d10, 8.0 and 20.6 passes
