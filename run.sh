@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Newcomer entry point.
 #   bash run.sh          create .venv if missing, install requirements.txt, train (demo on CPU)
-#   bash run.sh test     the test suite (pytest; or tests/test_x.py -k name: those); exits with pytest's status
+#   bash run.sh test     the test suite on every core (--quick: the unit tier; tests/test_x.py -k name: those)
 #   bash run.sh serve    serve the best checkpoint of the most recent run
 #   bash run.sh sample   sample from it on the command line (--prompt TEXT --max_tokens N ...)
 #   bash run.sh export   its best model as one bf16 file to download (--checkpoint RUN_DIR --out FILE)
@@ -30,9 +30,17 @@ setup_python
 cmd=${1:-train}
 [ $# -gt 0 ] && shift
 if [ "$cmd" = test ]; then
-    # the slowest 40: what the suite's time goes to. A file or directory first runs only it.
-    if [ $# -gt 0 ] && [[ "$1" != -* ]]; then exec "$PYTHON" -m pytest --durations=40 "$@"; fi
-    exec "$PYTHON" -m pytest tests --durations=40 "$@"
+    # The whole suite and the quick tier run on every core (pytest-xdist, TEST_WORKERS workers; 0: one
+    # process); a file or directory given first runs only it, in one process unless TEST_WORKERS is set.
+    # The slowest 40 close the output: what the suite's time goes to.
+    where=(tests) workers=${TEST_WORKERS:-$(nproc)}
+    if [ "${1:-}" = --quick ]; then shift; set -- -m "not slow" "$@"
+    elif [ $# -gt 0 ] && [[ "$1" != -* ]]; then where=() workers=${TEST_WORKERS:-0}; fi
+    parallel=()
+    if [ "$workers" != 0 ] && "$PYTHON" -c "import xdist" 2>/dev/null; then
+        parallel=(-n "$workers" --dist worksteal)
+    fi
+    exec "$PYTHON" -m pytest "${where[@]}" "${parallel[@]}" --durations=40 "$@"
 fi
 if [ "$cmd" = mutate ]; then  # its tester is a test-only dependency: installed here, never by a launch
     "$PYTHON" -c "import cosmic_ray" 2>/dev/null \

@@ -5,7 +5,7 @@
 Standard library only: it runs before anything else, on interpreters that may have no torch at all.
 A pin (name==version) must match the installed version up to a local build tag (2.13.0+cpu and
 2.13.0+cu128 both satisfy torch==2.13.0); a bare name must be installed. pytest is for the tests
-alone: a launch does not ask for it.
+alone (and pytest-xdist): a launch does not ask for them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def requirements(path: str) -> list[tuple[str, str | None]]:
     return wanted
 
 
-TEST_ONLY = {"pytest"}
+TEST_ONLY = {"pytest", "pytest-xdist"}
 
 
 def problems(wanted: list[tuple[str, str | None]]) -> list[str]:

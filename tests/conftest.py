@@ -1,8 +1,10 @@
 """Shared helpers: a tiny corpus made by our own code and a way to launch the trainer for real."""
 
+import fcntl
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -82,3 +84,59 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a GPU; skipped without one unless --cuda-tests-on-cpu")
+    config.addinivalue_line("markers", "slow: launches processes or takes over a second; `bash run.sh test "
+                                       "--quick` leaves it out")
+    config.addinivalue_line("markers", "alone: runs with no other test beside it when the suite runs in parallel")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # One core a worker: a worker's in-process torch must not spread over the core the other
+        # worker is using (oversubscribed, both run slower than one at a time).
+        import torch
+        torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:  # the session's trained run costs seconds: whoever uses it is slow
+        if "workspace" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+    # Slow tests first: in parallel, the long ones start early and the short ones fill the end evenly.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(autouse=True)
+def machine_share(request):
+    """Under pytest-xdist, a test marked `alone` holds the machine: it waits for the tests running
+    on other workers to end, and none starts beside it. Every test takes a shared lock, an `alone`
+    one an exclusive lock; the turnstile before it keeps a stream of shared takers from starving
+    an exclusive one. Without xdist (one process) it does nothing."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield
+        return
+    base = Path(tempfile.gettempdir()) / f"pytest-share-{run}"
+    alone = request.node.get_closest_marker("alone") is not None
+    with open(f"{base}.turnstile", "a") as gate, open(f"{base}.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        yield  # the lock goes with the file's close
+
+
+QUICK_SECONDS = 2.0  # an unmarked test slower than this is named at the end of a quick run
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """A quick run (-m 'not slow') names the tests it ran that took longer than QUICK_SECONDS:
+    mark them slow, or the quick tier grows back into the whole suite."""
+    if "not slow" not in (config.getoption("markexpr") or ""):
+        return
+    total: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if getattr(r, "when", None) in ("setup", "call", "teardown"):
+                total[r.nodeid] = total.get(r.nodeid, 0.0) + r.duration
+    slow = sorted((s, n) for n, s in total.items() if s > QUICK_SECONDS)
+    if slow:
+        terminalreporter.write_line(f"quick tier: {len(slow)} test(s) over {QUICK_SECONDS:.0f} s; mark them "
+                                    "@pytest.mark.slow:")
+        for s, n in reversed(slow):
+            terminalreporter.write_line(f"  {s:5.1f} s  {n}")

@@ -31,6 +31,7 @@ def ladder_at(rate_d2: float, budget_s: float, train_tokens: int) -> list[Candid
                       budget_s, train_tokens, 4096) for d in autosize.ladder(32, 64)]
 
 
+@pytest.mark.slow
 def test_choice_grows_with_the_budget():
     depths = [choose(ladder_at(80_000, s, 10**9)).depth for s in (60, 600, 6000, 60_000)]
     assert depths == sorted(depths) and depths[0] < depths[-1]
@@ -65,6 +66,7 @@ def test_a_budget_that_outruns_the_data_buys_no_bigger_model_and_no_more_passes(
     assert all(c.epochs <= autosize.MAX_EPOCHS for c in ladder_at(80_000, 6_000_000, 10**6))
 
 
+@pytest.mark.slow
 def test_cuda_predicts_each_depth_and_stops_where_memory_ends():
     gpu = lambda d: GPTConfig(vocab_size=256, depth=d, aspect_ratio=64, head_dim=128, max_seq_len=2048)
     peak = 989e12
@@ -247,6 +249,7 @@ def test_depth_flag_takes_auto_or_a_positive_number():
         resolve(TrainConfig(depth=0), cuda=False, world_size=1)
 
 
+@pytest.mark.slow
 def test_trainer_chooses_records_and_keeps_the_depth_on_resume(tmp_path, corpus):
     i = TINY.index("--depth")
     args = [*TINY[:i], *TINY[i + 2:], "--depth", "auto", "--data_dir", corpus, "--workspace", tmp_path, "--training_hours", "0.002",
@@ -264,6 +267,7 @@ def test_trainer_chooses_records_and_keeps_the_depth_on_resume(tmp_path, corpus)
     assert json.loads(json.dumps(meta["auto"]["candidates"]))[0]["depth"] == 2
 
 
+@pytest.mark.slow
 def test_a_run_stops_after_max_epochs_passes_its_schedule_ended_and_says_what_it_left_unspent(tmp_path, corpus):
     # 40k characters, 1 h of budget: a tiny model passes over them in seconds. Half a pass, then stop.
     args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256, "--max_epochs", 0.5]
@@ -645,6 +649,7 @@ GRID_MISSES = {("tinyshakespeare", 20_000, 30.0), ("tinyshakespeare", 20_000, 90
                ("code", 1_100_000, 90.0), ("tinyshakespeare", 1_100_000, 90.0)}
 
 
+@pytest.mark.slow
 def test_on_the_h200_runs_data_and_budget_the_regularized_rule_picks_the_plain_rules_d10():
     """reports/gpu-h200-2026-11-27.md: DEPTH=auto on 9,406,627 training tokens (vocabulary 97) for 180 s on
     one H200 chose d10 by the plain rule, the one at that commit. The regularized rule, which that run did

@@ -182,6 +182,7 @@ def _evals(run_dir):
     return [r for r in _records(run_dir) if r["kind"] == "eval"]
 
 
+@pytest.mark.slow
 def test_the_better_of_raw_and_average_is_saved_as_best_and_served(tmp_path, corpus):
     run_train([*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--max_steps", 30, "--total_batch_size", 256,
                "--eval_every_steps", 5, "--save_every_steps", 5, "--keep_last", 10, "--keep_best_optimizer", 1,
@@ -212,6 +213,7 @@ def test_the_better_of_raw_and_average_is_saved_as_best_and_served(tmp_path, cor
     assert ("the weight average" in report) == (best["weights"] == "average")
 
 
+@pytest.mark.slow
 def test_without_average_nothing_is_evaluated_twice_or_named(tmp_path, corpus):
     run_train([*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--max_steps", 10, "--total_batch_size", 256,
                "--eval_every_steps", 5])
@@ -222,6 +224,7 @@ def test_without_average_nothing_is_evaluated_twice_or_named(tmp_path, corpus):
     assert "val_loss 4." in log and not re.search(r"raw weights|the average|weight average|^average \|", log, re.M)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_averaging_never_changes_training(tmp_path, corpus, nproc):
     """The eval swaps the average in and the weights back bit for bit, on every rank: the raw weights
@@ -250,6 +253,7 @@ def test_averaging_never_changes_training(tmp_path, corpus, nproc):
     assert loss == pytest.approx(_evals(a)[-1]["val_loss_average"], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_an_averaged_run_resumed_after_a_crash_equals_the_uninterrupted_run(tmp_path, corpus, precision):
     """The model files may hold the average; the resume trains on the shards' fp32 masters (in bf16,
@@ -271,6 +275,7 @@ def test_an_averaged_run_resumed_after_a_crash_equals_the_uninterrupted_run(tmp_
     assert ckpt.read_meta(a_dir, 6)["weights"] == "average"  # the resumed step's model files held the average
 
 
+@pytest.mark.slow
 def test_bad_average_settings_are_named(tmp_path, corpus):
     for name, value, words in (("average", "swa", "must be one of none, ema, auto, got 'swa'"),
                                ("average_width", 0.0, "must lie in (0, 0.2886], got 0.0"),
@@ -332,6 +337,7 @@ class _Writer:
         pass
 
 
+@pytest.mark.slow
 def test_the_first_step_copies_the_weights(tmp_path, corpus):
     run_train([*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--max_steps", 1, "--total_batch_size", 256,
                *AVERAGE])

@@ -277,6 +277,7 @@ print(rss() - before, next(model.parameters()).dtype, total)
 """
 
 
+@pytest.mark.slow
 def test_a_bf16_checkpoint_loads_as_bf16_in_about_one_copy_of_its_weights(tmp_path):
     """The server's load: no fp32 model built and initialized first, no second copy of the weights."""
     import subprocess
@@ -420,6 +421,13 @@ def test_a_checkpoint_without_the_warmups_progress_resumes_past_them():
     # written before the early-schedule warmups: a resume under way must not switch to them mid-run
     assert ckpt.run_state({"state": {"step": 40, "tokens_seen": 163840}}).warmup_progress == 1.0
     assert ckpt.run_state({"state": {"step": 4, "warmup_progress": 0.12}}).warmup_progress == 0.12
+
+
+def test_a_checkpoint_written_before_the_eval_grid_was_saved_counts_its_evals_from_the_resumed_step():
+    st = ckpt.run_state({"state": {"step": 40, "tokens_seen": 163840, "last_eval_step": 30}})
+    assert (st.last_eval_step, st.last_eval_tokens) == (40, 163840)
+    st = ckpt.run_state({"state": {"step": 40, "tokens_seen": 163840, "last_eval_step": 30, "last_eval_tokens": 9}})
+    assert (st.last_eval_step, st.last_eval_tokens) == (30, 9)  # a saved grid is kept
 
 
 def test_best_json_names_the_metric_that_chose_it_and_a_sweep_directory_serves_its_winner(tmp_path):

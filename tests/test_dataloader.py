@@ -51,6 +51,7 @@ def test_bad_data_is_rejected_naming_the_place_and_writes_nothing(tmp_path, case
     _assert_nothing_written(ws)
 
 
+@pytest.mark.slow
 def test_cli_exits_nonzero_with_the_file_named(tmp_path):
     data = _files(tmp_path, **{"a.txt": GOOD, "broken.txt": b"ok\n\xc3("})
     ws = tmp_path / "ws"
@@ -211,6 +212,7 @@ def _val_tokens(p, fraction: float) -> int:
                for s in p.meta["source_splits"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
 def test_chunked_prepare_gives_the_whole_file_encoding(tmp_path, monkeypatch, seed):
     rng = random.Random(seed)

@@ -55,6 +55,7 @@ def _spawn_two(worker, path, join: bool = True):
     return workers
 
 
+@pytest.mark.slow
 def test_a_phase_timeout_bounds_the_wait_for_a_hung_rank(tmp_path):
     out = tmp_path / "rank0.txt"
     _spawn_two(_timeout_worker, out)
@@ -106,6 +107,7 @@ def _bucket_worker(rank: int, port: int, out: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow
 def test_gradients_live_in_ddps_buckets_through_accumulation_and_average_right(tmp_path):
     # A gradient dropped between steps comes back beside the buckets at the next no_sync backward:
     # a second full copy of the gradients on every rank.
@@ -147,6 +149,7 @@ def _state(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
+@pytest.mark.slow
 def test_a_stop_signal_bounds_the_exit_of_a_rank_stuck_in_a_collective(tmp_path):
     import signal
 
@@ -169,6 +172,7 @@ def test_a_stop_signal_bounds_the_exit_of_a_rank_stuck_in_a_collective(tmp_path)
                 p.kill()
 
 
+@pytest.mark.slow
 def test_compiled_ddp_with_recompute_and_accumulation_matches_eager():
     # torch.compile over DDP splits the graph at DDP's buckets (1 MB here: several graphs) while every
     # block recomputes its activations in backward and 3 micro-batches accumulate under no_sync.
@@ -232,6 +236,7 @@ def test_gloo_on_cuda_needs_an_explicit_device_batch():
         resolve(TrainConfig(depth=2, dist_backend="nccl"), False, 1)
 
 
+@pytest.mark.slow
 def test_every_rank_applies_rank_0s_lr_whatever_its_own_clock(tmp_path, corpus):
     """Rank 1's wall clock runs twice as fast as rank 0's (tests/faulty_train.py), so its own budget
     fraction, eval and save durations all disagree with rank 0's. Each rank applies its LR to the

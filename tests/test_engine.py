@@ -112,6 +112,7 @@ def requests_for(seed: int, n: int = 10, longest: int = 45) -> list[dict]:
              "top_p": (None, None, 0.9, 0.5, None)[i % 5], "seed": i} for i in range(n)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("slots,seq,bigram", [(3, 16, False), (8, 16, True), (5, 80, False)])
 def test_batch_members_get_exactly_what_they_get_alone(slots, seq, bigram):
     # Context 16: most requests outgrow it, so caches are rebuilt mid-batch. Context 80: decode steps
@@ -228,6 +229,7 @@ def test_an_ensemble_draws_from_the_mean_of_its_members_probabilities():
     assert out != alone[0] and out != alone[1]  # neither member's own tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bigram", [False, True])
 def test_an_ensembles_requests_get_exactly_what_they_get_alone(bigram):
     """The batch invariance of a single model, for an ensemble: each member's decode is invariant and

@@ -26,6 +26,7 @@ def _field(line, name):
     return float(line.split(f"| {name} ")[1].split()[0])
 
 
+@pytest.mark.slow
 def test_an_extended_run_goes_back_to_its_warmdown_start_and_anneals_again(tmp_path, corpus):
     # CPU warmdown_frac 0.4: over 10 steps the warmdown begins at step 7 (7/10 > 0.6); saves every 3
     # steps (blocking, so "the newest complete checkpoint" is exact): step 6 is the one before it.
@@ -75,6 +76,7 @@ def test_an_extended_run_goes_back_to_its_warmdown_start_and_anneals_again(tmp_p
     assert f"INIT_FROM={missing / 'checkpoints/d2'}" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_resume_with_plateau_evals_0_of_the_step_that_started_the_anneal_trains_on_at_the_peak(tmp_path, corpus):
     """The newest checkpoint is the one whose eval started the val minimum's warmdown: saved before
     its first update, so it records the anneal but no warmdown begun (a background save of that step,
@@ -154,6 +156,7 @@ def test_what_extends_a_run_and_what_leaves_no_time_at_the_peak_lr():
     assert (state.warmdown_seen, state.warmdown_window, state.evals_without_gain) == (False, [], 0)
 
 
+@pytest.mark.slow
 def test_with_background_saves_the_step_kept_is_the_newest_from_before_the_warmdown(tmp_path, corpus):
     """A save begun before the warmdown and completed in it (the default background writes) is the newest
     checkpoint from before it: recorded and kept, not pruned (KEEP_LAST=1)."""

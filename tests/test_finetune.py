@@ -24,6 +24,7 @@ def source(tmp_path, corpus):
     return tmp_path / "checkpoints/d2"
 
 
+@pytest.mark.slow
 def test_a_run_from_a_trained_models_weights_keeps_its_vocabulary_and_starts_where_it_left(tmp_path, source):
     new = tmp_path / "new"
     new.mkdir()
@@ -50,6 +51,7 @@ def test_a_run_from_a_trained_models_weights_keeps_its_vocabulary_and_starts_whe
     assert abs(_first_loss(exported) - _first_loss(tuned)) < 0.05
 
 
+@pytest.mark.slow
 def test_settings_that_contradict_the_source_and_foreign_characters_exit_2(tmp_path, source):
     proc = run_train([*TINY[2:], "--depth", 4, "--init_from", source, "--workspace", tmp_path], check=False)
     assert proc.returncode == 2 and "--depth 4: INIT_FROM's model" in proc.stderr and "has depth 2" in proc.stderr

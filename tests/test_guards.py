@@ -29,6 +29,7 @@ def run_preflight(ws, *flags, world_size=8, regime=False):
         return e, lines
 
 
+@pytest.mark.slow
 def test_auto_is_predicted_and_stops_at_max_epochs_with_the_budget_left_said(tmp_path, corpus):
     plan, lines = run_preflight(tmp_path, "--data_dir", corpus)
     assert isinstance(plan, dict), plan
@@ -43,6 +44,7 @@ def test_auto_is_predicted_and_stops_at_max_epochs_with_the_budget_left_said(tmp
     assert "of the 31h budget unspent" in line and "disk peak" in line
 
 
+@pytest.mark.slow
 def test_training_on_the_demo_data_is_refused_unless_allowed(tmp_path):
     error, lines = run_preflight(tmp_path)
     assert isinstance(error, ConfigError) and "built-in demo data" in str(error) and "ALLOW=demo" in str(error)

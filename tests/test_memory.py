@@ -100,6 +100,7 @@ def test_device_batch_halves_until_it_fits():
     assert largest_fitting_batch(lambda b: fake(100), 8) == 0
 
 
+@pytest.mark.slow
 def test_plan_and_fitprobe_commands_print_their_fields():
     proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "plan", "--depth", "64", "--nproc", "8",
                            "--gpu_mem_gb", "80", "--device_batch_size", "2"], cwd=REPO, capture_output=True,

@@ -99,6 +99,7 @@ def test_a_failing_metric_is_reported_as_its_problem_never_raised(tmp_path, body
     "while True:\n        try:\n            generate('1', max_tokens=4)\n        except Exception:\n            pass",
     "while True:\n        try:\n            sum(range(10000))\n        except Exception:\n            pass",
 ])
+@pytest.mark.slow
 def test_a_metric_past_its_time_bound_has_no_numbers(tmp_path, body):
     model, tok = _model_and_tok(tmp_path)
     fn = metric.load(f"{_metric_file(tmp_path, _function(body))}:f")
@@ -195,6 +196,7 @@ def _counter(tmp_path, fail_at: int = 0, name: str = "counter.py"):
     return _metric_file(tmp_path, f"FAIL_AT = {fail_at}\n" + COUNTER, name)
 
 
+@pytest.mark.slow
 def test_best_by_a_metric_chooses_the_best_checkpoint_on_every_rank(tmp_path):
     """The val loss falls from eval to eval; BEST_BY=calls (higher is better) makes the first eval after
     step 0 the best, on both ranks, so best.json, the report and what is served name that step."""
@@ -224,6 +226,7 @@ def test_best_by_a_metric_chooses_the_best_checkpoint_on_every_rank(tmp_path):
     assert ckpt.read_best(run_dir)["best_by"] == "min:calls"
 
 
+@pytest.mark.slow
 def test_a_metric_that_cannot_run_stops_the_start_and_one_that_fails_later_costs_only_that_eval(tmp_path):
     common = [*TINY, "--data_dir", write_corpus(tmp_path), "--max_steps", 4, "--eval_every_steps", 2,
               "--eval_every_minutes", 1000, "--total_batch_size", 256]
@@ -246,6 +249,7 @@ def test_a_metric_that_cannot_run_stops_the_start_and_one_that_fails_later_costs
     assert "step 000004 | metric | calls -4.0000" in later.stdout
 
 
+@pytest.mark.slow
 def test_the_demo_reports_its_held_out_sums_through_the_metric(tmp_path):
     proc = run_train([*TINY, "--workspace", tmp_path, "--max_steps", 2, "--total_batch_size", 256])
     assert "training on the built-in arithmetic demo" in proc.stdout
@@ -253,6 +257,7 @@ def test_the_demo_reports_its_held_out_sums_through_the_metric(tmp_path):
     assert "step 000002 | metric | sums_correct " in proc.stdout
 
 
+@pytest.mark.slow
 def test_a_relative_eval_metric_is_relative_to_where_the_launcher_is_started(tmp_path):
     import subprocess
 

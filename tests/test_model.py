@@ -120,6 +120,7 @@ def test_estimate_flops_matches_flop_counter():
     assert matmul + attention == pytest.approx(model.estimate_flops(T), rel=1e-3)
 
 
+@pytest.mark.slow
 def test_one_batch_overfits():
     torch.manual_seed(0)
     model = GPT(tiny_config())

@@ -63,6 +63,7 @@ def zero1_world2(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
+@pytest.mark.slow
 def test_zero1_equals_unsharded_optimizer(zero1_world2):
     reference = make_model()
     run_steps(reference, ShardedOptimizer(reference, 0, 1, **LRS), 4)

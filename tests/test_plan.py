@@ -10,6 +10,7 @@ from conftest import ENV, REPO
 from test_guards import run_preflight
 
 from experiment import autosize, servemem
+from experiment.dataloader import DataError
 from experiment.memory import count_params
 from experiment.plan import PlanConfig, count_tokens, model_config, parse_gpus, plan, regime_lines, table as table_of
 
@@ -19,6 +20,7 @@ def run_plan(*args, env=None, cwd=REPO):
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_the_issue_example_with_the_regularizers_off_as_json_and_as_a_table():
     env = {"TOKENS": "350000000", "GPUS": "8xH100-PCIe", "TRAINING_HOURS": "31", "REGULARIZERS": "off"}
     proc = run_plan("--json", env=env)
@@ -54,6 +56,7 @@ def test_the_issue_example_with_the_regularizers_off_as_json_and_as_a_table():
     assert p["stops_at_val_minimum"] is True
 
 
+@pytest.mark.slow
 def test_the_issue_example_with_the_trainers_defaults_trains_the_largest_regularized_depth_all_31_hours():
     """The trainer's defaults regularize a data-limited run, so the plan sizes for that (autosize's
     regularized data branch): the largest depth whose 31 h make more than 4 passes, 250 steps and
@@ -81,6 +84,7 @@ def test_the_issue_example_with_the_trainers_defaults_trains_the_largest_regular
     assert off["depth"] == 32 and "never more than 8 passes" in off["rule"] and "regularized" not in off["rule"]
 
 
+@pytest.mark.slow
 def test_regularizers_as_the_environment_gives_it_and_a_budget_limited_pick_keeps_the_cap_in_its_rule():
     """REGULARIZERS read from the environment is a string built at run time, not the literal: it sizes
     the regularized pick all the same. The plain pick said beside it is the pick of REGULARIZERS=off,
@@ -100,6 +104,7 @@ def test_regularizers_as_the_environment_gives_it_and_a_budget_limited_pick_keep
     assert big["plain"]["hours"] == pytest.approx(big_off["hours"], rel=1e-9) == 31  # the budget binds the plain pick
 
 
+@pytest.mark.slow
 def test_the_hours_are_the_budget_or_the_passes_whichever_ends_first_and_dollars_set_the_budget():
     for hours in (0.1, 0.5, 3.0):
         p = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=hours))
@@ -111,6 +116,7 @@ def test_the_hours_are_the_budget_or_the_passes_whichever_ends_first_and_dollars
     assert p["budget_hours"] == 500 / 32 and p["peak_flops"] == 989e12
 
 
+@pytest.mark.slow
 def test_the_plan_says_the_regime_of_the_launch_lines_run():
     """The launch line's budget on its GPUs, at the recommended depth: past 4 passes the trainer's
     defaults are the data-limited recipe (experiment/regime.py), and the plan says it may spend past
@@ -178,6 +184,7 @@ def test_a_sweep_members_settings_by_variant_and_passes():
     assert planned_settings(PlanConfig(gpu_hourly_usd=3.5)) == {"GPU_HOURLY_USD": 3.5}
 
 
+@pytest.mark.slow
 def test_the_plan_proposes_a_sweep_where_one_gpu_trains_the_pick_within_the_boxs_hours(monkeypatch):
     """The seed user's box with the plain rule's pick (forced here: with the trainer's defaults the plan
     picks d56, which one GPU cannot hold, so it proposes no sweep): one GPU trains d32's 8 passes in
@@ -225,6 +232,7 @@ def test_the_plan_proposes_a_sweep_where_one_gpu_trains_the_pick_within_the_boxs
     assert seeds[:4] == ["DEPTH=32", "DEPTH=24", "DEPTH=40", "DEPTH=32+SEED=1"] and "ATTN" not in " ".join(seeds)
 
 
+@pytest.mark.slow
 def test_the_data_is_counted_in_characters_streamed(tmp_path):
     data = tmp_path / "data"
     (data / "sub").mkdir(parents=True)
@@ -237,6 +245,7 @@ def test_the_data_is_counted_in_characters_streamed(tmp_path):
     assert json.loads(proc.stdout)["tokens"] == 92002
 
 
+@pytest.mark.slow
 def test_the_plan_refuses_data_the_preflight_would_refuse(tmp_path):
     """Each source must give val one context window (2048 + 1 tokens at 5%: about 41k characters); empty,
     binary and invalid UTF-8 files are named, as the rented box's pre-flight would name them."""
@@ -256,6 +265,16 @@ def test_the_plan_refuses_data_the_preflight_would_refuse(tmp_path):
     assert f"{small}: file is empty" in run_plan(env={"DATA_DIR": str(data)}).stderr
 
 
+def test_the_plan_refuses_a_character_outside_alphabet_as_the_preflight_would(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("ab\n" * 30_000 + "abz\n")
+    assert count_tokens(PlanConfig(data_dir=str(data), alphabet="abz\n"))[0] == 1 + 90_004
+    with pytest.raises(DataError, match=r"a\.txt:30001:3: character 'z' \(U\+007A\) is not in --alphabet"):
+        count_tokens(PlanConfig(data_dir=str(data), alphabet="ab\n"))
+
+
+@pytest.mark.slow
 def test_hours_available_picks_the_fewest_gpus_and_the_launch_line_is_one_the_preflight_accepts(tmp_path, corpus):
     env = {"TOKENS": "350000000", "GPUS": "8xH100-PCIe", "TRAINING_HOURS": "31"}
     # The plain rule's d32 (REGULARIZERS=off), which fits on any count; the launch line pins the regularizers off
@@ -305,12 +324,14 @@ def test_hours_available_picks_the_fewest_gpus_and_the_launch_line_is_one_the_pr
     assert f"model d{p['depth']} (DEPTH=auto" in "\n".join(lines)
 
 
+@pytest.mark.slow
 def test_bad_gpus_exit_2_naming_the_setting():
     proc = run_plan(env={"TOKENS": "1000", "GPUS": "8xTPU"})
     assert proc.returncode == 2 and "GPUS '8xTPU'" in proc.stderr
     assert parse_gpus("4xH200").memory_bytes == 141 * 2**30
 
 
+@pytest.mark.slow
 def test_a_gpucheck_report_from_the_box_replaces_the_mfu_table(tmp_path):
     """The speed gpucheck measured on the box itself (its report.json) is what the plan predicts from,
     and the plan says so; a report of another GPU kind, or without MFU (no CUDA), is refused naming it."""
@@ -354,6 +375,7 @@ def test_a_gpucheck_report_from_the_box_replaces_the_mfu_table(tmp_path):
     assert "not a gpucheck report.json" in run_plan(env={"TOKENS": "1000", "GPUCHECK": str(tmp_path / "bad.json")}).stderr
 
 
+@pytest.mark.slow
 def test_each_depth_says_what_serving_it_needs():
     """bf16 weights plus one request's KV cache (d32: 2 x 32 layers x 16 heads x 2048 x 128 x 2 bytes
     = 0.537 GB a request), and one request's decode speed on CPU: measured at d12 and d20, elsewhere

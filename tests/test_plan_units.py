@@ -203,6 +203,7 @@ def test_the_regime_lines_say_whether_the_run_is_data_limited():
                           "(no regularizer)")
 
 
+@pytest.mark.slow
 def test_main_prints_the_table_or_json_and_exits_2_on_bad_settings(capsys):
     assert plan.main(["--tokens", "350000000", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["depth"] == 56  # the regularized rule (the trainer's defaults)
@@ -326,6 +327,7 @@ def test_the_recommendation_says_the_run_stops_at_the_val_minimum_only_where_it_
     assert line == f"recommendation | at most {p['max_passes']:.1f} passes"
 
 
+@pytest.mark.slow
 def test_the_vocabulary_is_the_characters_however_the_tokenizers_name_was_made():
     char = "".join(["ch", "ar"])  # as parsed from a command line
     literal, made, gpt2 = (plan.plan(PlanConfig(tokens=350_000_000, tokenizer=name))["rungs"]
@@ -366,6 +368,7 @@ def test_a_gpu_whose_memory_is_known_but_not_its_peak_is_refused():
         plan.parse_gpus("8xH100-NVL")  # an H100 (80 GB) of no listed peak
 
 
+@pytest.mark.slow
 def test_hours_available_recommends_the_fewest_gpus_in_time_and_in_budget():
     p = plan.plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, hours_available=10,
                              regularizers="off"))  # the plain rule's d32, which fits every count

@@ -41,6 +41,7 @@ def _end(run_dir):
     return [r for r in read_records(run_dir / "metrics.jsonl") if r["kind"] == "end"][-1]["outcome"]
 
 
+@pytest.mark.slow
 def test_in_run_eval_reads_the_whole_split_to_within_0_01(tmp_path):
     """VAL_FRACTION=0.1 on Tiny Shakespeare: about 111k val tokens, more than an eval's 65,536. The
     last in-run val loss must match the whole split's; the first 65,536 tokens alone read lower."""
@@ -72,6 +73,7 @@ def _mean_loss(model, tokens: np.ndarray, seq: int) -> float:
     return (model(x, y, reduction="sum") / y.numel()).item()
 
 
+@pytest.mark.slow
 def test_on_data_the_fixed_passes_overfit_the_stop_serves_as_well_for_fewer_tokens(tmp_path):
     data = _small_corpus(tmp_path)
     run_train([*SMALL, "--data_dir", data, "--workspace", tmp_path, "--model_tag", "fixed", "--plateau_evals", "0"])
@@ -90,6 +92,7 @@ def test_on_data_the_fixed_passes_overfit_the_stop_serves_as_well_for_fewer_toke
     assert "(the whole split, in whole windows)" in (stop / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_plateau_at_the_peak_lr_starts_the_warmdown_and_the_run_ends_with_it(tmp_path):
     """No pass cap and a budget the clock never reaches: the LR stays at its peak until the val loss
     stops gaining, then falls linearly to 0 over a ninth of the tokens so far (warmdown_frac 0.1)."""
@@ -115,6 +118,7 @@ def test_a_plateau_at_the_peak_lr_starts_the_warmdown_and_the_run_ends_with_it(t
     assert "of the budget unspent" in outcome
 
 
+@pytest.mark.slow
 def test_a_run_cut_off_in_the_warmdown_the_val_minimum_started_ends_as_the_uninterrupted_one(tmp_path):
     """The warmdown that the stop at the val minimum started, cut off halfway (every checkpoint after a
     step in it removed, as a kill -9 then leaves the run directory) and resumed by the same command:

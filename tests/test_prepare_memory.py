@@ -11,6 +11,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 from experiment.dataloader import demo_lines
 
@@ -37,6 +39,7 @@ print(json.dumps({"dir": str(p.dir), "rss_at_start": rss, "peak_rss": status("Vm
 """
 
 
+@pytest.mark.slow
 def test_prepare_of_a_corpus_larger_than_its_memory_limit(tmp_path):
     block = "".join(demo_lines(20_000)).encode()
     data = tmp_path / "data"

@@ -4,6 +4,8 @@ lacks the pinned packages is refused in one line before anything runs."""
 import shutil
 import subprocess
 import sys
+
+import pytest
 from importlib import metadata
 
 from conftest import ENV, REPO
@@ -38,6 +40,7 @@ def test_launch_with_a_python_of_another_torch_exits_2_in_one_line(tmp_path):
     assert not (tmp_path / "ws").exists()  # refused before the pre-flight
 
 
+@pytest.mark.slow
 def test_run_sh_test_runs_the_suite_or_only_the_file_it_is_given():
     """`bash run.sh test tests/test_x.py` runs that file, not the suite beside it; `bash run.sh test -k y`
     selects from the whole suite."""

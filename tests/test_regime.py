@@ -198,6 +198,7 @@ def test_a_run_of_few_passes_keeps_the_plain_step(tmp_path, corpus):
     assert t.max_tokens == t.cfg.max_epochs * train_tokens and t.cfg.max_epochs >= 8  # the data's cap
 
 
+@pytest.mark.slow
 def test_a_resume_keeps_the_regime_its_run_started_with(tmp_path, corpus):
     # 700 steps of 256 tokens make about 4.7 passes, so the recipe (the stop at the val minimum may
     # end the run sooner); then a resume whose budget alone would make a fraction of a pass keeps it.
@@ -230,6 +231,7 @@ def test_the_preflight_plans_the_recipe_and_the_repeat_guard_leaves_it(tmp_path,
     assert isinstance(plan, dict) and any("at most 4: ATTN_DROPOUT=0, AVERAGE=none" in x for x in lines), lines
 
 
+@pytest.mark.slow
 def test_auto_is_a_setting_and_a_bad_average_is_named(tmp_path, corpus):
     assert _cfg("--attn_dropout", "auto").attn_dropout is None
     proc = run_train([*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--average", "swa"], check=False)
@@ -237,6 +239,7 @@ def test_auto_is_a_setting_and_a_bad_average_is_named(tmp_path, corpus):
     assert TrainConfig().average == "auto" and TrainConfig().attn_dropout is None
 
 
+@pytest.mark.slow
 def test_depth_auto_takes_the_regularized_rule_only_where_the_run_leaves_the_whole_recipe_to_the_regime(
         tmp_path, corpus):
     cfg = _cfg("--total_batch_size", 4096)

@@ -184,12 +184,14 @@ def test_bad_regularizer_settings_are_named():
     model.set_dropout(0.0, 0.999)  # the edges that work
 
 
+@pytest.mark.slow
 def test_a_bad_dropout_exits_2_naming_it_and_writes_nothing(tmp_path, corpus):
     proc = run_train([*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--dropout", "1"], check=False)
     assert proc.returncode == 2 and "--dropout must lie in [0, 1), got 1.0" in proc.stderr
     assert not list(tmp_path.rglob("*.pt"))
 
 
+@pytest.mark.slow
 def test_a_regularized_run_resumed_after_a_crash_equals_the_uninterrupted_run(tmp_path, corpus):
     """Dropout's masks come from the RNG each rank's checkpoint keeps, so a resume draws the masks
     the uninterrupted run drew."""
@@ -207,6 +209,7 @@ def test_a_regularized_run_resumed_after_a_crash_equals_the_uninterrupted_run(tm
     assert not all(torch.equal(a[n], plain[n]) for n in a)
 
 
+@pytest.mark.slow
 def test_each_rank_draws_its_masks_from_a_stream_of_its_own(tmp_path, corpus):
     """Two ranks seeded alike would drop the same positions of their different sequences."""
     run_train([*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--max_steps", 1, "--total_batch_size", 256,

@@ -3,6 +3,8 @@
 import json
 import xml.etree.ElementTree as ET
 
+import pytest
+
 from conftest import TINY, run_train
 
 from experiment import checkpoint as ckpt
@@ -83,6 +85,7 @@ def test_the_report_reads_back_what_a_resume_keeps(tmp_path):
     assert resumed.records and max(r["step"] for r in resumed.records) == 100
 
 
+@pytest.mark.slow
 def test_the_trainer_writes_the_report_and_samples_from_the_eval_prompt(tmp_path, corpus):
     # No warmdown: the second run below goes on from the first's last step (with one, more steps would
     # go back to a checkpoint from before it: tests/test_extend.py).
@@ -107,6 +110,7 @@ def test_the_trainer_writes_the_report_and_samples_from_the_eval_prompt(tmp_path
     assert len(val) == 4  # the evals at steps 0, 3, 6 and 9: the resumed run's curve goes on from the first run's
 
 
+@pytest.mark.slow
 def test_an_eval_prompt_the_vocabulary_cannot_spell_exits_2(tmp_path, corpus):
     proc = run_train([*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256,
                       "--max_steps", 2, "--eval_prompt", "hello"], check=False)

@@ -53,6 +53,7 @@ def _launch_until_logged(args, nproc: int, ws, line: str, **popen):
 # ---------------------------------------------------------------- preemption
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path, corpus):
     args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256]
     proc = _launch_until_logged(args, 1, tmp_path, "step 000008 | loss", stdout=subprocess.PIPE,
@@ -67,6 +68,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path, corpus):
     assert f"resumed from {ckpt.model_path(tmp_path / 'checkpoints/d2', steps[0])}" in again.stdout
 
 
+@pytest.mark.slow
 def test_a_preempted_run_keeps_the_eval_grid_of_the_uninterrupted_one(tmp_path, corpus):
     """EVAL_EVERY_EPOCHS=0.05 evaluates every few steps of 256 tokens (a twentieth of a pass); a SIGTERM at
     some step between two evals, then the same command. The resumed run evaluates at the uninterrupted
@@ -103,6 +105,7 @@ def test_a_preempted_run_keeps_the_eval_grid_of_the_uninterrupted_one(tmp_path, 
     assert (state_b["best_step"], state_b["best_val"]) == (state_a["best_step"], state_a["best_val"])
 
 
+@pytest.mark.slow
 def test_signal_on_one_rank_stops_all_ranks_with_a_complete_checkpoint(tmp_path, corpus):
     args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256]
     agent = _launch_until_logged(args, 2, tmp_path, "step 000006 | loss", stdout=subprocess.PIPE,
@@ -117,6 +120,7 @@ def test_signal_on_one_rank_stops_all_ranks_with_a_complete_checkpoint(tmp_path,
     assert all(ckpt.optim_path(tmp_path / "checkpoints/d2", step, r).exists() for r in range(2))
 
 
+@pytest.mark.slow
 def test_second_signal_exits_at_once(tmp_path, corpus):
     # 64 accumulation micro-steps per step, and a preemption save written at 0.05 MB/s (about 20 s for
     # the 0.9 MB share): the second signal arrives while the step or its save still runs, however
@@ -159,6 +163,7 @@ def _writing_step(run_dir):
     return steps[0] if steps else None
 
 
+@pytest.mark.slow
 def test_training_goes_on_during_a_background_write_and_sigterm_completes_it(tmp_path, corpus):
     # Each rank's share is ~0.9 MB: at 0.2 MB/s a save writes for ~4.5 s, hundreds of tiny steps.
     args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256, "--save_every_steps", 4,
@@ -192,6 +197,7 @@ def test_training_goes_on_during_a_background_write_and_sigterm_completes_it(tmp
     assert records[first_save]["blocked"] < records[first_save]["seconds"]
 
 
+@pytest.mark.slow
 def test_a_second_launch_on_a_running_run_exits_2_and_one_after_a_kill_resumes(tmp_path, corpus):
     env = {**ENV, "DEPTH": "2", "ASPECT_RATIO": "32", "HEAD_DIM": "32", "MAX_SEQ_LEN": "32", "DEVICE_BATCH_SIZE": "4",
            "TOTAL_BATCH_SIZE": "256", "SAMPLE_TOKENS": "0", "DATA_DIR": str(corpus), "WORKSPACE": str(tmp_path),
@@ -253,6 +259,7 @@ def test_the_trainer_lock_is_held_while_its_process_lives(tmp_path):
     hold_trainer_lock(tmp_path).close()
 
 
+@pytest.mark.slow
 def test_the_readmes_on_exit_example_stops_the_pod_when_the_run_finished_or_failed_not_on_a_ctrl_c(tmp_path):
     """The README's ON_EXIT line, run by the real watcher (experiment.onexit) after each kind of end,
     with a stand-in runpodctl on PATH: a Ctrl-C or a preemption (stopped) must leave the pod up."""
@@ -273,6 +280,7 @@ def test_the_readmes_on_exit_example_stops_the_pod_when_the_run_finished_or_fail
     assert calls.read_text().splitlines() == ["stop pod pod-finished", "stop pod pod-failed"]
 
 
+@pytest.mark.slow
 def test_on_exit_runs_once_when_the_run_ends_however_it_ends(tmp_path, corpus):
     out = tmp_path / "on_exit.txt"
     env = {**ENV, "DEPTH": "2", "ASPECT_RATIO": "32", "HEAD_DIM": "32", "MAX_SEQ_LEN": "32", "DEVICE_BATCH_SIZE": "4",
@@ -314,6 +322,7 @@ def test_on_exit_runs_once_when_the_run_ends_however_it_ends(tmp_path, corpus):
 # ---------------------------------------------------------------- kill -9 anywhere
 
 
+@pytest.mark.slow
 def test_kill9_at_random_points_and_during_saves_then_resume_equals_uninterrupted(tmp_path, corpus):
     steps = 40
     # An eval comes with every save, so the stop at the val minimum would end the reference before
@@ -381,6 +390,7 @@ def test_kill9_at_random_points_and_during_saves_then_resume_equals_uninterrupte
     assert run_meta(ws, steps)["data_positions"] == run_meta(tmp_path / "ref", steps)["data_positions"]
 
 
+@pytest.mark.slow
 def test_torchrun_restarts_a_dead_worker_and_the_run_resumes(tmp_path, corpus):
     args = [*TINY, "--data_dir", corpus, "--max_steps", 12, "--save_every_steps", 2, "--total_batch_size", 256]
     run_train([*args, "--workspace", tmp_path / "ref"], nproc=2)
@@ -397,6 +407,7 @@ def test_torchrun_restarts_a_dead_worker_and_the_run_resumes(tmp_path, corpus):
     assert all(torch.equal(ref[n], got[n]) for n in ref)
 
 
+@pytest.mark.slow
 def test_a_kill_9_past_the_last_save_charges_the_lost_time_to_the_budget(tmp_path, corpus):
     """kill -9 a few seconds past the newest complete checkpoint, then the same command (to a near end).
     The budget used counts the training the kill threw away (the heartbeat's, at most
@@ -531,6 +542,7 @@ def test_the_heartbeat_is_rank_0s_every_heartbeat_seconds_and_a_failed_write_is_
     assert fsynced and not any(fsynced)
 
 
+@pytest.mark.slow
 def test_workers_exit_on_their_own_when_the_agent_is_killed(tmp_path, corpus):
     args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256]
     with open(tmp_path / "agent.log", "w") as out:
@@ -573,6 +585,7 @@ def elastic_runs(tmp_path_factory):
     return root, runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_from,world_to,batch", [(2, 1, 256), (1, 2, 256), (2, 3, 768)])
 def test_resume_on_another_world_size(elastic_runs, world_from, world_to, batch):
     root, runs = elastic_runs
@@ -616,6 +629,7 @@ def test_resume_on_another_world_size(elastic_runs, world_from, world_to, batch)
 # ---------------------------------------------------------------- several nodes
 
 
+@pytest.mark.slow
 def test_two_nodes_of_one_process_equal_one_node_of_two(tmp_path, corpus):
     args = [*TINY, "--data_dir", corpus, "--max_steps", 4, "--total_batch_size", 256]
     run_train([*args, "--workspace", tmp_path / "one_node"], nproc=2)
@@ -637,6 +651,7 @@ def test_two_nodes_of_one_process_equal_one_node_of_two(tmp_path, corpus):
 # ---------------------------------------------------------------- faults in the run itself
 
 
+@pytest.mark.slow
 def test_failed_save_keeps_earlier_checkpoints_and_training_goes_on(tmp_path, corpus):
     args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256, "--max_steps", 6,
             "--save_every_steps", 2, "--warmdown_frac", 0]  # no warmdown: 8 steps go on from step 6 (test_extend.py)
@@ -757,6 +772,7 @@ def test_a_kill_between_meta_and_best_json_is_repaired_by_the_resume(tmp_path, c
     assert ckpt.read_best(run_dir) == {"step": 4, "val_loss": run_meta(tmp_path, 4)["val_loss"], "weights": "raw"}
 
 
+@pytest.mark.slow
 def test_a_staging_failure_on_one_rank_leaves_both_training_and_later_saves_blocking(tmp_path, corpus):
     """Rank 1's first copy into host memory fails while rank 0's succeeds. Broken before: rank 1 alone
     completed that save at once, its all-reduce meeting rank 0's next collective (a hang on NCCL)."""
@@ -792,6 +808,7 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(run_dir)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_a_full_disk_costs_a_save_not_the_run(tmp_path, corpus, small_disk):
     # A real full filesystem: torch.save reports it as RuntimeError, not OSError.
     args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256, "--max_steps", 6,
@@ -809,6 +826,7 @@ def test_a_full_disk_costs_a_save_not_the_run(tmp_path, corpus, small_disk):
     assert "resumed from" in again.stdout and ckpt.complete_steps(run_dir)[-1] == 6
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_the_final_save_ends_the_launch_once(tmp_path, corpus, small_disk):
     """The whole launch (run.sh, torchrun, MAX_RESTARTS=3) on a volume that fills at step 4's save.
     Broken before: the failed final save exited 1, torchrun restarted the worker 3 times, and each
@@ -844,6 +862,7 @@ def test_a_full_disk_at_the_final_save_ends_the_launch_once(tmp_path, corpus, sm
 # ---------------------------------------------------------------- memory modes
 
 
+@pytest.mark.slow
 def test_bf16_with_master_shards_resumes_exactly_and_recompute_changes_nothing(tmp_path, corpus):
     args = [*TINY, "--data_dir", corpus, "--max_steps", 6, "--save_every_steps", 3, "--total_batch_size", 256,
             "--precision", "bf16"]

@@ -4,6 +4,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import ENV, REPO
 
 from experiment.sample import SEPARATOR
@@ -28,6 +30,7 @@ def server_text(engine, body: dict) -> str:
         assert kind != "error", value
 
 
+@pytest.mark.slow
 def test_samples_are_what_the_server_returns_for_the_same_seed(workspace):
     run = workspace / "checkpoints/d2"
     out = sample("--checkpoint", run, "--prompt", "12+", "--max_tokens", 24, "--seed", 5, "--num_samples", 2,
@@ -45,6 +48,7 @@ def test_samples_are_what_the_server_returns_for_the_same_seed(workspace):
         engine.close()
 
 
+@pytest.mark.slow
 def test_a_file_of_prompts_and_the_newest_runs_best_by_default(workspace, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("1+1=\\n2+\n30+4=\n")  # \n inside a line stands for a newline
@@ -54,6 +58,7 @@ def test_a_file_of_prompts_and_the_newest_runs_best_by_default(workspace, tmp_pa
     assert first.startswith("1+1=\n2+") and second.startswith("30+4=") and rest == ""
 
 
+@pytest.mark.slow
 def test_bad_input_exits_2_naming_what_is_wrong(workspace, tmp_path):
     run = workspace / "checkpoints/d2"
     for args, message in ((["--checkpoint", run, "--prompt", "hello"], "not in the vocabulary"),
@@ -64,6 +69,7 @@ def test_bad_input_exits_2_naming_what_is_wrong(workspace, tmp_path):
         assert proc.returncode == 2 and message in proc.stderr and proc.stdout == "", (args, proc.stderr)
 
 
+@pytest.mark.slow
 def test_several_checkpoints_sample_as_the_servers_ensemble(workspace):
     """--checkpoint A,B decodes the ensemble the server decodes for the same seed (export and model
     file of one run: one in bf16, one in fp32, so their probabilities differ)."""

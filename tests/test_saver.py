@@ -603,6 +603,7 @@ def test_a_stop_signal_after_a_failed_write_saves_its_own_step(tmp_path, monkeyp
                line.endswith("s): saving step 000009 instead") for line in lines) and t.st.save_waits == 0
 
 
+@pytest.mark.slow
 def test_a_due_save_that_waits_for_the_one_in_flight_is_counted_and_said(tmp_path, monkeypatch):
     from experiment import saving
 
@@ -712,6 +713,7 @@ def test_a_save_before_one_is_measured_is_the_checkpoints_bytes_at_the_planned_d
     assert saving.checkpoint_seconds(model.to(torch.bfloat16), 1) == bf16 / (DISK_WRITE_GBPS * 1e9)
 
 
+@pytest.mark.slow
 def test_finish_save_reports_the_write_and_what_it_blocked_and_keeps_the_longest_write(tmp_path):
     from experiment import saving
     from experiment.checkpoint import RunState

@@ -234,6 +234,7 @@ def test_client_leaving_stops_its_generation(server, monkeypatch, stream):
     assert code == 200 and out["tokens"] == 3
 
 
+@pytest.mark.slow
 def test_concurrent_requests_get_exactly_what_they_get_alone(server, monkeypatch):
     """More requests than batch slots, joining at different steps: each one's output equals serving it
     alone, token for token (greedy, seeded sampling with top_k / top_p, stop strings, context rebuilds)."""
@@ -293,6 +294,7 @@ def test_a_burst_of_64_clients_all_get_an_http_answer(workspace):
     assert all(out["tokens"] == 4 for code, _, out in answers if code == 200)
 
 
+@pytest.mark.slow
 def test_a_request_waiting_too_long_for_a_slot_gets_503(workspace, monkeypatch):
     monkeypatch.setattr(server_module, "QUEUE_WAIT_SECONDS", 0.5)
     with serving(workspace, max_batch=1) as (engine, port):
@@ -351,6 +353,7 @@ def test_a_dead_engine_thread_shows_in_health_and_turns_requests_away(workspace,
         assert code == 503 and "not running" in out["error"]
 
 
+@pytest.mark.slow
 def test_batching_numbers_are_checked_where_the_engine_is_built(workspace):
     for config, name in [({"max_batch": 0}, "max_batch"), ({"max_queue": -1}, "max_queue"),
                          ({"kv_cache_gib": float("inf")}, "kv_cache_gib"), ({"kv_cache_gib": float("nan")}, "kv_cache_gib"),
@@ -391,6 +394,7 @@ def test_kv_cache_cap_sets_the_batch(workspace):
         load_engine(ServeConfig(workspace=str(workspace), device="cpu", kv_cache_gib=1e-6))
 
 
+@pytest.mark.slow
 def test_the_kv_cache_is_sized_from_free_memory_by_default(workspace, monkeypatch):
     """Without --kv_cache_gib the batch is the slots that fit in half the memory free once the model
     is loaded (a d32 checkpoint's 32 slots would ask a laptop for 16 GiB at start), at most
@@ -429,6 +433,7 @@ def test_free_memory_is_the_gpus_on_cuda_and_metals_on_mps(monkeypatch):
     assert servemem.free_bytes(torch.device("mps")) == 7_000
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")
 def test_device_mps_where_there_is_none_exits_2_naming_it(workspace):
     proc = subprocess.run([sys.executable, "-m", "experiment.server", "--device", "mps", "--port", "0",
@@ -437,6 +442,7 @@ def test_device_mps_where_there_is_none_exits_2_naming_it(workspace):
     assert proc.returncode == 2 and "error: no model served: --device mps, but MPS is not available" in proc.stderr
 
 
+@pytest.mark.slow
 def test_several_checkpoints_are_served_as_one_ensemble(workspace, tmp_path):
     """--checkpoint A,B: one model id, both members in /info, a KV cache each, and sampled tokens from
     the mean of their probabilities: the run's fp32 best and a bf16 export of other weights, so the
@@ -464,6 +470,7 @@ def test_several_checkpoints_are_served_as_one_ensemble(workspace, tmp_path):
     assert expected[0] not in expected[1:]  # neither member alone
 
 
+@pytest.mark.slow
 def test_an_ensemble_of_two_tokenizers_exits_2_naming_both(workspace, tmp_path):
     export = workspace / "checkpoints" / "d2" / "best.pt"
     obj = torch.load(export, weights_only=True)
@@ -561,6 +568,7 @@ def test_openai_transport_errors_have_openai_shape(server):
         assert code == status and out["error"]["type"] == "invalid_request_error", (method, path)
 
 
+@pytest.mark.slow
 def test_cli_fails_fast_without_a_model_and_serves_with_one(tmp_path, workspace):
     cmd = [sys.executable, "-m", "experiment.server", "--port", "0"]
     proc = subprocess.run([*cmd, "--workspace", tmp_path], cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -728,6 +736,7 @@ def test_the_run_report_renders_in_a_real_browser(server, workspace, tmp_path):
     assert text.startswith("# Run report: d2") and "## Evals" in text
 
 
+@pytest.mark.slow
 def test_serves_a_checkpoint_saved_at_a_preemption(tmp_path, workspace):
     # A preemption save skips the eval, so its meta holds val_loss null; it must still be servable.
     src = workspace / "checkpoints/d2"

@@ -57,6 +57,7 @@ def test_members_parse_to_settings_and_tags_and_the_budget_counts_the_box():
             sweep.parse_ensemble_tokens({"SWEEP_ENSEMBLE_TOKENS": bad})
 
 
+@pytest.mark.slow
 def test_a_sweep_trains_its_members_side_by_side_reports_a_winner_and_a_failing_member(tmp_path):
     write_corpus(tmp_path)
     bad = tmp_path / "bad_metric.py"
@@ -104,6 +105,7 @@ def test_a_sweep_trains_its_members_side_by_side_reports_a_winner_and_a_failing_
     assert f"{failed['member']} started on CPU" in again.stdout
 
 
+@pytest.mark.slow
 def test_a_bad_member_stops_the_sweep_before_any_member_starts_and_a_second_sweep_is_refused(tmp_path):
     write_corpus(tmp_path)
     proc = launch(tmp_path, "DEPTH=2 DEPTH=2+MAX_SEQ_LEN=30", {"MAX_STEPS": "6"})
@@ -121,6 +123,7 @@ def test_a_bad_member_stops_the_sweep_before_any_member_starts_and_a_second_swee
     held.close()
 
 
+@pytest.mark.slow
 def test_the_same_command_after_a_kill_minus_9_resumes_every_member(tmp_path):
     """The sweep and its member killed -9 mid-run (a reboot): the same command resumes the member from
     its checkpoint and ends it as an uninterrupted run would (the same final step and weights)."""
@@ -179,6 +182,7 @@ def test_a_members_status_comes_from_its_own_launchs_last_words_and_the_winner_f
     assert sweep._recorded_slot(run_dir, None) == 0 and sweep._recorded_slot(tmp_path, None) == -1
 
 
+@pytest.mark.slow
 def test_the_ensembles_of_the_best_members_are_scored_on_the_trainers_windows(tmp_path):
     """measure_ensembles, without a sweep around it: two finished runs and one without a checkpoint.
     Each member's loss on the trainer's eval windows is its served val loss; the pair's is the mean of

@@ -70,6 +70,7 @@ def test_peak_flops_by_name_and_none_for_unknown():
     assert peak_flops("NVIDIA GeForce RTX 4090") is None
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_rank_and_shards_name_owned_params(tmp_path, corpus):
     # Same global batch: 1 rank x 2 accumulation micro-steps == 2 ranks x 1 micro-step.
     common = [*TINY, "--data_dir", corpus, "--max_steps", 3, "--total_batch_size", 256]
@@ -104,6 +105,7 @@ def test_two_ranks_equal_one_rank_and_shards_name_owned_params(tmp_path, corpus)
     assert all(torch.equal(t, two[n]) for n, t in model.state_dict().items())
 
 
+@pytest.mark.slow
 def test_resume_after_a_crash_equals_the_uninterrupted_run(tmp_path, corpus):
     common = [*TINY, "--data_dir", corpus, "--max_steps", 6, "--save_every_steps", 3, "--total_batch_size", 256]
     run_train([*common, "--workspace", tmp_path / "a"])
@@ -121,6 +123,7 @@ def test_resume_after_a_crash_equals_the_uninterrupted_run(tmp_path, corpus):
     assert run_meta(tmp_path / "a", 6)["data_positions"] == run_meta(tmp_path / "b", 6)["data_positions"]
 
 
+@pytest.mark.slow
 def test_budget_stop_two_ranks_then_second_launch_resumes(tmp_path, corpus):
     budget = 4.0
     args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256,
@@ -153,6 +156,7 @@ def test_budget_stop_two_ranks_then_second_launch_resumes(tmp_path, corpus):
     assert run_meta(tmp_path, ckpt.complete_steps(run_dir)[-1])["state"]["used_seconds"] <= budget + 10
 
 
+@pytest.mark.slow
 def test_a_run_that_stopped_gaining_in_its_warmdown_stops_and_a_second_launch_trains_no_more(tmp_path, corpus):
     """With the LRs at 0 nothing gains after step 1; the whole run is warmdown (WARMDOWN_FRAC=1), so
     the mean of the last 2 val losses is set at step 2 and 2 evals without a new low of it end the run
@@ -169,6 +173,7 @@ def test_a_run_that_stopped_gaining_in_its_warmdown_stops_and_a_second_launch_tr
     assert ckpt.complete_steps(tmp_path / "checkpoints/d2")[-1] == 4
 
 
+@pytest.mark.slow
 def test_bad_data_and_bad_settings_exit_nonzero_and_write_nothing(tmp_path, corpus):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -195,6 +200,7 @@ def test_the_docs_document_every_setting():
     assert "docs/settings.md" in (REPO / "README.md").read_text()  # and the README points there
 
 
+@pytest.mark.slow
 def test_launcher_maps_env_overrides_to_flags(tmp_path, corpus):
     import os
     import subprocess
@@ -249,6 +255,7 @@ def test_launchfacts_says_gpus_settings_and_whether_torchrun_takes_a_shutdown_ti
     assert not launchfacts.has_shutdown_timeout()
 
 
+@pytest.mark.slow
 def test_launcher_arguments_are_settings_and_anything_else_exits_2(tmp_path, corpus):
     import os
     import subprocess
@@ -295,6 +302,7 @@ def _launch(tmp_path, **env):
     ({"RESUME": "7"}, "--resume 7: no complete checkpoint at that step"),
     ({"DATA_MIX": "web=1"}, "DATA_MIX names 'web', which is no source"),
 ])
+@pytest.mark.slow
 def test_a_users_error_under_a_2_rank_launch_exits_2_before_torchrun(tmp_path, env, message):
     (tmp_path / "empty").mkdir()
     proc = _launch(tmp_path, **env)
@@ -305,6 +313,7 @@ def test_a_users_error_under_a_2_rank_launch_exits_2_before_torchrun(tmp_path, e
     assert "config {" not in proc.stdout  # no worker ever started
 
 
+@pytest.mark.slow
 def test_a_resume_on_other_data_is_refused_by_the_preflight(tmp_path, corpus):
     assert _launch(tmp_path, DATA_DIR=str(corpus)).returncode == 0
     (corpus / "sums.txt").write_text((corpus / "sums.txt").read_text()[: 30000])
@@ -312,6 +321,7 @@ def test_a_resume_on_other_data_is_refused_by_the_preflight(tmp_path, corpus):
     assert proc.returncode == 2 and "trained on prepared data" in proc.stderr and "config {" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_a_node_other_than_0_waits_for_node_0s_plan(tmp_path, capsys):
     import threading
 
@@ -346,6 +356,7 @@ def _two_sources(parent):
     return d
 
 
+@pytest.mark.slow
 def test_data_mix_continues_exactly_across_a_resume_from_2_ranks_to_1(tmp_path):
     data = _two_sources(tmp_path)
     args = [*TINY, "--data_dir", data, "--max_steps", 6, "--save_every_steps", 3, "--total_batch_size", 256,
@@ -364,6 +375,7 @@ def test_data_mix_continues_exactly_across_a_resume_from_2_ranks_to_1(tmp_path):
     assert run_meta(tmp_path / "ref", 6)["data_positions"][0]["cursor"] == 6 * 256 // 32
 
 
+@pytest.mark.slow
 def test_each_source_gets_its_own_val_loss_and_the_total_is_weighted(tmp_path):
     data = _two_sources(tmp_path)
     proc = run_train([*TINY, "--data_dir", data, "--workspace", tmp_path, "--max_steps", 4, "--total_batch_size", 256])
@@ -495,6 +507,7 @@ def test_a_warmdown_once_begun_stays_begun_for_the_stop_at_the_val_minimum():
     assert stopped and "stopped improving during the warmdown" in stopped[0]
 
 
+@pytest.mark.slow
 def test_a_damaged_newest_step_is_found_by_the_preflight_and_the_run_resumes_the_one_before(tmp_path, corpus):
     first = _launch(tmp_path, DATA_DIR=str(corpus), MAX_STEPS="4", SAVE_EVERY_STEPS="2")
     assert first.returncode == 0, first.stderr[-2000:]
@@ -511,6 +524,7 @@ def test_a_damaged_newest_step_is_found_by_the_preflight_and_the_run_resumes_the
     assert ckpt.complete_steps(run_dir)[-1] == 6 and ckpt.damaged_files(run_dir, 4) == []
 
 
+@pytest.mark.slow
 def test_the_launch_keeps_each_workers_stderr_in_the_run_directory(tmp_path, corpus):
     # NCCL's watchdog aborts a worker with lines on its stderr only: they land beside training.log,
     # written by the worker itself (so a killed launcher loses none), and still reach the console.

@@ -11,6 +11,7 @@ from conftest import ENV, REPO, SHAKESPEARE
 from experiment.dataloader import demo_lines
 
 
+@pytest.mark.slow
 def test_generate_benchmark_prints_both_paths_and_they_agree():
     proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "generate", "--depth", "2", "--max_seq_len", "32",
                            "--tokens", "48", "--device", "cpu"], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -20,12 +21,14 @@ def test_generate_benchmark_prints_both_paths_and_they_agree():
     assert "same tokens while within the context: True" in proc.stdout
 
 
+@pytest.mark.slow
 def test_generate_benchmark_without_a_checkpoint_says_why(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "generate", "--workspace", tmp_path],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "no complete checkpoint" in proc.stderr
 
 
+@pytest.mark.slow
 def test_throughput_benchmark_prints_rate_flops_and_cpu_mfu():
     proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "throughput", "--depth", "2", "--aspect_ratio",
                            "32", "--head_dim", "32", "--seq", "32", "--batch", "4", "--steps", "3", "--device", "cpu"],
@@ -38,6 +41,7 @@ def test_throughput_benchmark_prints_rate_flops_and_cpu_mfu():
     assert tok_s > 0 and mfu == pytest.approx(100 * gflops / peak, abs=0.15)
 
 
+@pytest.mark.slow
 def test_speedrun_trains_for_its_budget_and_reports_full_val_loss(tmp_path):
     data = tmp_path / "sums.txt"
     data.write_text("".join(demo_lines(3000, seed=3)))
@@ -60,6 +64,7 @@ def test_speedrun_trains_for_its_budget_and_reports_full_val_loss(tmp_path):
     assert served and float(served.group(1)) < 3.0, proc.stdout[-2000:]
 
 
+@pytest.mark.slow
 def test_profile_splits_a_step_into_buckets_that_add_up_to_its_wall_time():
     """Every bucket is measured: the ops' self times, and the host overhead as the gaps between the
     profiler's events. Their sum meets the wall time only if the self times neither miss nor
@@ -107,6 +112,7 @@ def test_nanogpt_copy_has_prepare_py_bins(tmp_path):
     assert meta["vocab_size"] == len(set(text)) and (tmp_path / "copy" / "model.py").read_text() == "# model.py"
 
 
+@pytest.mark.slow
 def test_versus_skips_without_nanogpt(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "versus", "--nanogpt", tmp_path / "none",
                            "--seconds", "5"], cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -117,6 +123,7 @@ def test_versus_skips_without_nanogpt(tmp_path):
 NANOGPT = REPO.parent / "shared" / "anchors" / "nanogpt"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (NANOGPT / "train.py").exists() or not SHAKESPEARE.exists(),
                     reason="../shared/anchors/nanogpt or ../shared/data/tinyshakespeare.txt not present")
 def test_versus_runs_both_sides_and_compares_them(tmp_path):
@@ -157,6 +164,7 @@ def test_versus_runs_both_sides_and_compares_them(tmp_path):
     assert re.search(r"median of 1 \| per token: ours - nanoGPT at nanoGPT's tokens [-+][\d.]+", proc.stdout)
 
 
+@pytest.mark.slow
 def test_ablate_at_equal_tokens_gives_every_variant_the_same_tokens_and_tables_them(tmp_path):
     data = tmp_path / "sums.txt"
     data.write_text("".join(demo_lines(2000, seed=4)))
@@ -179,6 +187,7 @@ def test_ablate_at_equal_tokens_gives_every_variant_the_same_tokens_and_tables_t
     assert float(line.group(2)) == pytest.approx(rows[1]["loss"] - rows[0]["loss"], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_save_benchmark_prints_blocking_and_background_figures(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "save", "--depth", "2", "--aspect_ratio", "32",
                            "--head_dim", "32", "--seq", "32", "--batch", "2", "--write_mbps", "2", "--rounds", "1",
@@ -196,6 +205,7 @@ def test_save_benchmark_prints_blocking_and_background_figures(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_reduce_benchmark_prints_the_reductions_error_beside_its_floors():
     proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "reduce", "--depth", "2", "--aspect_ratio", "32",
                            "--head_dim", "32", "--seq", "32", "--batch", "2", "--ranks", "4", "--warm_steps", "2"],
@@ -207,6 +217,7 @@ def test_reduce_benchmark_prints_the_reductions_error_beside_its_floors():
     assert float(figures["bf16 ring all-reduce"]) > float(figures["fp32 mean stored in bf16"]) > 0
 
 
+@pytest.mark.slow
 def test_ensemble_benchmark_scores_members_and_their_mean(workspace):
     """bench ensemble on two checkpoints of one run (its fp32 best and the bf16 export of it): each
     member's full-val loss, and the ensemble's, which is the loss of the mean of their probabilities:

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ENV, REPO
 from experiment.tools.bench import main as bench_main
 from experiment.tools.gpucheck_items import ITEMS
@@ -46,6 +48,7 @@ def _failed_items(workspace) -> str:
                    for i in items if i["status"] == "FAIL")
 
 
+@pytest.mark.slow
 def test_quick_gpucheck_on_cpu_passes_and_reports_every_item(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "gpucheck", "--quick", "--workspace", tmp_path],
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1200)
