@@ -84,8 +84,9 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a GPU; skipped without one unless --cuda-tests-on-cpu")
-    config.addinivalue_line("markers", "slow: launches processes or takes over a second; `bash run.sh test "
-                                       "--quick` leaves it out")
+    config.addinivalue_line("markers", "slow(seconds=N): launches processes or takes over a second; `bash run.sh "
+                                       "test --quick` leaves it out. seconds: about how long it takes alone on a "
+                                       "2-core machine, where that is 20 or more (the parallel run starts it first)")
     config.addinivalue_line("markers", "alone: runs with no other test beside it when the suite runs in parallel")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # One core a worker: a worker's in-process torch must not spread over the core the other
@@ -98,8 +99,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:  # the session's trained run costs seconds: whoever uses it is slow
         if "workspace" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
-    # Slow tests first: in parallel, the long ones start early and the short ones fill the end evenly.
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    # The longest first (slow(seconds=N): about N s alone on a 2-core machine), then the other slow
+    # tests, then the quick ones: in parallel, the long ones start early and short ones fill the end.
+    def order(item):
+        slow = item.get_closest_marker("slow")
+        return (slow is None, -(slow.kwargs.get("seconds", 0) if slow else 0))
+    items.sort(key=order)
 
 
 @pytest.fixture(autouse=True)

@@ -224,7 +224,7 @@ def test_without_average_nothing_is_evaluated_twice_or_named(tmp_path, corpus):
     assert "val_loss 4." in log and not re.search(r"raw weights|the average|weight average|^average \|", log, re.M)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=20)
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_averaging_never_changes_training(tmp_path, corpus, nproc):
     """The eval swaps the average in and the weights back bit for bit, on every rank: the raw weights

@@ -172,7 +172,7 @@ def test_a_stop_signal_bounds_the_exit_of_a_rank_stuck_in_a_collective(tmp_path)
                 p.kill()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=48)
 def test_compiled_ddp_with_recompute_and_accumulation_matches_eager():
     # torch.compile over DDP splits the graph at DDP's buckets (1 MB here: several graphs) while every
     # block recomputes its activations in backward and 3 micro-batches accumulate under no_sync.

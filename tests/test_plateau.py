@@ -73,7 +73,7 @@ def _mean_loss(model, tokens: np.ndarray, seq: int) -> float:
     return (model(x, y, reduction="sum") / y.numel()).item()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=55)
 def test_on_data_the_fixed_passes_overfit_the_stop_serves_as_well_for_fewer_tokens(tmp_path):
     data = _small_corpus(tmp_path)
     run_train([*SMALL, "--data_dir", data, "--workspace", tmp_path, "--model_tag", "fixed", "--plateau_evals", "0"])
@@ -92,7 +92,7 @@ def test_on_data_the_fixed_passes_overfit_the_stop_serves_as_well_for_fewer_toke
     assert "(the whole split, in whole windows)" in (stop / "report.md").read_text()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=27)
 def test_a_plateau_at_the_peak_lr_starts_the_warmdown_and_the_run_ends_with_it(tmp_path):
     """No pass cap and a budget the clock never reaches: the LR stays at its peak until the val loss
     stops gaining, then falls linearly to 0 over a ninth of the tokens so far (warmdown_frac 0.1)."""

@@ -198,7 +198,7 @@ def test_a_run_of_few_passes_keeps_the_plain_step(tmp_path, corpus):
     assert t.max_tokens == t.cfg.max_epochs * train_tokens and t.cfg.max_epochs >= 8  # the data's cap
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=23)
 def test_a_resume_keeps_the_regime_its_run_started_with(tmp_path, corpus):
     # 700 steps of 256 tokens make about 4.7 passes, so the recipe (the stop at the val minimum may
     # end the run sooner); then a resume whose budget alone would make a fraction of a pass keeps it.

@@ -197,7 +197,7 @@ def test_training_goes_on_during_a_background_write_and_sigterm_completes_it(tmp
     assert records[first_save]["blocked"] < records[first_save]["seconds"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=27)
 def test_a_second_launch_on_a_running_run_exits_2_and_one_after_a_kill_resumes(tmp_path, corpus):
     env = {**ENV, "DEPTH": "2", "ASPECT_RATIO": "32", "HEAD_DIM": "32", "MAX_SEQ_LEN": "32", "DEVICE_BATCH_SIZE": "4",
            "TOTAL_BATCH_SIZE": "256", "SAMPLE_TOKENS": "0", "DATA_DIR": str(corpus), "WORKSPACE": str(tmp_path),
@@ -280,7 +280,7 @@ def test_the_readmes_on_exit_example_stops_the_pod_when_the_run_finished_or_fail
     assert calls.read_text().splitlines() == ["stop pod pod-finished", "stop pod pod-failed"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=27)
 def test_on_exit_runs_once_when_the_run_ends_however_it_ends(tmp_path, corpus):
     out = tmp_path / "on_exit.txt"
     env = {**ENV, "DEPTH": "2", "ASPECT_RATIO": "32", "HEAD_DIM": "32", "MAX_SEQ_LEN": "32", "DEVICE_BATCH_SIZE": "4",
@@ -322,7 +322,7 @@ def test_on_exit_runs_once_when_the_run_ends_however_it_ends(tmp_path, corpus):
 # ---------------------------------------------------------------- kill -9 anywhere
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=45)
 def test_kill9_at_random_points_and_during_saves_then_resume_equals_uninterrupted(tmp_path, corpus):
     steps = 40
     # An eval comes with every save, so the stop at the val minimum would end the reference before
@@ -407,7 +407,7 @@ def test_torchrun_restarts_a_dead_worker_and_the_run_resumes(tmp_path, corpus):
     assert all(torch.equal(ref[n], got[n]) for n in ref)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=23)
 def test_a_kill_9_past_the_last_save_charges_the_lost_time_to_the_budget(tmp_path, corpus):
     """kill -9 a few seconds past the newest complete checkpoint, then the same command (to a near end).
     The budget used counts the training the kill threw away (the heartbeat's, at most
@@ -585,7 +585,7 @@ def elastic_runs(tmp_path_factory):
     return root, runs
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=40)
 @pytest.mark.parametrize("world_from,world_to,batch", [(2, 1, 256), (1, 2, 256), (2, 3, 768)])
 def test_resume_on_another_world_size(elastic_runs, world_from, world_to, batch):
     root, runs = elastic_runs
@@ -826,7 +826,7 @@ def test_a_full_disk_costs_a_save_not_the_run(tmp_path, corpus, small_disk):
     assert "resumed from" in again.stdout and ckpt.complete_steps(run_dir)[-1] == 6
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=21)
 def test_a_full_disk_at_the_final_save_ends_the_launch_once(tmp_path, corpus, small_disk):
     """The whole launch (run.sh, torchrun, MAX_RESTARTS=3) on a volume that fills at step 4's save.
     Broken before: the failed final save exited 1, torchrun restarted the worker 3 times, and each

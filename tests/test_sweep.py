@@ -57,7 +57,7 @@ def test_members_parse_to_settings_and_tags_and_the_budget_counts_the_box():
             sweep.parse_ensemble_tokens({"SWEEP_ENSEMBLE_TOKENS": bad})
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=61)
 def test_a_sweep_trains_its_members_side_by_side_reports_a_winner_and_a_failing_member(tmp_path):
     write_corpus(tmp_path)
     bad = tmp_path / "bad_metric.py"
@@ -123,7 +123,7 @@ def test_a_bad_member_stops_the_sweep_before_any_member_starts_and_a_second_swee
     held.close()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=130)
 def test_the_same_command_after_a_kill_minus_9_resumes_every_member(tmp_path):
     """The sweep and its member killed -9 mid-run (a reboot): the same command resumes the member from
     its checkpoint and ends it as an uninterrupted run would (the same final step and weights)."""

@@ -123,7 +123,7 @@ def test_resume_after_a_crash_equals_the_uninterrupted_run(tmp_path, corpus):
     assert run_meta(tmp_path / "a", 6)["data_positions"] == run_meta(tmp_path / "b", 6)["data_positions"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=28)
 def test_budget_stop_two_ranks_then_second_launch_resumes(tmp_path, corpus):
     budget = 4.0
     args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256,
@@ -507,7 +507,7 @@ def test_a_warmdown_once_begun_stays_begun_for_the_stop_at_the_val_minimum():
     assert stopped and "stopped improving during the warmdown" in stopped[0]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=24)
 def test_a_damaged_newest_step_is_found_by_the_preflight_and_the_run_resumes_the_one_before(tmp_path, corpus):
     first = _launch(tmp_path, DATA_DIR=str(corpus), MAX_STEPS="4", SAVE_EVERY_STEPS="2")
     assert first.returncode == 0, first.stderr[-2000:]

@@ -123,7 +123,7 @@ def test_versus_skips_without_nanogpt(tmp_path):
 NANOGPT = REPO.parent / "shared" / "anchors" / "nanogpt"
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=87)
 @pytest.mark.skipif(not (NANOGPT / "train.py").exists() or not SHAKESPEARE.exists(),
                     reason="../shared/anchors/nanogpt or ../shared/data/tinyshakespeare.txt not present")
 def test_versus_runs_both_sides_and_compares_them(tmp_path):

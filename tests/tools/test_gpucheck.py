@@ -48,7 +48,7 @@ def _failed_items(workspace) -> str:
                    for i in items if i["status"] == "FAIL")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=200)
 def test_quick_gpucheck_on_cpu_passes_and_reports_every_item(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "gpucheck", "--quick", "--workspace", tmp_path],
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1200)
