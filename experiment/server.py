@@ -294,13 +294,14 @@ class Scheduler:
             self.idle += n
 
     def _fail(self, jobs, message: str) -> None:
-        """Ends the jobs with an error and empties the batch; nothing here can raise (no cache moves)."""
-        for job in jobs:
-            job.events.put(("error", message))
+        """Empties the batch, then ends the jobs with an error (a client that reads its error finds the
+        slots already free); nothing here can raise (no cache moves)."""
         self.running.clear()
         self.batch.clear()
         with self.cond:
             self.idle = self.batch.free
+        for job in jobs:
+            job.events.put(("error", message))
 
 
 def check_batching(max_batch, max_queue, kv_cache_gib) -> None:

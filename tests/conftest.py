@@ -99,11 +99,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:  # the session's trained run costs seconds: whoever uses it is slow
         if "workspace" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
-    # The longest first (slow(seconds=N): about N s alone on a 2-core machine), then the other slow
-    # tests, then the quick ones: in parallel, the long ones start early and short ones fill the end.
+    # `alone` tests first (at the start the other workers lose the least waiting for them), then the
+    # longest (slow(seconds=N): about N s on a 2-core machine), the other slow ones, the quick ones: in
+    # parallel, the long ones start early and short ones fill the end.
     def order(item):
         slow = item.get_closest_marker("slow")
-        return (slow is None, -(slow.kwargs.get("seconds", 0) if slow else 0))
+        return (item.get_closest_marker("alone") is None, slow is None,
+                -(slow.kwargs.get("seconds", 0) if slow else 0))
     items.sort(key=order)
 
 

@@ -124,6 +124,7 @@ NANOGPT = REPO.parent / "shared" / "anchors" / "nanogpt"
 
 
 @pytest.mark.slow(seconds=87)
+@pytest.mark.alone  # two runs of equal wall-clock budgets: their losses hold only on an idle machine
 @pytest.mark.skipif(not (NANOGPT / "train.py").exists() or not SHAKESPEARE.exists(),
                     reason="../shared/anchors/nanogpt or ../shared/data/tinyshakespeare.txt not present")
 def test_versus_runs_both_sides_and_compares_them(tmp_path):
