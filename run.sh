@@ -38,7 +38,7 @@ if [ "$cmd" = test ]; then
     elif [ $# -gt 0 ] && [[ "$1" != -* ]]; then where=() workers=${TEST_WORKERS:-0}; fi
     parallel=()
     if [ "$workers" != 0 ] && "$PYTHON" -c "import xdist" 2>/dev/null; then
-        parallel=(-n "$workers" --dist load)
+        parallel=(-n "$workers" --dist worksteal)
     fi
     exec "$PYTHON" -m pytest "${where[@]}" "${parallel[@]}" --durations=40 "$@"
 fi

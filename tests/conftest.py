@@ -99,14 +99,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:  # the session's trained run costs seconds: whoever uses it is slow
         if "workspace" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
-    # `alone` tests first (at the start the other workers lose the least waiting for them), then the
-    # longest (slow(seconds=N): about N s on a 2-core machine), the other slow ones, the quick ones: in
-    # parallel, the long ones start early and short ones fill the end.
+    # In parallel (pytest-xdist's worksteal: worker i starts on the i-th of k equal runs of the list,
+    # and an idle worker takes half of another's remaining tail): each worker's run goes longest first
+    # (slow(seconds=N): about N s on a 2-core machine), then the other slow tests, then the quick ones,
+    # so the long ones start early and the short ones fill the end; `alone` tests last, where the
+    # other workers lose the least time waiting for them.
     def order(item):
         slow = item.get_closest_marker("slow")
-        return (item.get_closest_marker("alone") is None, slow is None,
+        return (item.get_closest_marker("alone") is not None, slow is None,
                 -(slow.kwargs.get("seconds", 0) if slow else 0))
     items.sort(key=order)
+    k = getattr(config, "workerinput", {}).get("workercount", 1)
+    items[:] = [item for i in range(k) for item in items[i::k]]  # worker i's run: every k-th, from i
 
 
 @pytest.fixture(autouse=True)
