@@ -95,9 +95,13 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+# Fixtures shared by several tests that launch processes (each worker of a parallel run builds its own).
+SHARED_RUNS = {"workspace", "zero1_world2", "elastic_runs"}
+
+
 def pytest_collection_modifyitems(config, items):
-    for item in items:  # the session's trained run costs seconds: whoever uses it is slow
-        if "workspace" in getattr(item, "fixturenames", ()):
+    for item in items:  # a shared fixture that trains or spawns ranks costs seconds: whoever uses it is slow
+        if SHARED_RUNS & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
     # In parallel (pytest-xdist's worksteal: worker i starts on the i-th of k equal runs of the list,
     # and an idle worker takes half of another's remaining tail): each worker's run goes longest first

@@ -53,5 +53,13 @@ def test_run_sh_test_runs_the_suite_or_only_the_file_it_is_given():
         return {line.split("::")[0] for line in proc.stdout.splitlines() if "::" in line}
 
     assert collected("tests/test_mutate.py") == {"tests/test_mutate.py"}
+    # the quick tier: the whole suite less the tests marked slow (or using a shared run)
+    proc = subprocess.run(["bash", str(REPO / "run.sh"), "test", "--quick", "--collect-only", "-q"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    quick = {line for line in proc.stdout.splitlines() if "::" in line}
+    assert "tests/test_pyenv.py::test_problems_name_the_mismatch_and_the_missing" in quick
+    assert "tests/test_pyenv.py::test_run_sh_test_runs_the_suite_or_only_the_file_it_is_given" not in quick  # marked
+    assert "tests/test_server.py::test_an_engine_failure_costs_the_requests_in_flight_not_the_server" not in quick
+    assert len(quick) > 300 and "deselected" in proc.stdout, proc.stdout[-2000:]
     assert collected("-k", "lines_name_one_stretch or problems_name_the_mismatch") == {
         "tests/test_mutate.py", "tests/test_pyenv.py"}
