@@ -77,8 +77,13 @@ def time_bound(seconds: float):
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        while True:  # an alarm that lands in the clean-up raises there: clean up again, or it repeats forever
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+                break
+            except MetricTimeout:
+                continue
 
 
 def generate_fn(model, tok, deadline: float, stopped: Callable[[], bool]) -> Callable[..., str]:
@@ -111,7 +116,9 @@ def measure(fn: Callable, model, tok, seconds: float,
     start = time.monotonic()
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
-        with torch.random.fork_rng(devices=devices), evaluating(model), time_bound(seconds), torch.no_grad():
+        # The alarm innermost: it is cleared before no_grad, eval mode and the RNG are put back, so an
+        # alarm cannot land in their clean-up (grad mode left off would break every later step).
+        with torch.random.fork_rng(devices=devices), evaluating(model), torch.no_grad(), time_bound(seconds):
             result = fn(generate_fn(model, tok, start + seconds, stopped), tok)
     except MetricTimeout as e:
         return None, f"{e}"

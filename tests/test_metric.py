@@ -309,3 +309,48 @@ def test_the_demo_runs_its_sums_unless_eval_metric_names_another_and_a_changed_b
     fresh = RunState()
     metric.adopt_best_by(fresh, "acc", lines.append)
     assert fresh.best_by == "acc" and len(lines) == n  # no best to speak of
+
+
+def test_an_alarm_that_lands_in_the_time_bounds_clean_up_still_clears_the_timer(monkeypatch):
+    """The repeating alarm firing as the metric returns, before the timer is cleared: the clean-up is
+    done anyway, so no alarm goes off later inside training."""
+    import signal
+
+    real_setitimer, fired = signal.setitimer, []
+
+    def alarm_on_first_clear(which, seconds, interval=0.0):
+        if seconds == 0 and not fired:
+            fired.append(1)
+            raise metric.MetricTimeout("ran past its 5 s")  # what the handler raises when the alarm lands here
+        return real_setitimer(which, seconds, interval)
+
+    before = signal.getsignal(signal.SIGALRM)
+    monkeypatch.setattr(signal, "setitimer", alarm_on_first_clear)
+    with metric.time_bound(5.0):
+        pass
+    monkeypatch.undo()
+    assert fired and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert signal.getsignal(signal.SIGALRM) == before
+
+
+def test_grad_mode_is_put_back_after_the_alarm_is_cleared(tmp_path, monkeypatch):
+    """An alarm landing in no_grad's exit would leave grad mode off for every later training step:
+    measure clears the timer before no_grad (and eval mode and the RNG) are put back."""
+    import signal
+
+    model, tok = _model_and_tok(tmp_path)
+    real_no_grad, armed_at_exit = torch.no_grad, []
+
+    class Watched:
+        def __enter__(self):
+            self.inner = real_no_grad()
+            return self.inner.__enter__()
+
+        def __exit__(self, *exc):
+            armed_at_exit.append(signal.getitimer(signal.ITIMER_REAL) != (0.0, 0.0))
+            return self.inner.__exit__(*exc)
+
+    monkeypatch.setattr(torch, "no_grad", Watched)
+    assert metric.measure(lambda generate, tok: {"n": 1.0}, model, tok, 30) == ({"n": 1.0}, None)
+    monkeypatch.undo()
+    assert armed_at_exit == [False] and torch.is_grad_enabled()
