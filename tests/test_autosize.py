@@ -250,9 +250,10 @@ def test_depth_flag_takes_auto_or_a_positive_number():
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # a 22 s budget, the DEPTH=auto probe counted in it: a loaded machine ends it before step 5
 def test_trainer_chooses_records_and_keeps_the_depth_on_resume(tmp_path, corpus):
     i = TINY.index("--depth")
-    args = [*TINY[:i], *TINY[i + 2:], "--depth", "auto", "--data_dir", corpus, "--workspace", tmp_path, "--training_hours", "0.002",
+    args = [*TINY[:i], *TINY[i + 2:], "--depth", "auto", "--data_dir", corpus, "--workspace", tmp_path, "--training_hours", "0.006",
             "--warmdown_frac", "0"]  # no warmdown: the second run goes on from the first's last step (test_extend.py)
     first = run_train([*args, "--max_steps", "3"])
     assert "auto: d" in first.stdout and "counted in the budget" in first.stdout
