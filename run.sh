@@ -31,7 +31,8 @@ cmd=${1:-train}
 [ $# -gt 0 ] && shift
 if [ "$cmd" = test ]; then
     # The whole suite and the quick tier run on every core (pytest-xdist, TEST_WORKERS workers, handed
-    # tests in the order tests/conftest.py sets; 0: one process); a file or directory given first runs only it, in one process unless TEST_WORKERS is set.
+    # tests in the order tests/conftest.py sets; 0: one process). A file or directory given first runs
+    # only it, in one process unless TEST_WORKERS is set.
     # The slowest 40 close the output: what the suite's time goes to.
     where=(tests) workers=${TEST_WORKERS:-$(nproc)}
     if [ "${1:-}" = --quick ]; then shift; set -- -m "not slow" "$@"
