@@ -219,6 +219,7 @@ def best_record(step: int, val_loss: float, meta: dict) -> dict:
 
 
 SWEEP_RECORD = "sweep.json"  # a sweep directory's table (experiment/sweep.py)
+GENERATIONS_RECORD = "generations.json"  # a run of several generations (experiment/generations.py)
 
 
 def sweep_winner(path: Path) -> Path | None:
@@ -231,6 +232,19 @@ def sweep_winner(path: Path) -> Path | None:
     best = pick_winner([(m, _best_or_none(m)) for m in members])
     if best is None:
         raise CheckpointError(f"{path}: the sweep has no winner yet (no member has a best checkpoint)")
+    return best
+
+
+def generation_winner(path: Path) -> Path | None:
+    """A run directory of generations -> the directory of the generation whose best is best, found
+    afresh from their best.json (one still training included); None for any other directory."""
+    record_path = Path(path) / GENERATIONS_RECORD
+    if not record_path.is_file():
+        return None
+    dirs = [Path(path) / g["dir"] for g in read_json(record_path).get("generations", [])]
+    best = pick_winner([(x, _best_or_none(x)) for x in dirs])
+    if best is None:
+        raise CheckpointError(f"{path}: no generation has a best checkpoint yet")
     return best
 
 
@@ -268,6 +282,7 @@ def resolve_serving_checkpoint(path: str | Path | None, workspace: Path) -> Path
     path = Path(path)
     if path.is_dir():
         path = sweep_winner(path) or path
+        path = generation_winner(path) or path
         best = read_best(path)
         steps = complete_steps(path)
         if best is not None and int(best["step"]) in steps:
@@ -282,7 +297,8 @@ def resolve_serving_checkpoint(path: str | Path | None, workspace: Path) -> Path
 
 def _winner_or(run_or_sweep: Path) -> Path | None:
     try:
-        return sweep_winner(run_or_sweep) or run_or_sweep
+        run = sweep_winner(run_or_sweep) or run_or_sweep
+        return generation_winner(run) or run
     except CheckpointError:  # a sweep with no winner yet has nothing to serve
         return None
 

@@ -177,7 +177,15 @@ class TrainConfig:
                                           "without CUDA, 0 with)")
     muon_momentum_warmup_steps: int = opt("Muon's momentum rises linearly from 0.85 to 0.95 over this many steps "
                                           "(0: 0.95 from the start)", MUON_MOMENTUM_WARMUP_STEPS)
-    seed: int = opt("init and data-order seed", 1337)
+    generations: int = opt("models trained one after another in the run directory (gen1/, gen2/, ...), each from "
+                           "scratch with its own seed on the labels and a teacher's predictions, sharing the "
+                           "budget; the best one is served (1: one model, no teacher; docs/training.md)", 1)
+    teacher: str = opt("what a generation after the first learns from: previous (the generation before it) or "
+                       "ensemble (the mean of the probabilities of all before it)", "previous")
+    distill_weight: float = opt("the teacher's share of a generation's loss, 0..1: (1 - w) x cross-entropy on the "
+                                "labels + w x T^2 x KL(teacher || student) at temperature T", 0.5)
+    distill_temperature: float = opt("T, the temperature of both distributions in the distillation term", 1.0)
+    seed: int = opt("init and data-order seed (generation k adds k - 1)", 1337)
     compile: str = opt("torch.compile: auto (on with CUDA), on, off", "auto")
     ddp_graph_split: int = opt("1: a compiled DDP step is split into one graph per gradient bucket, so each bucket's "
                                "all-reduce overlaps the rest of backward; 0: one graph, all-reduced after backward "
@@ -287,7 +295,25 @@ def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
     check_warmups(cfg)
     check_regularizers(cfg)
     check_metric(cfg)
+    check_generations(cfg)
     return cfg
+
+
+def check_generations(cfg: TrainConfig) -> None:
+    if cfg.generations < 1:
+        raise ConfigError(f"--generations must be >= 1 (1: one model), got {cfg.generations}")
+    if cfg.teacher not in ("previous", "ensemble"):
+        raise ConfigError(f"--teacher must be previous or ensemble, got {cfg.teacher!r}")
+    if not 0 <= cfg.distill_weight <= 1:
+        raise ConfigError(f"--distill_weight must lie in [0, 1], got {cfg.distill_weight}")
+    if not (math.isfinite(cfg.distill_temperature) and cfg.distill_temperature > 0):
+        raise ConfigError(f"--distill_temperature must be a finite number > 0, got {cfg.distill_temperature}")
+    if cfg.generations > 1 and cfg.init_from:
+        raise ConfigError("--generations > 1 with --init_from: each generation starts from scratch; "
+                          "fine-tune one model (GENERATIONS=1) instead")
+    if cfg.generations > 1 and cfg.resume not in ("auto", "never"):
+        raise ConfigError(f"--resume {cfg.resume} names one step, but with --generations > 1 each generation has "
+                          "its own steps: use auto or never")
 
 
 # Other ranks wait in the eval's next collective while rank 0 runs EVAL_METRIC: well inside the

@@ -281,8 +281,12 @@ class GPT(nn.Module):
         targets: torch.Tensor | None = None,
         cache: KVCache | None = None,
         reduction: str = "mean",
+        teacher: torch.Tensor | None = None,
+        distill: tuple[float, float] = (0.5, 1.0),
     ):
-        """idx: (B, T) token ids. With targets: the loss (ignore_index -1); else logits (B, T, V)."""
+        """idx: (B, T) token ids. With targets: the loss (ignore_index -1); else logits (B, T, V).
+        With `teacher`, a teacher's next-token probabilities at temperature distill[1] (B, T, V): the
+        loss is distillation_loss's mix of the labels' and the teacher's (reduction "mean" only)."""
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
         if start + T > self.config.max_seq_len:
@@ -299,6 +303,8 @@ class GPT(nn.Module):
         logits = self.lm_head(rms_norm(x)).float()  # fp32 logits: a stable softmax under bf16 autocast
         if targets is None:
             return logits
+        if teacher is not None:
+            return distillation_loss(logits, targets, teacher, *distill)
         return F.cross_entropy(
             logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction=reduction
         )
@@ -362,6 +368,23 @@ class GPT(nn.Module):
             nxt = sample_next(logits, temperature, top_k, generator, allowed_vocab, top_p)
             tokens.append(nxt)
             yield nxt
+
+def distillation_loss(logits: torch.Tensor, targets: torch.Tensor, teacher: torch.Tensor, weight: float,
+                      temperature: float) -> torch.Tensor:
+    """(1 - weight) x the labels' cross-entropy + weight x temperature^2 x KL(teacher || student at the
+    temperature), each the mean over the positions with a target (not -1). `teacher` holds the
+    teacher's probabilities, already at the temperature. The temperature^2 keeps the distillation
+    gradient's scale as the temperature changes (Hinton et al. 2015); KL rather than the soft
+    cross-entropy, so the term is 0 when the student matches and the logged loss reads as a loss."""
+    flat, y = logits.view(-1, logits.size(-1)), targets.reshape(-1)
+    hard = F.cross_entropy(flat, y, ignore_index=-1)
+    log_q = F.log_softmax(flat / temperature, dim=-1)
+    p = teacher.reshape(-1, teacher.size(-1)).float()
+    kl = (p * (torch.log(p.clamp_min(1e-30)) - log_q)).sum(-1)  # 0 log 0 = 0: the clamp keeps it finite
+    mask = (y != -1).float()
+    soft = (kl * mask).sum() / mask.sum().clamp_min(1)
+    return (1 - weight) * hard + weight * temperature**2 * soft
+
 
 def bigram_rows(prev: torch.Tensor, idx: torch.Tensor, n: int, rows: int) -> torch.Tensor:
     """The bigram table's row of (previous, current) for ids below n (previous == n: none): exact

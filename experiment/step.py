@@ -18,16 +18,19 @@ from experiment.optim import ShardedOptimizer, gradients_finite
 
 
 def forward_backward(run: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, grad_accum: int = 1,
-                     defer_sync: torch.nn.Module | None = None, autocast=None) -> torch.Tensor:
+                     defer_sync: torch.nn.Module | None = None, autocast=None,
+                     teacher: torch.Tensor | None = None, distill: tuple[float, float] = (0.5, 1.0)) -> torch.Tensor:
     """One micro-batch: the loss of run(x, y) in the trainer's precision (autocast_for; `autocast`
     overrides it, for a profile), scaled by 1/grad_accum so the accumulated gradient is the mean
     over the step's micro-batches, and its backward. `run` is what the trainer steps: the model, or
     its DDP wrapper, compiled or not. `defer_sync`: the DDP wrapper whose gradient all-reduce waits
     for a later micro-batch (no_sync), else None. Returns the scaled loss, detached, on the device:
-    reading it is a host sync, which the caller does only when it logs."""
+    reading it is a host sync, which the caller does only when it logs. `teacher`: a teacher's
+    probabilities for x (experiment/generations.py), the loss then model.distillation_loss's with
+    `distill` = (weight, temperature)."""
     deferred = defer_sync.no_sync() if defer_sync is not None else contextlib.nullcontext()
     with deferred, autocast if autocast is not None else autocast_for(x.device):
-        loss = run(x, y) / grad_accum
+        loss = (run(x, y) if teacher is None else run(x, y, teacher=teacher, distill=distill)) / grad_accum
     loss.backward()
     return loss.detach()
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from experiment import autosize, extend, finetune, guards, launch, metric, regime, restarts
+from experiment import autosize, extend, finetune, generations, guards, launch, metric, regime, restarts
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError, RunState, pick_resume_step
 from experiment.config import ConfigError, TrainConfig, checkpoint_meta, fill_lrs, parse_args, resolve
@@ -51,6 +51,7 @@ from experiment.runlog import NullWriter, RunLog, log_crash, record_metric, repo
 from experiment.saving import (checkpoint_seconds, export_best, finish_save, make_saver, maybe_save, repair_best,
                                restore_checkpoint, save_seconds)
 from experiment.stopping import decide, last_outcome, stop_grace, stopped_at_minimum, unspent_text
+from experiment.teacher import Teacher
 from experiment.trainer import Loop, Trainer
 from experiment.trainstep import train_step
 
@@ -128,8 +129,9 @@ def compiled(ddp: torch.nn.Module) -> torch.nn.Module:
 
 
 def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog,
-          launched: float | None = None) -> Trainer:
-    """`launched`: when this process's trainer began (a restart's setup is charged from there)."""
+          launched: float | None = None, teachers: list[dict] | None = None) -> Trainer:
+    """`launched`: when this process's trainer began (a restart's setup is charged from there).
+    `teachers`: a later generation's (experiment/generations.py), loaded and checked here."""
     launched = time.time() if launched is None else launched
     cuda = d.device.type == "cuda"
     gpu = guards.local_gpu(d.device) if cuda else None
@@ -137,6 +139,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     unset = regime.left_unset(cfg)  # before the data's pass cap fills MAX_EPOCHS
     prepared, resume_step, rewind_step, lock, lost = prepare_data(cfg, d, workspace, run_dir, log)
     assert cfg.max_epochs is not None, "the pass cap is set with the data (launch.fill_pass_cap)"
+    teacher = load_teacher(cfg, d, prepared, teachers, log) if teachers else None
     auto, probe_seconds = (choose_depth(cfg, d, gpu, prepared, run_dir, resume_step, unset, log)
                            if cfg.depth == "auto" else (None, 0))
     fill_lrs(cfg, cuda)
@@ -162,6 +165,8 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     metric.adopt_best_by(st, cfg.best_by, log)
     ddp = wrap_ddp(model, d)
     use_compile = cfg.compile == "on" or (cfg.compile == "auto" and cuda)
+    if teacher is not None and use_compile:
+        teacher.compile()
     torch._dynamo.config.optimize_ddp = bool(cfg.ddp_graph_split)  # read when the compiled DDP step is traced
     writer = NullWriter()
     if d.master:
@@ -188,12 +193,20 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         saver=make_saver(cfg, d, model, run_dir, log), first_save_seconds=checkpoint_seconds(model, d.world_size, cfg.average != "none"),
         eval_every_tokens=cfg.eval_every_epochs * prepared.meta["split"]["train_tokens"] or math.inf,
         eval_coverage=coverage, launched=launched, lost_seconds=lost, metric=own_metric,
-        best_by=metric.parse_best_by(cfg.best_by))
+        best_by=metric.parse_best_by(cfg.best_by), teacher=teacher)
     log(f"model {model.num_params():,} params (d{cfg.depth}, width {model_config.n_embd}, "
         f"{model_config.n_head} heads) | {t.flops_per_token:.3e} FLOP/token | batch {cfg.device_batch_size} x "
         f"{cfg.max_seq_len} x {d.world_size} ranks x {t.grad_accum} accum = {cfg.total_batch_size:,} tokens/step | "
         f"budget {cfg.training_hours:.3f}h | tensorboard {workspace / 'tensorboard' / cfg.model_tag}")
     return t
+
+
+def load_teacher(cfg: TrainConfig, d: Dist, prepared: Prepared, teachers: list[dict], log: RunLog) -> Teacher:
+    teacher = Teacher.load(teachers, prepared, d.device, cfg.distill_temperature, cfg.max_seq_len)
+    log(f"teacher | {' + '.join(t['file'] for t in teachers)} | {teacher.num_params():,} params, frozen | "
+        f"loss (1 - {cfg.distill_weight:g}) x labels + {cfg.distill_weight:g} x T^2 x KL(teacher || model), "
+        f"T {cfg.distill_temperature:g}")
+    return teacher
 
 
 def start_state(cfg: TrainConfig, d: Dist, run_dir: Path, model_config: GPTConfig, prepared: Prepared,
@@ -323,10 +336,13 @@ def start_loop(t: Trainer) -> Loop:
 # ---------------------------------------------------------------- the loop
 
 
-def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog, launched: float) -> int:
-    t = setup(cfg, d, workspace, run_dir, log, launched)
+def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog, launched: float,
+        teachers: list[dict] | None = None) -> tuple[int, str, float]:
+    """One model in run_dir: (the exit code, the loop's outcome, the budget seconds it used)."""
+    t = setup(cfg, d, workspace, run_dir, log, launched, teachers)
     try:
-        return train_loop(t)
+        code = train_loop(t)
+        return code, t.outcome, t.st.used_seconds
     finally:
         if t.lock is not None:  # a later run in this process (the tests) takes it again
             t.lock.close()
@@ -375,6 +391,7 @@ def train_loop(t: Trainer) -> int:
     if not loop.end:  # None: a resume at or past max_steps had no step left to run
         finish(t, loop)
     outcome = loop.outcome if loop.end is not None else "finished: no step was left to run"
+    t.outcome = outcome
     t.report.add({"kind": "end", "step": t.st.step, "outcome": outcome, "code": loop.end or 0, "time": time.time()})
     t.report.write(t.st, outcome)
     if loop.end == 1:  # the trainer's own decision (a failed final save, a diverging loss): a restart repeats it
@@ -458,7 +475,9 @@ def train(cfg: TrainConfig, d: Dist) -> int:
     log = RunLog(run_dir / "training.log" if d.master else None)
     log(f"config {json.dumps(dataclasses.asdict(cfg))}")
     try:
-        return run(cfg, d, workspace, run_dir, log, launched)
+        if cfg.generations > 1:
+            return generations.run_all(cfg, d, workspace, run_dir, log, launched, run)
+        return run(cfg, d, workspace, run_dir, log, launched)[0]
     except (ConfigError, DataError, CheckpointError):
         raise  # reported as a one-line error by main()
     except BaseException:

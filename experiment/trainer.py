@@ -62,6 +62,8 @@ class Trainer:
     lost_seconds: float  # rank 0's: what the last launch trained past the resumed checkpoint (restarts.py)
     metric: EvalMetric | None = None  # EVAL_METRIC (experiment/metric.py), or the demo's
     best_by: BestBy = BestBy()  # BEST_BY: what chooses the best checkpoint
+    teacher: object = None  # a later generation's frozen teacher (experiment/generations.py), else None
+    outcome: str = "running"  # the loop's, once it ends: what a generation's record keeps
     restart_lost: float = 0.0  # a resume's cost, charged at its first step (restarts.charge), rank 0's
     restart_setup: float = 0.0
 

@@ -42,7 +42,10 @@ def train_step(t: Trainer, loop: Loop) -> tuple[torch.Tensor, float]:
 def micro_backward(t: Trainer, micro: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """One of the update's grad_accum micro-batches; the gradient all-reduce waits for the last."""
     defer = t.ddp if t.d.world_size > 1 and micro < t.grad_accum - 1 else None
-    return forward_backward(t.train_model, x, y, t.grad_accum, defer_sync=defer)
+    if t.teacher is None:
+        return forward_backward(t.train_model, x, y, t.grad_accum, defer_sync=defer)
+    return forward_backward(t.train_model, x, y, t.grad_accum, defer_sync=defer, teacher=t.teacher.probs(x),
+                            distill=(t.cfg.distill_weight, t.cfg.distill_temperature))
 
 
 def next_micro_batch(t: Trainer, loop: Loop) -> None:

@@ -1,0 +1,193 @@
+"""GENERATIONS > 1: models trained one after another in one run directory, each from scratch (its
+own seed) on the labels and a frozen teacher's predictions: the generation before it (TEACHER=previous,
+a chain) or the mean of all before it (ensemble). Compute that one model cannot use (it stops at its
+val minimum, or the data's passes are done) buys the next generation instead.
+
+    <run_dir>/generations.json   the record: each generation's seed, budget, teachers and outcome
+    <run_dir>/gen<k>/            generation k: an ordinary run directory (checkpoints, best.json,
+                                 best.pt, report.md, training.log); TensorBoard <MODEL_TAG>/gen<k>
+    <run_dir>/best.json          the best generation's best (with "generation" and "dir")
+    <run_dir>/best.pt            its export (a hard link to gen<k>/best.pt)
+    <run_dir>/report.md          the generations side by side
+
+The budget: generation k starts with an equal share of what the generations before it left,
+(budget - used) / (generations left), recorded when it begins so that a resume keeps its schedule.
+A teacher's forward passes run inside the step, so its cost is the student's budget's.
+A kill at any moment resumes the generation it hit (its checkpoints, its recorded teacher); a
+launch with more GENERATIONS (and budget) adds generations. train.py stays a loop of one model:
+this module calls it once per generation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+from experiment import checkpoint as ckpt
+from experiment.checkpoint import CheckpointError
+from experiment.config import TrainConfig
+from experiment.distributed import Dist, broadcast_object
+from experiment.files import atomic_write_bytes, atomic_write_json
+from experiment.runlog import RunLog
+from experiment.teacher import meta_digest
+
+RECORD = ckpt.GENERATIONS_RECORD
+MIN_SHARE_SECONDS = 1.0  # a generation with less would end at its first step
+
+
+def read_record(top: Path) -> dict:
+    path = top / RECORD
+    if not path.is_file():
+        return {"generations": []}
+    return ckpt.read_json(path)
+
+
+def teachers_for(top: Path, done: list[dict], how: str) -> list[dict]:
+    """The generation record's teachers: the best step of the generation before (previous) or of
+    every one before (ensemble), each with the digest of its meta."""
+    chosen = done[-1:] if how == "previous" else done
+    out = []
+    for g in chosen:
+        file = ckpt.resolve_serving_checkpoint(top / g["dir"], top)
+        out.append({"generation": g["index"], "file": str(file.relative_to(top)), "meta_sha256": meta_digest(file)})
+    return out
+
+
+def begin(top: Path, record: dict, k: int, cfg: TrainConfig, budget: float) -> dict | None:
+    """Rank 0: generation k's record, written before it trains; None when no budget is left for it."""
+    done = record["generations"][: k - 1]
+    used = sum(g["used_seconds"] for g in done)
+    share = (budget - used) / (cfg.generations - k + 1)
+    if share < MIN_SHARE_SECONDS:
+        return None
+    g = {"index": k, "dir": f"gen{k}", "seed": cfg.seed + k - 1, "budget_seconds": share, "teacher": cfg.teacher
+         if done else None, "teachers": teachers_for(top, done, cfg.teacher) if done else [],
+         "distill": [cfg.distill_weight, cfg.distill_temperature] if done else None,
+         "began": time.time(), "outcome": None, "used_seconds": None, "best": None}
+    record["generations"].append(g)
+    record["budget_seconds"] = budget
+    atomic_write_json(top / RECORD, record)
+    return g
+
+
+def names(g: dict) -> str:
+    return " + ".join(f"gen{t['generation']}" for t in g["teachers"])
+
+
+def generation_config(cfg: TrainConfig, g: dict) -> TrainConfig:
+    """The one-model config generation g trains with: its seed and budget; its run directory and
+    TensorBoard logs under the run's (model_tag <tag>/gen<k>)."""
+    distill = g["distill"] or [cfg.distill_weight, cfg.distill_temperature]
+    return dataclasses.replace(cfg, seed=g["seed"], training_hours=g["budget_seconds"] / 3600, budget_usd=None,
+                               model_tag=f"{cfg.model_tag}/{g['dir']}", distill_weight=distill[0],
+                               distill_temperature=distill[1])
+
+
+def run_all(cfg: TrainConfig, d: Dist, workspace: Path, top: Path, log: RunLog, launched: float,
+            run_one: Callable) -> int:
+    """Train the generations not yet done, in order; `run_one` is train.run (one model in one run
+    directory -> (exit code, outcome, budget seconds used)). Returns the launch's exit code."""
+    budget = cfg.training_hours * 3600
+    for k in range(1, cfg.generations + 1):
+        record = broadcast_object(read_record(top) if d.master else None, d)
+        if k <= len(record["generations"]) and record["generations"][k - 1]["outcome"] is not None:
+            continue  # done in an earlier launch
+        g = record["generations"][k - 1] if k <= len(record["generations"]) else None
+        if g is None:
+            started = None
+            if d.master:
+                try:
+                    started = begin(top, record, k, cfg, budget) or {"none": True}
+                except CheckpointError as e:
+                    started = {"error": str(e)}
+            g = broadcast_object(started, d)
+            if "error" in g:
+                raise CheckpointError(g["error"])
+            if "none" in g:
+                log(f"generations | no budget left for generation {k} of {cfg.generations}")
+                break
+        log(f"generations | generation {k} of {cfg.generations} | seed {g['seed']} | budget {g['budget_seconds']:.1f}s"
+            + (f" | teacher {names(g)} (distill weight {g['distill'][0]:g}, temperature {g['distill'][1]:g})"
+               if g["teachers"] else " | no teacher"))
+        gen_dir = top / g["dir"]
+        teachers = [{**t, "file": str(top / t["file"])} for t in g["teachers"]]
+        code, outcome, used = run_one(generation_config(cfg, g), d, workspace, gen_dir,
+                                      RunLog(gen_dir / "training.log" if d.master else None), launched, teachers)
+        if code != 0 or outcome == "running" or outcome.startswith("stopped"):
+            return code  # a failure, or a stop signal: the same command resumes this generation
+        if d.master:
+            finish(top, k, outcome, used, log)
+        launched = time.time()  # the next generation's setup counts from here
+    if d.master:
+        summary(top, log)
+    return 0
+
+
+def finish(top: Path, k: int, outcome: str, used: float, log: RunLog) -> None:
+    """Rank 0, at generation k's end: its outcome in the record, then the run's best and report."""
+    record = read_record(top)
+    g = record["generations"][k - 1]
+    g.update(outcome=outcome, used_seconds=used, best=ckpt.read_best(top / g["dir"]))
+    atomic_write_json(top / RECORD, record)
+    publish_best(top, record, log)
+    write_report(top, record)
+
+
+def winner(record: dict) -> dict | None:
+    """The generation whose best is best (the lowest val loss, or BEST_BY's score: checkpoint.pick_winner)."""
+    key = ckpt.pick_winner([(i, g["best"]) for i, g in enumerate(record["generations"]) if g.get("best")])
+    return None if key is None else record["generations"][key]
+
+
+def publish_best(top: Path, record: dict, log: RunLog) -> None:
+    """<run_dir>/best.json and best.pt: the winning generation's (best.pt a hard link, so no second
+    copy of the weights; a copy where links fail). A failure costs these files, not the run: the
+    generation's own directory holds the same model."""
+    g = winner(record)
+    if g is None:
+        return
+    atomic_write_json(top / "best.json", {**g["best"], "generation": g["index"], "dir": g["dir"]})
+    src, out = top / g["dir"] / ckpt.EXPORT_NAME, top / ckpt.EXPORT_NAME
+    if not src.is_file():
+        return
+    tmp = top / f".{ckpt.EXPORT_NAME}.{os.getpid()}.tmp"
+    try:
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        log(f"warning: {out} not written ({e}); {src} holds the same model")
+
+
+def write_report(top: Path, record: dict) -> None:
+    g_best = winner(record)
+    lines = ["# Generations", "", "| generation | seed | teacher | budget s | used s | best val_loss | outcome |",
+             "|---|---|---|---|---|---|---|"]
+    for g in record["generations"]:
+        teacher = names(g) or "none"
+        best = g.get("best") or {}
+        val = f"{best['val_loss']:.4f}" if math.isfinite(best.get("val_loss", math.nan)) else "-"
+        mark = " (served)" if g_best is not None and g is g_best else ""
+        used = f"{g['used_seconds']:.1f}" if g["used_seconds"] is not None else "-"
+        lines.append(f"| gen{g['index']}{mark} | {g['seed']} | {teacher} | {g['budget_seconds']:.1f} | {used} | {val} | "
+                     f"{g['outcome'] or 'running'} |")
+    lines += ["", "Each generation's own report: gen<k>/report.md. The served model is the generation with the "
+              "best val loss (best.json names it)."]
+    atomic_write_bytes(top / "report.md", ("\n".join(lines) + "\n").encode())
+
+
+def summary(top: Path, log: RunLog) -> None:
+    record = read_record(top)
+    g = winner(record)
+    parts = [f"gen{x['index']} {x['best']['val_loss']:.4f}" for x in record["generations"] if x.get("best")]
+    log(f"generations | done: {len(record['generations'])} generation(s): {', '.join(parts) or 'none with a best'}"
+        + (f" | serving gen{g['index']} ({top / ckpt.EXPORT_NAME})" if g else ""))

@@ -1,0 +1,89 @@
+"""A later generation's teacher: earlier generations' best steps, frozen, their next-token
+probabilities the distillation term's targets (model.distillation_loss; experiment/generations.py
+picks the steps and records them).
+
+A teacher is loaded from its step's model files, which are checked against the sizes and checksums
+their meta recorded (checkpoint.load_model); the meta itself against the digest recorded when the
+generation began (a step swapped for another run's is refused), and its data and tokenizer against
+the student's: probabilities over other token ids would teach nonsense.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from experiment import checkpoint as ckpt
+from experiment.checkpoint import CheckpointError
+from experiment.dataloader import Prepared
+from experiment.distributed import autocast_for
+from experiment.model import GPT
+
+TOKENIZER_KEYS = ("tokenizer", "encoding", "chars", "bos_id", "vocab_size")
+
+
+def meta_digest(model_file: Path) -> str:
+    """sha256 of the meta file of the step `model_file` names: what a generation's record keeps of
+    its teacher (the meta lists every model file's size and checksum, so this pins the weights)."""
+    m = ckpt.MODEL_RE.match(Path(model_file).name)
+    if not m:
+        raise CheckpointError(f"{model_file}: a teacher is a step's model file (model_<step>.pt)")
+    path = ckpt.meta_path(Path(model_file).parent, int(m.group(1)))
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as e:
+        raise CheckpointError(f"teacher {model_file}: cannot read its meta ({e})") from e
+
+
+class Teacher:
+    """Frozen models in eval mode (no dropout); probs() is the mean of their probabilities at the
+    temperature (of probabilities, not logits: an ensemble of probabilities measured better in
+    NanoGPT Slowrun's unlimited track, and one member is the same either way)."""
+
+    def __init__(self, models: list[GPT], temperature: float):
+        self.models, self.temperature = models, temperature
+        for m in models:
+            m.eval().requires_grad_(False)
+        self.run = list(models)  # what probs() calls: the models, or their compiled wrappers
+
+    @classmethod
+    def load(cls, members: list[dict], prepared: Prepared, device: torch.device, temperature: float,
+             max_seq_len: int) -> "Teacher":
+        """`members`: the generation record's teachers, each {"generation", "file", "meta_sha256"}."""
+        models = []
+        for member in members:
+            path = Path(member["file"])
+            name = f"teacher gen{member['generation']} ({path})"
+            if meta_digest(path) != member["meta_sha256"]:
+                raise CheckpointError(f"{name}: its meta is not the one recorded when this generation began "
+                                      "(the step was replaced or damaged); restore it, or start the run afresh")
+            model, meta = ckpt.load_model(path, device)
+            if meta["prepared"]["hash"] != prepared.meta["hash"]:
+                raise CheckpointError(f"{name}: trained on other data (prepared hash {meta['prepared']['hash'][:12]}, "
+                                      f"this run's {prepared.meta['hash'][:12]})")
+            theirs = {k: meta["tokenizer"].get(k) for k in TOKENIZER_KEYS}
+            if theirs != {k: prepared.meta.get(k) for k in TOKENIZER_KEYS}:
+                raise CheckpointError(f"{name}: another tokenizer than this run's data")
+            if model.config.max_seq_len < max_seq_len:
+                raise CheckpointError(f"{name}: its context {model.config.max_seq_len} is shorter than this run's "
+                                      f"max_seq_len {max_seq_len}")
+            models.append(model)
+        return cls(models, temperature)
+
+    def compile(self) -> None:
+        self.run = [torch.compile(m, dynamic=False) for m in self.models]
+
+    @torch.no_grad()
+    def probs(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, V) fp32: the members' mean probability of each next token given x."""
+        total = None
+        with autocast_for(x.device):
+            for run in self.run:
+                p = torch.softmax(run(x) / self.temperature, dim=-1)
+                total = p if total is None else total + p
+        return total / len(self.run)
+
+    def num_params(self) -> int:
+        return sum(m.num_params() for m in self.models)
