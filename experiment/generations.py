@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from experiment import checkpoint as ckpt
+from experiment import launch
 from experiment.checkpoint import CheckpointError
 from experiment.config import TrainConfig
 from experiment.distributed import Dist, broadcast_object
@@ -88,6 +89,28 @@ def generation_config(cfg: TrainConfig, g: dict) -> TrainConfig:
                                distill_temperature=distill[1])
 
 
+def pending(cfg: TrainConfig, top: Path) -> tuple[TrainConfig, Path, str] | None:
+    """What the next launch trains, for the pre-flight: (the generation's one-model config, its run
+    directory, a line saying which generation and why), or None when all GENERATIONS are done. A
+    generation not begun yet is shown with the share it would get now (and no teacher yet)."""
+    record = read_record(top)
+    gens = record["generations"]
+    done = [g for g in gens if g["outcome"] is not None]
+    if len(done) >= cfg.generations:
+        return None
+    k = len(done) + 1
+    if k <= len(gens):
+        g, how = gens[k - 1], "resumes"
+    else:
+        used = sum(x["used_seconds"] for x in done)
+        share = (cfg.training_hours * 3600 - used) / (cfg.generations - k + 1)
+        g, how = {"index": k, "dir": f"gen{k}", "seed": cfg.seed + k - 1, "budget_seconds": share, "distill": None}, \
+            "starts"
+    line = (f"preflight | generation {k} of {cfg.generations} {how} in {top / g['dir']}: seed {g['seed']}, "
+            f"{g['budget_seconds']:.0f}s of the budget" + (f", {len(done)} done" if done else ""))
+    return generation_config(cfg, g), top / g["dir"], line
+
+
 def run_all(cfg: TrainConfig, d: Dist, workspace: Path, top: Path, log: RunLog, launched: float,
             run_one: Callable) -> int:
     """Train the generations not yet done, in order; `run_one` is train.run (one model in one run
@@ -119,6 +142,8 @@ def run_all(cfg: TrainConfig, d: Dist, workspace: Path, top: Path, log: RunLog, 
         code, outcome, used = run_one(generation_config(cfg, g), d, workspace, gen_dir,
                                       RunLog(gen_dir / "training.log" if d.master else None), launched, teachers)
         if code != 0 or outcome == "running" or outcome.startswith("stopped"):
+            if code == 1:  # the trainer's own failure (train_loop): torchrun's restarts look for it here
+                launch.end_launch(top)
             return code  # a failure, or a stop signal: the same command resumes this generation
         if d.master:
             finish(top, k, outcome, used, log)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from experiment import autosize, extend, finetune, guards, regime
+from experiment import autosize, extend, finetune, generations, guards, regime
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError
 from experiment.config import ConfigError, TrainConfig, parse_args, resolve
@@ -153,6 +153,14 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
         return wait_for_node0(plan_file, started, wait_minutes, log)
     finetune.check_dir(cfg, run_dir)
     check_not_running(run_dir)  # before minutes of data preparation, not after
+    top = run_dir  # the launch's: its lock, its workers' logs, ON_EXIT's
+    if cfg.generations > 1:  # the checks and the plan are the next generation's (experiment/generations.py)
+        if (next_one := generations.pending(cfg, top)) is None:
+            log(f"preflight | all {cfg.generations} generations in {top} are done; a larger GENERATIONS (and "
+                "budget) adds more")
+        else:
+            cfg, run_dir, line = next_one
+            log(line)
     demo = uses_demo(cfg, workspace)
     prepared = prepare_data(cfg, workspace, log)
     weights = source_weights(prepared.meta, cfg.data_mix)
@@ -186,7 +194,7 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
     for line in source_lines(cfg, prepared, weights):
         log(line)
     plan = {"prepared": str(prepared.dir), "resume_step": resume_step, "world_size": world_size,
-            "run_dir": str(run_dir), "shutdown_timeout": guards.shutdown_timeout(shutdown_given, gpu_plan, log),
+            "run_dir": str(top), "shutdown_timeout": guards.shutdown_timeout(shutdown_given, gpu_plan, log),
             "written_at": time.time()}
     atomic_write_json(plan_file, plan)
     return plan

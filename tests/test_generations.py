@@ -1,0 +1,206 @@
+"""GENERATIONS: models trained one after another, each distilled from a frozen teacher; the best served."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import ENV, REPO, TINY, run_train, tiny_config, train_cmd
+from experiment import checkpoint as ckpt
+from experiment.checkpoint import CheckpointError
+from experiment.model import GPT, distillation_loss
+from experiment.teacher import Teacher
+
+# Step-bounded: the schedule follows the steps (a budget of hours is never near), evals and saves at
+# fixed steps, no stop at the val minimum: every launch of the same settings trains the same weights.
+STEPS = 16
+ARGS = [*TINY, "--max_steps", STEPS, "--total_batch_size", 128, "--eval_every_steps", 4, "--save_every_steps", 4,
+        "--plateau_evals", 0, "--save_every_minutes", 1000, "--eval_every_minutes", 1000]
+
+
+def _hand_loss(logits, targets, teacher, weight, temperature) -> float:
+    """The distillation loss position by position in float64."""
+    z, p = logits.double().numpy().reshape(-1, logits.shape[-1]), teacher.double().numpy().reshape(-1, logits.shape[-1])
+    hard, soft, n = 0.0, 0.0, 0
+    for row, target, probs in zip(z, targets.reshape(-1).tolist(), p):
+        if target == -1:
+            continue
+        n += 1
+        hard += np.log(np.exp(row - row.max()).sum()) + row.max() - row[target]
+        scaled = row / temperature
+        log_q = scaled - (np.log(np.exp(scaled - scaled.max()).sum()) + scaled.max())
+        soft += sum(pi * (np.log(pi) - lq) for pi, lq in zip(probs, log_q) if pi > 0)
+    return (1 - weight) * hard / n + weight * temperature**2 * soft / n
+
+
+@pytest.mark.parametrize("weight,temperature", [(0.5, 1.0), (0.3, 2.0), (1.0, 0.5), (0.0, 1.0)])
+def test_the_distillation_loss_is_the_hand_computed_mix_of_labels_and_teacher(weight, temperature):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 7, generator=g) * 3
+    targets = torch.randint(0, 7, (2, 5), generator=g)
+    targets[0, 1] = targets[1, 4] = -1  # positions with no target take no part
+    teacher = torch.softmax(torch.randn(2, 5, 7, generator=g) * 2, dim=-1)
+    teacher[1, 2] = torch.tensor([0.5, 0.5, 0, 0, 0, 0, 0])  # zeros: 0 log 0 = 0
+    got = distillation_loss(logits, targets, teacher, weight, temperature).item()
+    assert got == pytest.approx(_hand_loss(logits, targets, teacher, weight, temperature), rel=1e-5, abs=1e-6)
+    if weight == 0.0:  # the labels alone: the plain loss
+        assert got == pytest.approx(F.cross_entropy(logits.view(-1, 7), targets.view(-1), ignore_index=-1).item(),
+                                    rel=1e-6)
+    own = torch.softmax(logits / temperature, dim=-1)  # a teacher that agrees adds nothing
+    assert distillation_loss(logits, targets, own, 1.0, temperature).item() == pytest.approx(0.0, abs=1e-5)
+
+
+def test_the_teacher_is_frozen_and_gives_the_mean_of_its_members_probabilities():
+    config = tiny_config()
+    a, b = GPT(config), GPT(config)
+    torch.manual_seed(1)
+    for p in b.parameters():
+        p.data.add_(0.1 * torch.randn_like(p))
+    a.set_dropout(0.5, 0.5)  # what it trained with; a teacher never drops
+    teacher = Teacher([a, b], temperature=2.0)
+    x = torch.randint(0, config.vocab_size, (3, 9))
+    want = (torch.softmax(a(x) / 2, -1) + torch.softmax(b(x) / 2, -1)) / 2
+    assert torch.allclose(teacher.probs(x), want, atol=1e-6)
+    assert torch.equal(teacher.probs(x), teacher.probs(x))  # eval mode: no dropout
+    assert not any(p.requires_grad for m in (a, b) for p in m.parameters()) and not a.training
+    assert teacher.num_params() == a.num_params() + b.num_params()
+
+
+def test_a_teacher_from_other_data_or_another_tokenizer_is_refused(tmp_path, corpus):
+    run_train([*ARGS, "--data_dir", corpus, "--workspace", tmp_path, "--max_steps", 4])
+    file = ckpt.resolve_serving_checkpoint(tmp_path / "checkpoints/d2", tmp_path)
+    meta = ckpt.model_meta(file)
+    from experiment.teacher import meta_digest
+    member = [{"generation": 1, "file": str(file), "meta_sha256": meta_digest(file)}]
+    same = types.SimpleNamespace(meta={"hash": meta["prepared"]["hash"], **meta["tokenizer"]})
+    assert Teacher.load(member, same, torch.device("cpu"), 1.0, 32).num_params() > 0
+    other_data = types.SimpleNamespace(meta={**same.meta, "hash": "0" * 16})
+    with pytest.raises(CheckpointError, match="trained on other data"):
+        Teacher.load(member, other_data, torch.device("cpu"), 1.0, 32)
+    other_chars = types.SimpleNamespace(meta={**same.meta, "chars": "abc"})
+    with pytest.raises(CheckpointError, match="another tokenizer"):
+        Teacher.load(member, other_chars, torch.device("cpu"), 1.0, 32)
+    with pytest.raises(CheckpointError, match="context 32 is shorter"):
+        Teacher.load(member, same, torch.device("cpu"), 1.0, 64)
+    with pytest.raises(CheckpointError, match="not the one recorded"):
+        Teacher.load([{**member[0], "meta_sha256": "f" * 64}], same, torch.device("cpu"), 1.0, 32)
+
+
+def _gen(ws: Path, k: int) -> Path:
+    return ws / "checkpoints/d2" / f"gen{k}"
+
+
+def _final(run_dir: Path) -> dict:
+    return ckpt.load_model_state(run_dir, STEPS)
+
+
+def _record(ws: Path) -> dict:
+    return json.loads((ws / "checkpoints/d2/generations.json").read_text())
+
+
+@pytest.mark.slow
+def test_two_generations_share_the_budget_distill_the_second_from_the_first_and_serve_the_best(tmp_path, corpus):
+    ws = tmp_path / "gens"
+    proc = run_train([*ARGS, "--data_dir", corpus, "--workspace", ws, "--generations", 2])
+    top = ws / "checkpoints/d2"
+    record = _record(ws)
+    first, second = record["generations"]
+    assert [first["seed"], second["seed"]] == [1337, 1338]
+    assert first["budget_seconds"] == pytest.approx(1800)  # an hour over two
+    assert second["budget_seconds"] == pytest.approx(3600 - first["used_seconds"])
+    assert first["teachers"] == [] and [t["generation"] for t in second["teachers"]] == [1]
+    assert second["teachers"][0]["file"] == f"gen1/model_{first['best']['step']:06d}.pt"
+    assert all(g["outcome"].startswith("finished") for g in (first, second)), record
+    assert "teacher | " in (_gen(ws, 2) / "training.log").read_text()
+    assert "teacher | " not in (_gen(ws, 1) / "training.log").read_text()
+    assert (ws / "tensorboard/d2/gen2").is_dir()
+    # served: the generation with the lower val loss, by every way of naming the run
+    best_gen = min((first, second), key=lambda g: g["best"]["val_loss"])
+    served = ckpt.resolve_serving_checkpoint(top, ws)
+    assert served == _gen(ws, best_gen["index"]) / f"model_{best_gen['best']['step']:06d}.pt"
+    assert ckpt.resolve_serving_checkpoint(None, ws) == served
+    top_best = json.loads((top / "best.json").read_text())
+    assert top_best["generation"] == best_gen["index"] and top_best["val_loss"] == best_gen["best"]["val_loss"]
+    assert os.path.samefile(top / "best.pt", _gen(ws, best_gen["index"]) / "best.pt")
+    report = (top / "report.md").read_text()
+    assert f"gen{best_gen['index']} (served)" in report and len(re.findall(r"^\| gen\d", report, re.M)) == 2
+    assert f"serving gen{best_gen['index']}" in proc.stdout
+    # The teacher changed what the second generation learned: with weight 0 it is a plain run of its seed,
+    # to the bit (the teacher's forward passes touch no random stream and no data).
+    run_train([*ARGS, "--data_dir", corpus, "--workspace", tmp_path / "w0", "--generations", 2, "--distill_weight", 0])
+    run_train([*ARGS, "--data_dir", corpus, "--workspace", tmp_path / "plain", "--seed", 1338])
+    plain, weight0, taught = _final(tmp_path / "plain/checkpoints/d2"), _final(_gen(tmp_path / "w0", 2)), _final(_gen(ws, 2))
+    assert all(torch.equal(plain[k], weight0[k]) for k in plain)
+    assert not all(torch.equal(plain[k], taught[k]) for k in plain)
+    assert all(torch.equal(a, b) for a, b in zip(_final(_gen(ws, 1)).values(), _final(_gen(tmp_path / "w0", 1)).values()))
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+@pytest.mark.slow
+def test_a_kill_9_in_the_second_generation_resumes_it_and_ends_as_the_uninterrupted_run(tmp_path, corpus):
+    args = [*ARGS, "--data_dir", corpus, "--generations", 2, "--save_every_steps", 1]
+    run_train([*args, "--workspace", tmp_path / "ref"])
+    ws = tmp_path / "killed"
+    proc = subprocess.Popen(train_cmd([*args, "--workspace", ws], 1, torchrun=()), cwd=REPO, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while not (ckpt.complete_steps(_gen(ws, 2)) if _gen(ws, 2).is_dir() else []) or \
+            ckpt.complete_steps(_gen(ws, 2))[-1] < 5:
+        assert proc.poll() is None and time.time() < deadline, "the second generation never reached step 5"
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert ckpt.complete_steps(_gen(ws, 2))[-1] < STEPS, "the kill came too late to test anything"
+    assert _record(ws)["generations"][1]["outcome"] is None
+    again = run_train([*args, "--workspace", ws])
+    assert "generation 1 of 2" not in again.stdout  # done before the kill: not trained again
+    assert "resumed from" in again.stdout and "teacher | " in again.stdout
+    for k in (1, 2):
+        ref, got = _final(_gen(tmp_path / "ref", k)), _final(_gen(ws, k))
+        assert all(torch.equal(ref[n], got[n]) for n in ref), f"gen{k}"
+    assert (_gen(ws, 1) / "training.log").read_text().count("done: ") == 1
+
+
+@pytest.mark.slow
+def test_a_damaged_teacher_stops_the_resume_with_one_line(tmp_path, corpus):
+    args = [*ARGS, "--data_dir", corpus, "--workspace", tmp_path, "--generations", 2]
+    run_train(args)
+    top = tmp_path / "checkpoints/d2"
+    record = _record(tmp_path)
+    record["generations"][1]["outcome"] = None  # as if the second generation were cut short
+    (top / "generations.json").write_text(json.dumps(record))
+    teacher_file = top / record["generations"][1]["teachers"][0]["file"]
+    meta = ckpt.meta_path(teacher_file.parent, record["generations"][0]["best"]["step"])
+    meta.write_text(meta.read_text() + " ")  # still valid JSON, no longer the meta the record pinned
+    proc = run_train(args, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: teacher gen1") and "replaced or damaged" in errors[0], errors
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("flag,value,says", [("--generations", "0", "--generations must be >= 1"),
+                                             ("--teacher", "all", "--teacher must be previous or ensemble"),
+                                             ("--distill_weight", "1.5", "--distill_weight must lie in [0, 1]"),
+                                             ("--distill_temperature", "0", "--distill_temperature must be"),
+                                             ("--resume", "12", "each generation has its own steps")])
+def test_bad_generation_settings_exit_2_before_any_step(tmp_path, corpus, flag, value, says, capsys):
+    from experiment import train
+    extra = ["--generations", "2"] if flag != "--generations" else []
+    code = train.main([*map(str, ARGS), "--data_dir", str(corpus), "--workspace", str(tmp_path), *extra, flag, value])
+    err = capsys.readouterr().err
+    assert code == 2 and says in err and err.startswith("error: "), err
+    assert not (tmp_path / "checkpoints").exists()
