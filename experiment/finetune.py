@@ -60,7 +60,8 @@ def apply(cfg: TrainConfig) -> TrainConfig:
     if cfg.max_seq_len is None:
         changes["max_seq_len"] = mc["max_seq_len"]
     if cfg.model_tag is None:
-        changes["model_tag"] = f"{meta.get('train_config', {}).get('model_tag') or 'model'}-ft"
+        # a generation's tag is <run>/gen<k>: the fine-tune is a run of its own beside <run>, not inside it
+        changes["model_tag"] = f"{(meta.get('train_config', {}).get('model_tag') or 'model').split('/')[0]}-ft"
     return dataclasses.replace(cfg, **changes)
 
 

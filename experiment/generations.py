@@ -21,6 +21,8 @@ this module calls it once per generation.
 from __future__ import annotations
 
 import dataclasses
+import gc
+import json
 import math
 import os
 import shutil
@@ -28,17 +30,21 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from experiment import checkpoint as ckpt
 from experiment import launch
 from experiment.checkpoint import CheckpointError
-from experiment.config import TrainConfig
-from experiment.distributed import Dist, broadcast_object
+from experiment.config import ConfigError, TrainConfig
+from experiment.distributed import PHASE_TIMEOUTS, Dist, broadcast_object
 from experiment.files import atomic_write_bytes, atomic_write_json
 from experiment.runlog import RunLog
 from experiment.teacher import meta_digest
 
 RECORD = ckpt.GENERATIONS_RECORD
 MIN_SHARE_SECONDS = 1.0  # a generation with less would end at its first step
+# Nor less than this part of an equal share: an undertrained generation would teach every later one.
+MIN_SHARE_FRACTION = 0.25
 
 
 def read_record(top: Path) -> dict:
@@ -46,6 +52,26 @@ def read_record(top: Path) -> dict:
     if not path.is_file():
         return {"generations": []}
     return ckpt.read_json(path)
+
+
+def check_layout(cfg: TrainConfig, top: Path) -> None:
+    """One run directory holds one model's run or a run of generations, never both: the two would
+    share best.json and best.pt, and serving would follow whichever wrote last."""
+    if cfg.generations > 1 and ckpt.complete_steps(top):
+        raise ConfigError(f"{top} holds a one-model run's checkpoints; a run of generations needs a directory of "
+                          "its own: set another MODEL_TAG")
+    if cfg.generations == 1 and (top / RECORD).is_file():
+        n = len(read_record(top)["generations"])
+        raise ConfigError(f"{top} is a run of generations ({n} begun, {RECORD}): relaunch it with GENERATIONS "
+                          f"of at least {n}, or set another MODEL_TAG for one model")
+
+
+def share(record: dict, k: int, cfg: TrainConfig, budget: float) -> float | None:
+    """Generation k's budget seconds: an equal share of what the generations before it left; None
+    when that is too little to train a useful generation."""
+    used = sum(g["used_seconds"] for g in record["generations"][: k - 1])
+    seconds = (budget - used) / (cfg.generations - k + 1)
+    return seconds if seconds >= max(MIN_SHARE_SECONDS, MIN_SHARE_FRACTION * budget / cfg.generations) else None
 
 
 def teachers_for(top: Path, done: list[dict], how: str) -> list[dict]:
@@ -59,14 +85,23 @@ def teachers_for(top: Path, done: list[dict], how: str) -> list[dict]:
     return out
 
 
+def check_teachers(top: Path, g: dict) -> None:
+    """The teachers a begun generation recorded still have the metas it pinned (the pre-flight's
+    early look; the trainer loads and checks each in full: teacher.Teacher.load)."""
+    for t in g["teachers"]:
+        if meta_digest(top / t["file"]) != t["meta_sha256"]:
+            raise CheckpointError(f"teacher gen{t['generation']} ({top / t['file']}): its meta is not the one recorded "
+                                  "when this generation began (the step was replaced or damaged); restore it, or "
+                                  "start the run afresh")
+
+
 def begin(top: Path, record: dict, k: int, cfg: TrainConfig, budget: float) -> dict | None:
     """Rank 0: generation k's record, written before it trains; None when no budget is left for it."""
     done = record["generations"][: k - 1]
-    used = sum(g["used_seconds"] for g in done)
-    share = (budget - used) / (cfg.generations - k + 1)
-    if share < MIN_SHARE_SECONDS:
+    seconds = share(record, k, cfg, budget)
+    if seconds is None:
         return None
-    g = {"index": k, "dir": f"gen{k}", "seed": cfg.seed + k - 1, "budget_seconds": share, "teacher": cfg.teacher
+    g = {"index": k, "dir": f"gen{k}", "seed": cfg.seed + k - 1, "budget_seconds": seconds, "teacher": cfg.teacher
          if done else None, "teachers": teachers_for(top, done, cfg.teacher) if done else [],
          "distill": [cfg.distill_weight, cfg.distill_temperature] if done else None,
          "began": time.time(), "outcome": None, "used_seconds": None, "best": None}
@@ -89,68 +124,120 @@ def generation_config(cfg: TrainConfig, g: dict) -> TrainConfig:
                                distill_temperature=distill[1])
 
 
-def pending(cfg: TrainConfig, top: Path) -> tuple[TrainConfig, Path, str] | None:
+def pending(cfg: TrainConfig, top: Path) -> tuple[TrainConfig | None, Path | None, str]:
     """What the next launch trains, for the pre-flight: (the generation's one-model config, its run
-    directory, a line saying which generation and why), or None when all GENERATIONS are done. A
-    generation not begun yet is shown with the share it would get now (and no teacher yet)."""
+    directory, a line saying which generation), or (None, None, a line) when all GENERATIONS are
+    done or no budget is left. A generation not begun yet is shown with the share it would get now
+    (and no teacher yet); a begun one's teachers are checked."""
+    check_layout(cfg, top)
     record = read_record(top)
     gens = record["generations"]
     done = [g for g in gens if g["outcome"] is not None]
     if len(done) >= cfg.generations:
-        return None
+        return None, None, (f"preflight | all {cfg.generations} generations in {top} are done; a larger GENERATIONS "
+                            "(and budget) adds more")
     k = len(done) + 1
     if k <= len(gens):
         g, how = gens[k - 1], "resumes"
+        check_teachers(top, g)
     else:
-        used = sum(x["used_seconds"] for x in done)
-        share = (cfg.training_hours * 3600 - used) / (cfg.generations - k + 1)
-        g, how = {"index": k, "dir": f"gen{k}", "seed": cfg.seed + k - 1, "budget_seconds": share, "distill": None}, \
+        seconds = share(record, k, cfg, cfg.training_hours * 3600)
+        if seconds is None:
+            return None, None, f"preflight | no budget left for generation {k} of {cfg.generations} in {top}"
+        g, how = {"index": k, "dir": f"gen{k}", "seed": cfg.seed + k - 1, "budget_seconds": seconds, "distill": None}, \
             "starts"
     line = (f"preflight | generation {k} of {cfg.generations} {how} in {top / g['dir']}: seed {g['seed']}, "
             f"{g['budget_seconds']:.0f}s of the budget" + (f", {len(done)} done" if done else ""))
     return generation_config(cfg, g), top / g["dir"], line
 
 
+def on_rank_0(d: Dist, fn: Callable):
+    """fn() on rank 0, its result on every rank; its error raised on every rank (none waits for
+    a rank that failed alone)."""
+    result = None
+    if d.master:
+        try:
+            result = {"value": fn()}
+        except (CheckpointError, ConfigError, OSError) as e:
+            result = {"error": str(e)}
+    result = broadcast_object(result, d)
+    if "error" in result:
+        raise CheckpointError(result["error"])
+    return result["value"]
+
+
+def release() -> None:
+    """What a finished generation held: its model, optimizer, compiled graphs and cached GPU memory,
+    before the next one probes the GPU for its batch."""
+    gc.collect()
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run_all(cfg: TrainConfig, d: Dist, workspace: Path, top: Path, log: RunLog, launched: float,
             run_one: Callable) -> int:
     """Train the generations not yet done, in order; `run_one` is train.run (one model in one run
-    directory -> (exit code, outcome, budget seconds used)). Returns the launch's exit code."""
+    directory -> (exit code, outcome, budget seconds used)). Returns the launch's exit code. Rank 0
+    leaves the launch's end in <run_dir>/metrics.jsonl, where ON_EXIT and a sweep read it."""
     budget = cfg.training_hours * 3600
+    on_rank_0(d, lambda: check_layout(cfg, top))
+    if d.master:  # a kill inside finish() left these behind the record
+        refresh(top, log)
+    trained = 0  # generations this launch has run: the setup of the next is charged to its budget
     for k in range(1, cfg.generations + 1):
-        record = broadcast_object(read_record(top) if d.master else None, d)
-        if k <= len(record["generations"]) and record["generations"][k - 1]["outcome"] is not None:
+        record = on_rank_0(d, lambda: read_record(top))
+        gens = record["generations"]
+        if k <= len(gens) and gens[k - 1]["outcome"] is not None:
             continue  # done in an earlier launch
-        g = record["generations"][k - 1] if k <= len(record["generations"]) else None
+        g = gens[k - 1] if k <= len(gens) else on_rank_0(d, lambda: begin(top, record, k, cfg, budget))
         if g is None:
-            started = None
-            if d.master:
-                try:
-                    started = begin(top, record, k, cfg, budget) or {"none": True}
-                except CheckpointError as e:
-                    started = {"error": str(e)}
-            g = broadcast_object(started, d)
-            if "error" in g:
-                raise CheckpointError(g["error"])
-            if "none" in g:
-                log(f"generations | no budget left for generation {k} of {cfg.generations}")
-                break
+            log(f"generations | no budget left for generation {k} of {cfg.generations}")
+            break
+        d.set_timeout(PHASE_TIMEOUTS["setup"])  # the last generation's loop left the step's
         log(f"generations | generation {k} of {cfg.generations} | seed {g['seed']} | budget {g['budget_seconds']:.1f}s"
             + (f" | teacher {names(g)} (distill weight {g['distill'][0]:g}, temperature {g['distill'][1]:g})"
                if g["teachers"] else " | no teacher"))
         gen_dir = top / g["dir"]
         teachers = [{**t, "file": str(top / t["file"])} for t in g["teachers"]]
         code, outcome, used = run_one(generation_config(cfg, g), d, workspace, gen_dir,
-                                      RunLog(gen_dir / "training.log" if d.master else None), launched, teachers)
+                                      RunLog(gen_dir / "training.log" if d.master else None), launched, teachers,
+                                      charge_setup=trained > 0)
         if code != 0 or outcome == "running" or outcome.startswith("stopped"):
             if code == 1:  # the trainer's own failure (train_loop): torchrun's restarts look for it here
                 launch.end_launch(top)
+            if d.master:
+                end_record(top, code, f"{outcome.split(':')[0]}: generation {k} of {cfg.generations}: {outcome}")
             return code  # a failure, or a stop signal: the same command resumes this generation
         if d.master:
             finish(top, k, outcome, used, log)
-        launched = time.time()  # the next generation's setup counts from here
+        trained += 1
+        release()
+        launched = time.time()
     if d.master:
-        summary(top, log)
+        g = summary(top, log)
+        end_record(top, 0, f"finished: {len(read_record(top)['generations'])} generation(s)"
+                   + (f", serving gen{g['index']} (val_loss {g['best']['val_loss']:.4f})" if g else ""))
     return 0
+
+
+def end_record(top: Path, code: int, outcome: str) -> None:
+    """The launch's last words in <run_dir>/metrics.jsonl, as a one-model run leaves them."""
+    try:
+        with open(top / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"kind": "end", "outcome": outcome, "code": code, "time": time.time()}) + "\n")
+    except OSError:  # a full disk: ON_EXIT then reads the launch as failed, as for one model
+        pass
+
+
+def refresh(top: Path, log: RunLog) -> None:
+    try:
+        record = read_record(top)
+        publish_best(top, record, log)
+        if record["generations"]:
+            write_report(top, record)
+    except (CheckpointError, OSError) as e:
+        log(f"warning: the run's best.json, best.pt or report.md not brought up to date ({e})")
 
 
 def finish(top: Path, k: int, outcome: str, used: float, log: RunLog) -> None:
@@ -159,8 +246,7 @@ def finish(top: Path, k: int, outcome: str, used: float, log: RunLog) -> None:
     g = record["generations"][k - 1]
     g.update(outcome=outcome, used_seconds=used, best=ckpt.read_best(top / g["dir"]))
     atomic_write_json(top / RECORD, record)
-    publish_best(top, record, log)
-    write_report(top, record)
+    refresh(top, log)
 
 
 def winner(record: dict) -> dict | None:
@@ -171,14 +257,15 @@ def winner(record: dict) -> dict | None:
 
 def publish_best(top: Path, record: dict, log: RunLog) -> None:
     """<run_dir>/best.json and best.pt: the winning generation's (best.pt a hard link, so no second
-    copy of the weights; a copy where links fail). A failure costs these files, not the run: the
-    generation's own directory holds the same model."""
+    copy of the weights; a copy where links fail; removed while the winner has none, so the two
+    never name different generations)."""
     g = winner(record)
     if g is None:
         return
     atomic_write_json(top / "best.json", {**g["best"], "generation": g["index"], "dir": g["dir"]})
     src, out = top / g["dir"] / ckpt.EXPORT_NAME, top / ckpt.EXPORT_NAME
     if not src.is_file():
+        out.unlink(missing_ok=True)
         return
     tmp = top / f".{ckpt.EXPORT_NAME}.{os.getpid()}.tmp"
     try:
@@ -210,9 +297,11 @@ def write_report(top: Path, record: dict) -> None:
     atomic_write_bytes(top / "report.md", ("\n".join(lines) + "\n").encode())
 
 
-def summary(top: Path, log: RunLog) -> None:
+def summary(top: Path, log: RunLog) -> dict | None:
+    """The last line of a run of generations; returns the served generation's record."""
     record = read_record(top)
     g = winner(record)
     parts = [f"gen{x['index']} {x['best']['val_loss']:.4f}" for x in record["generations"] if x.get("best")]
     log(f"generations | done: {len(record['generations'])} generation(s): {', '.join(parts) or 'none with a best'}"
         + (f" | serving gen{g['index']} ({top / ckpt.EXPORT_NAME})" if g else ""))
+    return g

@@ -221,16 +221,20 @@ def probe_reserve_bytes(plan: MemoryPlan) -> int:
     return plan.rows["optimizer state"] + plan.rows["fp32 masters"] // 2 + plan.rows["NCCL buffers"]
 
 
-def find_device_batch(model: GPT, seq_len: int, per_rank: int, d: Dist, reserve_bytes: int) -> int:
+def find_device_batch(model: GPT, seq_len: int, per_rank: int, d: Dist, reserve_bytes: int, teacher=None) -> int:
     """Largest power-of-two micro-batch whose forward+backward fits next to `reserve_bytes`
     (probe_reserve_bytes), agreed across ranks (min), and dividing `per_rank`, the sequences per
-    rank per optimizer step."""
+    rank per optimizer step. With a teacher (experiment/teacher.py) the step the probe tries holds
+    its probabilities and the distillation loss, as the generation's steps will."""
     def try_batch(b: int) -> None:
         reserve = None
         try:
             reserve = torch.empty(reserve_bytes, dtype=torch.uint8, device=d.device)
             x = torch.zeros(b, seq_len, dtype=torch.long, device=d.device)
-            forward_backward(model, x, x)
+            if teacher is None:
+                forward_backward(model, x, x)
+            else:
+                forward_backward(model, x, x, teacher=teacher.probs(x))
         finally:
             del reserve
             model.zero_grad(set_to_none=True)

@@ -23,6 +23,7 @@ for idle GPUs when the run finished or failed, and leaves it up after a Ctrl-C o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -61,10 +62,13 @@ def outcome_env(run_dir: Path, since: float) -> dict[str, str]:
     env = {"RUN_STATUS": outcome.split(":")[0], "RUN_OUTCOME": outcome, "RUN_DIR": str(run_dir),
            "BEST_CHECKPOINT": "", "BEST_VAL_LOSS": "",
            "BEST_EXPORT": str(run_dir / ckpt.EXPORT_NAME) if (run_dir / ckpt.EXPORT_NAME).is_file() else ""}
-    best = ckpt.read_best(run_dir) if run_dir.is_dir() else None
-    if best is not None and best["step"] in ckpt.complete_steps(run_dir):
-        path = ckpt.model_path(run_dir, best["step"])  # saved in parts by several ranks: the run directory
-        env.update(BEST_CHECKPOINT=str(path if path.is_file() else run_dir), BEST_VAL_LOSS=str(best["val_loss"]))
+    best_dir = run_dir
+    with contextlib.suppress(ckpt.CheckpointError):  # a run of generations: the served generation's directory
+        best_dir = ckpt.generation_winner(run_dir) or run_dir
+    best = ckpt.read_best(best_dir) if best_dir.is_dir() else None
+    if best is not None and best["step"] in ckpt.complete_steps(best_dir):
+        path = ckpt.model_path(best_dir, best["step"])  # saved in parts by several ranks: the run directory
+        env.update(BEST_CHECKPOINT=str(path if path.is_file() else best_dir), BEST_VAL_LOSS=str(best["val_loss"]))
     return env
 
 

@@ -155,12 +155,11 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
     check_not_running(run_dir)  # before minutes of data preparation, not after
     top = run_dir  # the launch's: its lock, its workers' logs, ON_EXIT's
     if cfg.generations > 1:  # the checks and the plan are the next generation's (experiment/generations.py)
-        if (next_one := generations.pending(cfg, top)) is None:
-            log(f"preflight | all {cfg.generations} generations in {top} are done; a larger GENERATIONS (and "
-                "budget) adds more")
-        else:
-            cfg, run_dir, line = next_one
-            log(line)
+        gen_cfg, gen_dir, line = generations.pending(cfg, top)
+        log(line)
+        cfg, run_dir = gen_cfg or cfg, gen_dir or run_dir
+    else:
+        generations.check_layout(cfg, top)
     demo = uses_demo(cfg, workspace)
     prepared = prepare_data(cfg, workspace, log)
     weights = source_weights(prepared.meta, cfg.data_mix)

@@ -90,9 +90,10 @@ def prepare_data(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path,
 
 
 def build_model_and_optimizer(cfg: TrainConfig, d: Dist, model_config: GPTConfig, log: RunLog,
-                              init: dict | None = None) -> tuple[GPT, ShardedOptimizer]:
+                              init: dict | None = None, teacher: Teacher | None = None) -> tuple[GPT, ShardedOptimizer]:
     """In the precision and activation-checkpointing mode that fits (CUDA: the memory plan), and on
-    CUDA without --device_batch_size the largest micro-batch that fits (sets cfg.device_batch_size).
+    CUDA without --device_batch_size the largest micro-batch that fits (sets cfg.device_batch_size;
+    with a teacher, its probabilities and the distillation loss in the probe's step).
     `init`: the weights to start from (INIT_FROM), else the seed's initialization."""
     plan = choose_memory_mode(model_config, cfg.device_batch_size or 1, cfg.precision, cfg.activation_checkpointing, d)
     precision = plan.precision if plan else ("fp32" if cfg.precision == "auto" else cfg.precision)
@@ -113,7 +114,7 @@ def build_model_and_optimizer(cfg: TrainConfig, d: Dist, model_config: GPTConfig
     if cfg.device_batch_size is None:
         reserve_bytes = probe_reserve_bytes(plan) if plan else 0
         per_rank = cfg.total_batch_size // (cfg.max_seq_len * d.world_size)
-        cfg.device_batch_size = find_device_batch(model, cfg.max_seq_len, per_rank, d, reserve_bytes)
+        cfg.device_batch_size = find_device_batch(model, cfg.max_seq_len, per_rank, d, reserve_bytes, teacher)
         log(f"device_batch_size auto -> {cfg.device_batch_size}")
         # The probe's tries (up to out-of-memory) are no part of training: on an H100 the step line
         # showed 78.1 GiB at d12 for a step that needs a fraction of it.
@@ -129,9 +130,10 @@ def compiled(ddp: torch.nn.Module) -> torch.nn.Module:
 
 
 def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog,
-          launched: float | None = None, teachers: list[dict] | None = None) -> Trainer:
+          launched: float | None = None, teachers: list[dict] | None = None, charge_setup: bool = False) -> Trainer:
     """`launched`: when this process's trainer began (a restart's setup is charged from there).
-    `teachers`: a later generation's (experiment/generations.py), loaded and checked here."""
+    `teachers`: a later generation's (experiment/generations.py), loaded and checked here.
+    `charge_setup`: a fresh run's setup counts in its budget (a generation after another in one launch)."""
     launched = time.time() if launched is None else launched
     cuda = d.device.type == "cuda"
     gpu = guards.local_gpu(d.device) if cuda else None
@@ -154,7 +156,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast
     model, opt, st = start_state(cfg, d, run_dir, model_config, prepared, resume_step, rewind_step,
-                                 probe_seconds + regime_seconds, log)
+                                 probe_seconds + regime_seconds, log, teacher)
     if d.master:  # files of a save that a crash cut short; the loaded step is complete, so never these
         ckpt.remove_incomplete(run_dir)
         launch.clear_ended(run_dir)
@@ -198,6 +200,8 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         f"{model_config.n_head} heads) | {t.flops_per_token:.3e} FLOP/token | batch {cfg.device_batch_size} x "
         f"{cfg.max_seq_len} x {d.world_size} ranks x {t.grad_accum} accum = {cfg.total_batch_size:,} tokens/step | "
         f"budget {cfg.training_hours:.3f}h | tensorboard {workspace / 'tensorboard' / cfg.model_tag}")
+    if charge_setup and resume_step is None:
+        t.st.used_seconds = max(t.st.used_seconds, time.time() - launched)
     return t
 
 
@@ -211,7 +215,7 @@ def load_teacher(cfg: TrainConfig, d: Dist, prepared: Prepared, teachers: list[d
 
 def start_state(cfg: TrainConfig, d: Dist, run_dir: Path, model_config: GPTConfig, prepared: Prepared,
                 resume_step: int | None, rewind_step: int | None, probe_seconds: float,
-                log: RunLog) -> tuple[GPT, ShardedOptimizer, RunState]:
+                log: RunLog, teacher: Teacher | None = None) -> tuple[GPT, ShardedOptimizer, RunState]:
     """The model, optimizer and run state the loop starts from: fresh (from INIT_FROM's weights when
     set), a resumed step, or for an extended run the checkpoint from before its warmdown with the
     resumed step's counters (extend.py)."""
@@ -220,7 +224,7 @@ def start_state(cfg: TrainConfig, d: Dist, run_dir: Path, model_config: GPTConfi
         finetune.check_target(cfg, model_config)
         init, line = finetune.weights(cfg)
         log(line)
-    model, opt = build_model_and_optimizer(cfg, d, model_config, log, init)
+    model, opt = build_model_and_optimizer(cfg, d, model_config, log, init, teacher)
     if resume_step is None:
         return model, opt, RunState(used_seconds=probe_seconds)  # DEPTH=auto's probe is part of the budget
     load = resume_step if rewind_step is None else rewind_step
@@ -337,12 +341,18 @@ def start_loop(t: Trainer) -> Loop:
 
 
 def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog, launched: float,
-        teachers: list[dict] | None = None) -> tuple[int, str, float]:
-    """One model in run_dir: (the exit code, the loop's outcome, the budget seconds it used)."""
-    t = setup(cfg, d, workspace, run_dir, log, launched, teachers)
+        teachers: list[dict] | None = None, charge_setup: bool = False) -> tuple[int, str, float]:
+    """One model in run_dir: (the exit code, the loop's outcome, the budget seconds it used, the
+    final eval, save and export included). A stop signal that came after the loop's last decision
+    (during the final eval or save) makes the outcome a stop: a run of generations must not begin
+    the next one then."""
+    t = setup(cfg, d, workspace, run_dir, log, launched, teachers, charge_setup)
     try:
         code = train_loop(t)
-        return code, t.outcome, t.st.used_seconds
+        outcome = t.outcome
+        if t.stop_signum and not outcome.startswith("stopped"):
+            outcome = f"stopped: {signal.Signals(t.stop_signum).name} after the final step ({outcome})"
+        return code, outcome, t.used_final
     finally:
         if t.lock is not None:  # a later run in this process (the tests) takes it again
             t.lock.close()
@@ -385,13 +395,14 @@ def train_loop(t: Trainer) -> int:
                 break
             record_step(t, loop, loss_sum, mult, t0)
             restarts.beat(t, loop)
+        t.stop_signum = stop_signal.signum  # one that came after the last decide(): run() reads it
     if t.saver.pending is not None:  # the loop broke off (a diverging run) with a save in flight
         finish_save(t, loop, wait=True)
     restarts.beat(t, loop, force=True)  # what a stop on an earlier step's checkpoint leaves to train again
     if not loop.end:  # None: a resume at or past max_steps had no step left to run
         finish(t, loop)
     outcome = loop.outcome if loop.end is not None else "finished: no step was left to run"
-    t.outcome = outcome
+    t.outcome, t.used_final = outcome, loop.used()
     t.report.add({"kind": "end", "step": t.st.step, "outcome": outcome, "code": loop.end or 0, "time": time.time()})
     t.report.write(t.st, outcome)
     if loop.end == 1:  # the trainer's own decision (a failed final save, a diverging loss): a restart repeats it

@@ -1,5 +1,6 @@
 """GENERATIONS: models trained one after another, each distilled from a frozen teacher; the best served."""
 
+import hashlib
 import json
 import os
 import re
@@ -134,6 +135,11 @@ def test_two_generations_share_the_budget_distill_the_second_from_the_first_and_
     report = (top / "report.md").read_text()
     assert f"gen{best_gen['index']} (served)" in report and len(re.findall(r"^\| gen\d", report, re.M)) == 2
     assert f"serving gen{best_gen['index']}" in proc.stdout
+    # the launch's last words where ON_EXIT and a sweep read them, and ON_EXIT's best: the served step
+    from experiment import onexit
+    env = onexit.outcome_env(top, 0)
+    assert env["RUN_STATUS"] == "finished" and f"serving gen{best_gen['index']}" in env["RUN_OUTCOME"], env
+    assert env["BEST_CHECKPOINT"] == str(served) and env["BEST_EXPORT"] == str(top / "best.pt")
     # The teacher changed what the second generation learned: with weight 0 it is a plain run of its seed,
     # to the bit (the teacher's forward passes touch no random stream and no data).
     run_train([*ARGS, "--data_dir", corpus, "--workspace", tmp_path / "w0", "--generations", 2, "--distill_weight", 0])
@@ -165,7 +171,12 @@ def test_a_kill_9_in_the_second_generation_resumes_it_and_ends_as_the_uninterrup
     proc.wait()
     assert ckpt.complete_steps(_gen(ws, 2))[-1] < STEPS, "the kill came too late to test anything"
     assert _record(ws)["generations"][1]["outcome"] is None
-    again = run_train([*args, "--workspace", ws])
+    before = _record(ws)["generations"][1]
+    # other settings on the relaunch change nothing of a generation begun: its record holds its share,
+    # teacher and distillation settings
+    again = run_train([*args, "--workspace", ws, "--teacher", "ensemble", "--distill_weight", "0.9",
+                       "--training_hours", "3"])
+    assert _record(ws)["generations"][1] | {"outcome": None, "used_seconds": None, "best": None} == before
     assert "generation 1 of 2" not in again.stdout  # done before the kill: not trained again
     assert "resumed from" in again.stdout and "teacher | " in again.stdout
     for k in (1, 2):
@@ -190,6 +201,24 @@ def test_a_damaged_teacher_stops_the_resume_with_one_line(tmp_path, corpus):
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("error: teacher gen1") and "replaced or damaged" in errors[0], errors
     assert "Traceback" not in proc.stderr + proc.stdout
+    # the pre-flight finds it first, before torchrun starts
+    from experiment import preflight
+    assert preflight.main([*map(str, args)]) == 2
+
+
+def test_a_directory_holds_one_model_or_generations_never_both(tmp_path, corpus, capsys):
+    from experiment import preflight, train
+    args = [*map(str, ARGS), "--data_dir", str(corpus), "--workspace", str(tmp_path), "--max_steps", "2"]
+    assert train.main(args) == 0
+    capsys.readouterr()
+    assert train.main([*args, "--generations", "2"]) == 2
+    assert "holds a one-model run's checkpoints" in capsys.readouterr().err
+    assert preflight.main([*args, "--generations", "2"]) == 2
+    assert "holds a one-model run's checkpoints" in capsys.readouterr().err
+    assert train.main([*args, "--model_tag", "g", "--generations", "2"]) == 0
+    capsys.readouterr()
+    assert preflight.main([*args, "--model_tag", "g"]) == 2
+    assert "is a run of generations (2 begun" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag,value,says", [("--generations", "0", "--generations must be >= 1"),
@@ -204,3 +233,42 @@ def test_bad_generation_settings_exit_2_before_any_step(tmp_path, corpus, flag, 
     err = capsys.readouterr().err
     assert code == 2 and says in err and err.startswith("error: "), err
     assert not (tmp_path / "checkpoints").exists()
+
+
+def _fake_generation(top: Path, k: int, step: int, val_loss: float, used: float) -> dict:
+    """gen<k>/ with a best.json and the meta of its best step: what begin() and the winner read."""
+    d = top / f"gen{k}"
+    d.mkdir(parents=True)
+    (d / "best.json").write_text(json.dumps({"step": step, "val_loss": val_loss, "weights": "raw"}))
+    ckpt.meta_path(d, step).write_text(json.dumps({"step": step, "gen": k}))
+    (d / "best.pt").write_bytes(b"gen%d" % k)
+    return {"index": k, "dir": f"gen{k}", "seed": 1337 + k - 1, "budget_seconds": 0.0, "teachers": [],
+            "outcome": "finished", "used_seconds": used, "best": json.loads((d / "best.json").read_text())}
+
+
+@pytest.mark.parametrize("teacher,expected", [("previous", [3]), ("ensemble", [1, 2, 3])])
+def test_a_generation_begins_with_its_share_its_seed_and_its_teachers(tmp_path, teacher, expected):
+    from experiment import generations
+    from experiment.config import TrainConfig
+    top = tmp_path / "run"
+    done = [_fake_generation(top, 1, 10, 1.5, 100.0), _fake_generation(top, 2, 20, 1.3, 200.0),
+            _fake_generation(top, 3, 30, 1.4, 50.0)]
+    record = {"generations": [dict(g) for g in done]}
+    (top / "generations.json").write_text(json.dumps(record))
+    cfg = TrainConfig(generations=5, teacher=teacher, seed=7, training_hours=1000 / 3600, model_tag="run")
+    gen_cfg, gen_dir, line = generations.pending(cfg, top)
+    g = generations.begin(top, record, 4, cfg, 1000.0)
+    assert g["budget_seconds"] == pytest.approx((1000 - 350) / 2) == pytest.approx(gen_cfg.training_hours * 3600)
+    assert g["seed"] == gen_cfg.seed == 10 and gen_dir == top / "gen4" and "generation 4 of 5 starts" in line
+    assert gen_cfg.model_tag == "run/gen4" and gen_cfg.budget_usd is None
+    assert [t["generation"] for t in g["teachers"]] == expected
+    assert g["teachers"][-1]["file"] == "gen3/model_000030.pt"
+    assert g["teachers"][-1]["meta_sha256"] == hashlib.sha256(ckpt.meta_path(top / "gen3", 30).read_bytes()).hexdigest()
+    assert generations.read_record(top)["generations"][3] == g  # written before the generation trains
+    short = {"generations": [dict(g) for g in done]}  # 0.5 s left over two generations: none begins
+    assert generations.begin(tmp_path, short, 4, cfg, 350.5) is None and not (tmp_path / "generations.json").exists()
+    # the winner: gen2, by val loss; best.json and best.pt follow it
+    generations.publish_best(top, generations.read_record(top), print)
+    assert json.loads((top / "best.json").read_text()) == {**done[1]["best"], "generation": 2, "dir": "gen2"}
+    assert (top / "best.pt").read_bytes() == b"gen2" and os.path.samefile(top / "best.pt", top / "gen2/best.pt")
+    assert ckpt.generation_winner(top) == top / "gen2"
