@@ -272,3 +272,48 @@ def test_a_generation_begins_with_its_share_its_seed_and_its_teachers(tmp_path, 
     assert json.loads((top / "best.json").read_text()) == {**done[1]["best"], "generation": 2, "dir": "gen2"}
     assert (top / "best.pt").read_bytes() == b"gen2" and os.path.samefile(top / "best.pt", top / "gen2/best.pt")
     assert ckpt.generation_winner(top) == top / "gen2"
+    (top / "gen2/best.pt").unlink()  # the winner without its export: no best.pt of another generation's
+    generations.publish_best(top, generations.read_record(top), print)
+    assert not (top / "best.pt").exists() and json.loads((top / "best.json").read_text())["generation"] == 2
+
+
+def test_a_stop_signal_in_a_generations_final_eval_ends_the_launch_there(tmp_path, corpus, monkeypatch, capsys):
+    """A SIGTERM after the loop's last decision (its final eval) is a stop: the next generation does not
+    begin in a launch that is being stopped, the run directory records the stop for ON_EXIT, and the
+    same command then goes on."""
+    from experiment import onexit, train
+    final_eval = train.maybe_eval
+
+    def signalled(t, loop):
+        if loop.end is not None and t.run_dir.name == "gen1":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return final_eval(t, loop)
+
+    monkeypatch.setattr(train, "maybe_eval", signalled)
+    args = [*map(str, ARGS), "--data_dir", str(corpus), "--workspace", str(tmp_path), "--generations", "2",
+            "--max_steps", "4"]
+    assert train.main(args) == 0
+    top = tmp_path / "checkpoints/d2"
+    assert [g["outcome"] for g in _record(tmp_path)["generations"]] == [None]
+    assert onexit.outcome_env(top, 0)["RUN_STATUS"] == "stopped"
+    monkeypatch.setattr(train, "maybe_eval", final_eval)
+    capsys.readouterr()
+    assert train.main(args) == 0
+    assert [g["outcome"] is not None for g in _record(tmp_path)["generations"]] == [True, True]
+    assert onexit.outcome_env(top, 0)["RUN_STATUS"] == "finished"
+
+
+def test_the_setup_of_a_generation_after_another_in_one_launch_counts_in_its_budget(tmp_path, corpus, monkeypatch):
+    from experiment import train
+    from experiment.teacher import Teacher
+    load = Teacher.load.__func__
+
+    def slow_load(cls, *a, **kw):
+        time.sleep(3)
+        return load(cls, *a, **kw)
+
+    monkeypatch.setattr(Teacher, "load", classmethod(slow_load))
+    assert train.main([*map(str, ARGS), "--data_dir", str(corpus), "--workspace", str(tmp_path), "--generations", "2",
+                       "--max_steps", "4"]) == 0
+    used = {k: ckpt.read_meta(_gen(tmp_path, k), 4)["state"]["used_seconds"] for k in (1, 2)}
+    assert used[1] < 3 <= used[2], used
