@@ -236,11 +236,15 @@ def sweep_winner(path: Path) -> Path | None:
 
 
 def generation_winner(path: Path) -> Path | None:
-    """A run directory of generations -> the directory of the generation whose best is best, found
-    afresh from their best.json (one still training included); None for any other directory."""
+    """A run directory of generations -> the directory of the generation it serves: the one its
+    best.json names (the best finished generation: experiment/generations.py), or while none has
+    finished, the best of those begun; None for any other directory."""
     record_path = Path(path) / GENERATIONS_RECORD
     if not record_path.is_file():
         return None
+    top_best = read_best(path)
+    if top_best is not None and "dir" in top_best:
+        return Path(path) / top_best["dir"]
     dirs = [Path(path) / g["dir"] for g in read_json(record_path).get("generations", [])]
     best = pick_winner([(x, _best_or_none(x)) for x in dirs])
     if best is None:

@@ -13,6 +13,7 @@ vocabulary, must name the same source (its weights are not loaded again).
 
 from __future__ import annotations
 
+import re
 import dataclasses
 from pathlib import Path
 
@@ -61,7 +62,8 @@ def apply(cfg: TrainConfig) -> TrainConfig:
         changes["max_seq_len"] = mc["max_seq_len"]
     if cfg.model_tag is None:
         # a generation's tag is <run>/gen<k>: the fine-tune is a run of its own beside <run>, not inside it
-        changes["model_tag"] = f"{(meta.get('train_config', {}).get('model_tag') or 'model').split('/')[0]}-ft"
+        tag = re.sub(r"/gen\d+$", "", meta.get("train_config", {}).get("model_tag") or "model")
+        changes["model_tag"] = f"{tag}-ft"
     return dataclasses.replace(cfg, **changes)
 
 

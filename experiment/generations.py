@@ -25,6 +25,7 @@ import gc
 import json
 import math
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -60,6 +61,9 @@ def check_layout(cfg: TrainConfig, top: Path) -> None:
     if cfg.generations > 1 and ckpt.complete_steps(top):
         raise ConfigError(f"{top} holds a one-model run's checkpoints; a run of generations needs a directory of "
                           "its own: set another MODEL_TAG")
+    if (top.parent / RECORD).is_file() and re.fullmatch(r"gen\d+", top.name):
+        raise ConfigError(f"{top} is a generation of the run in {top.parent}: relaunch that run (its MODEL_TAG and "
+                          "GENERATIONS), which resumes this generation with its teacher")
     if cfg.generations == 1 and (top / RECORD).is_file():
         n = len(read_record(top)["generations"])
         raise ConfigError(f"{top} is a run of generations ({n} begun, {RECORD}): relaunch it with GENERATIONS "
@@ -169,8 +173,8 @@ def on_rank_0(d: Dist, fn: Callable):
 def release() -> None:
     """What a finished generation held: its model, optimizer, compiled graphs and cached GPU memory,
     before the next one probes the GPU for its batch."""
+    torch._dynamo.reset()  # first: its caches hold graphs that hold the model
     gc.collect()
-    torch._dynamo.reset()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -181,7 +185,6 @@ def run_all(cfg: TrainConfig, d: Dist, workspace: Path, top: Path, log: RunLog, 
     directory -> (exit code, outcome, budget seconds used)). Returns the launch's exit code. Rank 0
     leaves the launch's end in <run_dir>/metrics.jsonl, where ON_EXIT and a sweep read it."""
     budget = cfg.training_hours * 3600
-    on_rank_0(d, lambda: check_layout(cfg, top))
     if d.master:  # a kill inside finish() left these behind the record
         refresh(top, log)
     trained = 0  # generations this launch has run: the setup of the next is charged to its budget
@@ -203,17 +206,17 @@ def run_all(cfg: TrainConfig, d: Dist, workspace: Path, top: Path, log: RunLog, 
         code, outcome, used = run_one(generation_config(cfg, g), d, workspace, gen_dir,
                                       RunLog(gen_dir / "training.log" if d.master else None), launched, teachers,
                                       charge_setup=trained > 0)
+        launched = time.time()  # the next generation's setup (this one's record, best files, release) from here
+        d.set_timeout(PHASE_TIMEOUTS["setup"])
         if code != 0 or outcome == "running" or outcome.startswith("stopped"):
             if code == 1:  # the trainer's own failure (train_loop): torchrun's restarts look for it here
                 launch.end_launch(top)
             if d.master:
                 end_record(top, code, f"{outcome.split(':')[0]}: generation {k} of {cfg.generations}: {outcome}")
             return code  # a failure, or a stop signal: the same command resumes this generation
-        if d.master:
-            finish(top, k, outcome, used, log)
+        on_rank_0(d, lambda: finish(top, k, outcome, used, log))
         trained += 1
         release()
-        launched = time.time()
     if d.master:
         g = summary(top, log)
         end_record(top, 0, f"finished: {len(read_record(top)['generations'])} generation(s)"

@@ -157,7 +157,13 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
     if cfg.generations > 1:  # the checks and the plan are the next generation's (experiment/generations.py)
         gen_cfg, gen_dir, line = generations.pending(cfg, top)
         log(line)
-        cfg, run_dir = gen_cfg or cfg, gen_dir or run_dir
+        if gen_cfg is None:  # all done, or no budget left: nothing trains, so nothing to plan or guard
+            plan = {"prepared": str(prepare_data(cfg, workspace, log).dir), "resume_step": None,
+                    "world_size": world_size, "run_dir": str(top), "written_at": time.time(),
+                    "shutdown_timeout": guards.shutdown_timeout(shutdown_given, None, log)}
+            atomic_write_json(plan_file, plan)
+            return plan
+        cfg, run_dir = gen_cfg, gen_dir
     else:
         generations.check_layout(cfg, top)
     demo = uses_demo(cfg, workspace)

@@ -350,7 +350,7 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog, 
     try:
         code = train_loop(t)
         outcome = t.outcome
-        if t.stop_signum and not outcome.startswith("stopped"):
+        if code == 0 and t.stop_signum and not outcome.startswith("stopped"):
             outcome = f"stopped: {signal.Signals(t.stop_signum).name} after the final step ({outcome})"
         return code, outcome, t.used_final
     finally:
@@ -395,7 +395,9 @@ def train_loop(t: Trainer) -> int:
                 break
             record_step(t, loop, loss_sum, mult, t0)
             restarts.beat(t, loop)
-        t.stop_signum = stop_signal.signum  # one that came after the last decide(): run() reads it
+        # One that came after the last decide() (the final eval or save), agreed by every rank: run() reads it.
+        late = torch.tensor([stop_signal.signum], dtype=torch.float64, device=d.device)
+        t.stop_signum = int(d.all_reduce(late, "max").item())
     if t.saver.pending is not None:  # the loop broke off (a diverging run) with a save in flight
         finish_save(t, loop, wait=True)
     restarts.beat(t, loop, force=True)  # what a stop on an earlier step's checkpoint leaves to train again
@@ -486,6 +488,7 @@ def train(cfg: TrainConfig, d: Dist) -> int:
     log = RunLog(run_dir / "training.log" if d.master else None)
     log(f"config {json.dumps(dataclasses.asdict(cfg))}")
     try:
+        generations.on_rank_0(d, lambda: generations.check_layout(cfg, run_dir))
         if cfg.generations > 1:
             return generations.run_all(cfg, d, workspace, run_dir, log, launched, run)
         return run(cfg, d, workspace, run_dir, log, launched)[0]

@@ -132,6 +132,11 @@ def test_init_from_takes_the_sources_shape_tokenizer_and_tag_and_refuses_what_co
     assert (cfg.tokenizer, cfg.bigram_embed, cfg.model_tag) == ("gpt2", 1, "model-ft")
     assert finetune.apply(parse_args(["--init_from", gpt2, "--tokenizer", "gpt2"])).tokenizer == "gpt2"
     assert finetune.chars(cfg) is None
+    # a generation's tag loses its /gen<k> (the fine-tune is a run beside the generations); a sweep member's stays
+    for tag, want in (("run/gen3", "run-ft"), ("sweep/a", "sweep/a-ft")):
+        src = str(_fake_source(tmp_path, {"tokenizer": "tiktoken", "encoding": "gpt2"}, bigram_vocab=12,
+                               train_config={"model_tag": tag}, name=tag.replace("/", "_")))
+        assert finetune.apply(parse_args(["--init_from", src])).model_tag == want
     with pytest.raises(ConfigError, match="--tokenizer cl100k_base: INIT_FROM's model .* uses gpt2; leave it unset"):
         finetune.apply(parse_args(["--init_from", gpt2, "--tokenizer", "cl100k_base"]))
     # a setting equal to the source's is kept whatever int object holds it (320 is not a shared small int)

@@ -219,6 +219,10 @@ def test_a_directory_holds_one_model_or_generations_never_both(tmp_path, corpus,
     capsys.readouterr()
     assert preflight.main([*args, "--model_tag", "g"]) == 2
     assert "is a run of generations (2 begun" in capsys.readouterr().err
+    assert train.main([*args, "--model_tag", "g"]) == 2  # a bare trainer refuses it as well
+    assert "is a run of generations (2 begun" in capsys.readouterr().err
+    assert train.main([*args, "--model_tag", "g/gen2"]) == 2  # a generation as a model of its own
+    assert "is a generation of the run in" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag,value,says", [("--generations", "0", "--generations must be >= 1"),
