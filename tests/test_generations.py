@@ -76,6 +76,7 @@ def test_the_teacher_is_frozen_and_gives_the_mean_of_its_members_probabilities()
     assert teacher.num_params() == a.num_params() + b.num_params()
 
 
+@pytest.mark.slow
 def test_a_teacher_from_other_data_or_another_tokenizer_is_refused(tmp_path, corpus):
     run_train([*ARGS, "--data_dir", corpus, "--workspace", tmp_path, "--max_steps", 4])
     file = ckpt.resolve_serving_checkpoint(tmp_path / "checkpoints/d2", tmp_path)
@@ -206,6 +207,7 @@ def test_a_damaged_teacher_stops_the_resume_with_one_line(tmp_path, corpus):
     assert preflight.main([*map(str, args)]) == 2
 
 
+@pytest.mark.slow
 def test_a_directory_holds_one_model_or_generations_never_both(tmp_path, corpus, capsys):
     from experiment import preflight, train
     args = [*map(str, ARGS), "--data_dir", str(corpus), "--workspace", str(tmp_path), "--max_steps", "2"]
@@ -281,6 +283,7 @@ def test_a_generation_begins_with_its_share_its_seed_and_its_teachers(tmp_path, 
     assert not (top / "best.pt").exists() and json.loads((top / "best.json").read_text())["generation"] == 2
 
 
+@pytest.mark.slow
 def test_a_stop_signal_in_a_generations_final_eval_ends_the_launch_there(tmp_path, corpus, monkeypatch, capsys):
     """A SIGTERM after the loop's last decision (its final eval) is a stop: the next generation does not
     begin in a launch that is being stopped, the run directory records the stop for ON_EXIT, and the
@@ -307,6 +310,7 @@ def test_a_stop_signal_in_a_generations_final_eval_ends_the_launch_there(tmp_pat
     assert onexit.outcome_env(top, 0)["RUN_STATUS"] == "finished"
 
 
+@pytest.mark.slow
 def test_the_setup_of_a_generation_after_another_in_one_launch_counts_in_its_budget(tmp_path, corpus, monkeypatch):
     from experiment import train
     from experiment.teacher import Teacher
