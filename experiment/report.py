@@ -15,7 +15,15 @@ import time
 from pathlib import Path
 from xml.sax.saxutils import escape
 
+from typing import TYPE_CHECKING
+
 from experiment.files import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from experiment.config import TrainConfig
+    from experiment.dataloader import Prepared
+    from experiment.distributed import Dist
+    from experiment.model import GPT
 
 KEPT_SAMPLES = 3  # the latest eval samples the report shows
 TABLE_ROWS = 12  # the latest evals and saves the report lists
@@ -277,3 +285,43 @@ def _short(v: float, tokens: bool) -> str:
         if abs(v) >= div:
             return f"{v / div:g}{suffix}"
     return f"{v:g}"
+
+
+# ---------------------------------------------------------------- the run's facts
+
+
+def run_facts(cfg: TrainConfig, d: Dist, model: GPT, prepared: Prepared, budget_seconds: float, accum: int,
+                 auto: dict | None, coverage: tuple[int, int, bool]) -> dict:
+    """What the run report says the run is: fixed at setup (train.setup)."""
+    import dataclasses
+
+    import torch
+
+    from experiment.plateau import WARMDOWN_WINDOW  # imported here: plateau -> trainer -> report
+    c, meta = model.config, prepared.meta
+    device = torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "cpu"
+    return {
+        "model_tag": cfg.model_tag, "params": model.num_params(), "budget_seconds": budget_seconds,
+        "train_tokens": meta["split"]["train_tokens"], "config": dataclasses.asdict(cfg),
+        "model": f"d{c.depth}, width {c.n_embd}, {c.n_head} heads, context {c.max_seq_len}",
+        "device": f"{d.world_size} x {device}",
+        "batch": f"{cfg.total_batch_size:,} tokens/step = {cfg.device_batch_size} x {cfg.max_seq_len} x "
+                 f"{d.world_size} ranks x {accum} accumulated",
+        "data": f"{meta['split']['train_tokens']:,} train and {meta['split']['val_tokens']:,} val tokens "
+                f"({meta['tokenizer']} tokenizer, vocabulary {meta['vocab_used']}) in {prepared.dir}",
+        "best_file": "model_{step:06d}.pt" if d.world_size == 1 else f"model_{{step:06d}}_rank0..{d.world_size - 1}.pt",
+        "auto": (auto or {}).get("reason"),
+        "eval": f"{eval_sample_text(coverage)}, every {cfg.eval_every_minutes:g} min"
+                + (f" or {cfg.eval_every_epochs:g} passes" if cfg.eval_every_epochs else "")
+                + (f"; stop at the val minimum: {cfg.plateau_evals} evals without a gain of {cfg.plateau_margin:.1%} "
+                   f"at the peak LR start the warmdown, {cfg.plateau_evals} evals in a warmdown without a new low of "
+                   f"the mean of the last {WARMDOWN_WINDOW} val losses end the run" if cfg.plateau_evals
+                   else "; no stop at the val minimum (PLATEAU_EVALS=0)"),
+    }
+
+
+def eval_sample_text(coverage: tuple[int, int, bool]) -> str:
+    read, total, whole = coverage
+    if whole:
+        return f"{read:,} of the {total:,} val tokens (the whole split, in whole windows)"
+    return f"{read:,} of the {total:,} val tokens ({read / total:.0%}, windows at even strides over the split)"

@@ -72,6 +72,15 @@ class Teacher:
             models.append(model)
         return cls(models, temperature)
 
+    @classmethod
+    def for_run(cls, cfg, device: torch.device, prepared: Prepared, members: list[dict], log) -> "Teacher":
+        """A generation's teacher (train.setup), loaded, checked and said in one line."""
+        teacher = cls.load(members, prepared, device, cfg.distill_temperature, cfg.max_seq_len)
+        log(f"teacher | {' + '.join(m['file'] for m in members)} | {teacher.num_params():,} params, frozen | "
+            f"loss (1 - {cfg.distill_weight:g}) x labels + {cfg.distill_weight:g} x T^2 x KL(teacher || model), "
+            f"T {cfg.distill_temperature:g}")
+        return teacher
+
     def compile(self) -> None:
         self.run = [torch.compile(m, dynamic=False) for m in self.models]
 

@@ -44,9 +44,9 @@ from experiment.mixture import MixedBatches, source_weights
 from experiment.model import DTYPES, GPT, GPTConfig, build_model
 from experiment.onexit import last_words
 from experiment.optim import ShardedOptimizer
-from experiment.plateau import WARMDOWN_WINDOW, plateau_check
+from experiment.plateau import plateau_check
 from experiment.progress import begin_step, record_step
-from experiment.report import NullReport, RunReport
+from experiment.report import NullReport, RunReport, run_facts
 from experiment.runlog import NullWriter, RunLog, log_crash, record_metric, report_eval, report_sample
 from experiment.saving import (checkpoint_seconds, export_best, finish_save, make_saver, maybe_save, repair_best,
                                restore_checkpoint, save_seconds)
@@ -141,7 +141,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     unset = regime.left_unset(cfg)  # before the data's pass cap fills MAX_EPOCHS
     prepared, resume_step, rewind_step, lock, lost = prepare_data(cfg, d, workspace, run_dir, log)
     assert cfg.max_epochs is not None, "the pass cap is set with the data (launch.fill_pass_cap)"
-    teacher = load_teacher(cfg, d, prepared, teachers, log) if teachers else None
+    teacher = Teacher.for_run(cfg, d.device, prepared, teachers, log) if teachers else None
     auto, probe_seconds = (choose_depth(cfg, d, gpu, prepared, run_dir, resume_step, unset, log)
                            if cfg.depth == "auto" else (None, 0))
     fill_lrs(cfg, cuda)
@@ -187,7 +187,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         budget_seconds=budget_seconds, run_meta=checkpoint_meta(cfg, prepared, budget_seconds, auto),
         flops_per_token=model.estimate_flops(cfg.max_seq_len),
         peak=gpu.peak if gpu else None,
-        report=RunReport(run_dir, report_facts(cfg, d, model, prepared, budget_seconds, grad_accum, auto, coverage)
+        report=RunReport(run_dir, run_facts(cfg, d, model, prepared, budget_seconds, grad_accum, auto, coverage)
                          | {"regime": regime_line and regime_line.removeprefix("regime | ")}, resume_step, log)
         if d.master else NullReport(),
         eval_prompt=launch.eval_prompt_ids(cfg, prepared), lock=lock,
@@ -203,14 +203,6 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     if charge_setup and resume_step is None:
         t.st.used_seconds = max(t.st.used_seconds, time.time() - launched)
     return t
-
-
-def load_teacher(cfg: TrainConfig, d: Dist, prepared: Prepared, teachers: list[dict], log: RunLog) -> Teacher:
-    teacher = Teacher.load(teachers, prepared, d.device, cfg.distill_temperature, cfg.max_seq_len)
-    log(f"teacher | {' + '.join(t['file'] for t in teachers)} | {teacher.num_params():,} params, frozen | "
-        f"loss (1 - {cfg.distill_weight:g}) x labels + {cfg.distill_weight:g} x T^2 x KL(teacher || model), "
-        f"T {cfg.distill_temperature:g}")
-    return teacher
 
 
 def start_state(cfg: TrainConfig, d: Dist, run_dir: Path, model_config: GPTConfig, prepared: Prepared,
@@ -238,38 +230,6 @@ def start_state(cfg: TrainConfig, d: Dist, run_dir: Path, model_config: GPTConfi
     log(f"resumed from {ckpt.model_path(run_dir, load)}: step {st.step}, {st.used_seconds / 3600:.3f}h used, "
         f"best {st.best_val:.4f} @ {st.best_step:06d}")
     return model, opt, st
-
-
-def report_facts(cfg: TrainConfig, d: Dist, model: GPT, prepared: Prepared, budget_seconds: float, accum: int,
-                 auto: dict | None, coverage: tuple[int, int, bool]) -> dict:
-    """What the run report says the run is: fixed at setup."""
-    c, meta = model.config, prepared.meta
-    device = torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "cpu"
-    return {
-        "model_tag": cfg.model_tag, "params": model.num_params(), "budget_seconds": budget_seconds,
-        "train_tokens": meta["split"]["train_tokens"], "config": dataclasses.asdict(cfg),
-        "model": f"d{c.depth}, width {c.n_embd}, {c.n_head} heads, context {c.max_seq_len}",
-        "device": f"{d.world_size} x {device}",
-        "batch": f"{cfg.total_batch_size:,} tokens/step = {cfg.device_batch_size} x {cfg.max_seq_len} x "
-                 f"{d.world_size} ranks x {accum} accumulated",
-        "data": f"{meta['split']['train_tokens']:,} train and {meta['split']['val_tokens']:,} val tokens "
-                f"({meta['tokenizer']} tokenizer, vocabulary {meta['vocab_used']}) in {prepared.dir}",
-        "best_file": "model_{step:06d}.pt" if d.world_size == 1 else f"model_{{step:06d}}_rank0..{d.world_size - 1}.pt",
-        "auto": (auto or {}).get("reason"),
-        "eval": f"{eval_sample_text(coverage)}, every {cfg.eval_every_minutes:g} min"
-                + (f" or {cfg.eval_every_epochs:g} passes" if cfg.eval_every_epochs else "")
-                + (f"; stop at the val minimum: {cfg.plateau_evals} evals without a gain of {cfg.plateau_margin:.1%} "
-                   f"at the peak LR start the warmdown, {cfg.plateau_evals} evals in a warmdown without a new low of "
-                   f"the mean of the last {WARMDOWN_WINDOW} val losses end the run" if cfg.plateau_evals
-                   else "; no stop at the val minimum (PLATEAU_EVALS=0)"),
-    }
-
-
-def eval_sample_text(coverage: tuple[int, int, bool]) -> str:
-    read, total, whole = coverage
-    if whole:
-        return f"{read:,} of the {total:,} val tokens (the whole split, in whole windows)"
-    return f"{read:,} of the {total:,} val tokens ({read / total:.0%}, windows at even strides over the split)"
 
 
 def choose_depth(cfg: TrainConfig, d: Dist, gpu: guards.Gpu | None, prepared: Prepared, run_dir: Path,
