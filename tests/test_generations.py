@@ -221,6 +221,10 @@ def test_a_directory_holds_one_model_or_generations_never_both(tmp_path, corpus,
     capsys.readouterr()
     assert preflight.main([*args, "--model_tag", "g"]) == 2
     assert "is a run of generations (2 begun" in capsys.readouterr().err
+    # a relaunch of the finished run: the pre-flight says so and plans no fresh run in its directory
+    assert preflight.main([*args, "--model_tag", "g", "--generations", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "all 2 generations in" in out and "are done" in out and "fresh run" not in out, out
     assert train.main([*args, "--model_tag", "g"]) == 2  # a bare trainer refuses it as well
     assert "is a run of generations (2 begun" in capsys.readouterr().err
     assert train.main([*args, "--model_tag", "g/gen2"]) == 2  # a generation as a model of its own
