@@ -177,9 +177,11 @@ class TrainConfig:
                                           "without CUDA, 0 with)")
     muon_momentum_warmup_steps: int = opt("Muon's momentum rises linearly from 0.85 to 0.95 over this many steps "
                                           "(0: 0.95 from the start)", MUON_MOMENTUM_WARMUP_STEPS)
-    generations: int = opt("models trained one after another in the run directory (gen1/, gen2/, ...), each from "
-                           "scratch with its own seed on the labels and a teacher's predictions, sharing the "
-                           "budget; the best one is served (1: one model, no teacher; docs/training.md)", 1)
+    generations: int | str = opt("models trained one after another in the run directory (gen1/, gen2/, ...), each "
+                                 "from scratch with its own seed on the labels and a teacher's predictions; the best "
+                                 "one is served. A number N: N generations sharing the budget equally (1: one model, "
+                                 "no teacher). auto: the first generation gets the whole budget, and another begins "
+                                 "while the one before left enough unspent (docs/training.md)", 1)
     teacher: str = opt("what a generation after the first learns from: previous (the generation before it) or "
                        "ensemble (the mean of the probabilities of all before it)", "previous")
     distill_weight: float = opt("the teacher's share of a generation's loss, 0..1: (1 - w) x cross-entropy on the "
@@ -207,6 +209,8 @@ def parse_args(argv=None) -> TrainConfig:
         kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
         if f.name == "depth":
             kind = _depth
+        elif f.name == "generations":
+            kind = _generations
         elif f.default is None and kind is not str:  # optional numbers: "auto" means the device default
             kind = _auto_or(kind)
         parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=f.metadata["help"])
@@ -218,6 +222,10 @@ def _depth(text: str) -> int | str | None:
     if text in ("auto", ""):
         return text or None
     return int(text)
+
+
+def _generations(text: str) -> int | str:
+    return "auto" if text == "auto" else int(text)
 
 
 def _auto_or(kind):
@@ -300,19 +308,19 @@ def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:
 
 
 def check_generations(cfg: TrainConfig) -> None:
-    if cfg.generations < 1:
-        raise ConfigError(f"--generations must be >= 1 (1: one model), got {cfg.generations}")
+    if cfg.generations != "auto" and not (isinstance(cfg.generations, int) and cfg.generations >= 1):
+        raise ConfigError(f"--generations must be auto or a number >= 1 (1: one model), got {cfg.generations!r}")
     if cfg.teacher not in ("previous", "ensemble"):
         raise ConfigError(f"--teacher must be previous or ensemble, got {cfg.teacher!r}")
     if not 0 <= cfg.distill_weight <= 1:
         raise ConfigError(f"--distill_weight must lie in [0, 1], got {cfg.distill_weight}")
     if not (math.isfinite(cfg.distill_temperature) and cfg.distill_temperature > 0):
         raise ConfigError(f"--distill_temperature must be a finite number > 0, got {cfg.distill_temperature}")
-    if cfg.generations > 1 and cfg.init_from:
-        raise ConfigError("--generations > 1 with --init_from: each generation starts from scratch; "
+    if cfg.generations != 1 and cfg.init_from:
+        raise ConfigError("--generations other than 1 with --init_from: each generation starts from scratch; "
                           "fine-tune one model (GENERATIONS=1) instead")
-    if cfg.generations > 1 and cfg.resume not in ("auto", "never"):
-        raise ConfigError(f"--resume {cfg.resume} names one step, but with --generations > 1 each generation has "
+    if cfg.generations != 1 and cfg.resume not in ("auto", "never"):
+        raise ConfigError(f"--resume {cfg.resume} names one step, but with generations each generation has "
                           "its own steps: use auto or never")
 
 

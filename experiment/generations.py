@@ -40,12 +40,18 @@ from experiment.config import ConfigError, TrainConfig
 from experiment.distributed import PHASE_TIMEOUTS, Dist, broadcast_object
 from experiment.files import atomic_write_bytes, atomic_write_json
 from experiment.runlog import RunLog
+from experiment.stopping import MAX_STEPS_OUTCOME
 from experiment.teacher import meta_digest
 
 RECORD = ckpt.GENERATIONS_RECORD
 MIN_SHARE_SECONDS = 1.0  # a generation with less would end at its first step
 # Nor less than this part of an equal share: an undertrained generation would teach every later one.
 MIN_SHARE_FRACTION = 0.25
+# GENERATIONS=auto: another generation while the budget left is at least this part of what the first
+# used. A student learns fast from its teacher: on 100,000 characters, chain generations of 150 s each
+# (under half the ~330 s one model took to its val minimum) each beat that model (docs/performance.md).
+AUTO_MIN_SHARE = 0.4
+AUTO_MAX_GENERATIONS = 8  # a bound on the run's files; a chain's gains shrink by the fourth generation
 
 
 def read_record(top: Path) -> dict:
@@ -58,7 +64,7 @@ def read_record(top: Path) -> dict:
 def check_layout(cfg: TrainConfig, top: Path) -> None:
     """One run directory holds one model's run or a run of generations, never both: the two would
     share best.json and best.pt, and serving would follow whichever wrote last."""
-    if cfg.generations > 1 and ckpt.complete_steps(top):
+    if cfg.generations != 1 and ckpt.complete_steps(top):
         raise ConfigError(f"{top} holds a one-model run's checkpoints; a run of generations needs a directory of "
                           "its own: set another MODEL_TAG")
     if (top.parent / RECORD).is_file() and re.fullmatch(r"gen\d+", top.name):
@@ -70,11 +76,28 @@ def check_layout(cfg: TrainConfig, top: Path) -> None:
                           f"of at least {n}, or set another MODEL_TAG for one model")
 
 
+def count(cfg: TrainConfig) -> int:
+    """The most generations this launch may train."""
+    return AUTO_MAX_GENERATIONS if cfg.generations == "auto" else cfg.generations
+
+
+def of(cfg: TrainConfig) -> str:
+    return "(GENERATIONS=auto)" if cfg.generations == "auto" else f"of {cfg.generations}"
+
+
 def share(record: dict, k: int, cfg: TrainConfig, budget: float) -> float | None:
-    """Generation k's budget seconds: an equal share of what the generations before it left; None
-    when that is too little to train a useful generation."""
-    used = sum(g["used_seconds"] for g in record["generations"][: k - 1])
-    seconds = (budget - used) / (cfg.generations - k + 1)
+    """Generation k's budget seconds; None when that is too little to train a useful generation.
+    GENERATIONS=N: an equal share of what the generations before it left. auto: all they left, when
+    that is at least AUTO_MIN_SHARE of what the first used (it stopped at its val minimum, or its passes
+    were done), and none after MAX_STEPS ended the one before (the user bounded each generation)."""
+    gens = record["generations"][: k - 1]
+    left = budget - sum(g["used_seconds"] for g in gens)
+    if cfg.generations == "auto":
+        if not gens:
+            return left
+        enough = left >= max(MIN_SHARE_SECONDS, AUTO_MIN_SHARE * gens[0]["used_seconds"])
+        return left if enough and gens[-1]["outcome"] != MAX_STEPS_OUTCOME else None
+    seconds = left / (cfg.generations - k + 1)
     return seconds if seconds >= max(MIN_SHARE_SECONDS, MIN_SHARE_FRACTION * budget / cfg.generations) else None
 
 
@@ -137,8 +160,8 @@ def pending(cfg: TrainConfig, top: Path) -> tuple[TrainConfig | None, Path | Non
     record = read_record(top)
     gens = record["generations"]
     done = [g for g in gens if g["outcome"] is not None]
-    if len(done) >= cfg.generations:
-        return None, None, (f"preflight | all {cfg.generations} generations in {top} are done; a larger GENERATIONS "
+    if len(done) >= count(cfg):
+        return None, None, (f"preflight | all {count(cfg)} generations in {top} are done; a larger GENERATIONS "
                             "(and budget) adds more")
     k = len(done) + 1
     if k <= len(gens):
@@ -147,10 +170,10 @@ def pending(cfg: TrainConfig, top: Path) -> tuple[TrainConfig | None, Path | Non
     else:
         seconds = share(record, k, cfg, cfg.training_hours * 3600)
         if seconds is None:
-            return None, None, f"preflight | no budget left for generation {k} of {cfg.generations} in {top}"
+            return None, None, f"preflight | no budget left for generation {k} {of(cfg)} in {top}"
         g, how = {"index": k, "dir": f"gen{k}", "seed": cfg.seed + k - 1, "budget_seconds": seconds, "distill": None}, \
             "starts"
-    line = (f"preflight | generation {k} of {cfg.generations} {how} in {top / g['dir']}: seed {g['seed']}, "
+    line = (f"preflight | generation {k} {of(cfg)} {how} in {top / g['dir']}: seed {g['seed']}, "
             f"{g['budget_seconds']:.0f}s of the budget" + (f", {len(done)} done" if done else ""))
     return generation_config(cfg, g), top / g["dir"], line
 
@@ -188,17 +211,17 @@ def run_all(cfg: TrainConfig, d: Dist, workspace: Path, top: Path, log: RunLog, 
     if d.master:  # a kill inside finish() left these behind the record
         refresh(top, log)
     trained = 0  # generations this launch has run: the setup of the next is charged to its budget
-    for k in range(1, cfg.generations + 1):
+    for k in range(1, count(cfg) + 1):
         record = on_rank_0(d, lambda: read_record(top))
         gens = record["generations"]
         if k <= len(gens) and gens[k - 1]["outcome"] is not None:
             continue  # done in an earlier launch
         g = gens[k - 1] if k <= len(gens) else on_rank_0(d, lambda: begin(top, record, k, cfg, budget))
         if g is None:
-            log(f"generations | no budget left for generation {k} of {cfg.generations}")
+            log(f"generations | no budget left for generation {k} {of(cfg)}")
             break
         d.set_timeout(PHASE_TIMEOUTS["setup"])  # the last generation's loop left the step's
-        log(f"generations | generation {k} of {cfg.generations} | seed {g['seed']} | budget {g['budget_seconds']:.1f}s"
+        log(f"generations | generation {k} {of(cfg)} | seed {g['seed']} | budget {g['budget_seconds']:.1f}s"
             + (f" | teacher {names(g)} (distill weight {g['distill'][0]:g}, temperature {g['distill'][1]:g})"
                if g["teachers"] else " | no teacher"))
         gen_dir = top / g["dir"]
@@ -212,7 +235,7 @@ def run_all(cfg: TrainConfig, d: Dist, workspace: Path, top: Path, log: RunLog, 
             if code == 1:  # the trainer's own failure (train_loop): torchrun's restarts look for it here
                 launch.end_launch(top)
             if d.master:
-                end_record(top, code, f"{outcome.split(':')[0]}: generation {k} of {cfg.generations}: {outcome}")
+                end_record(top, code, f"{outcome.split(':')[0]}: generation {k} {of(cfg)}: {outcome}")
             return code  # a failure, or a stop signal: the same command resumes this generation
         on_rank_0(d, lambda: finish(top, k, outcome, used, log))
         trained += 1

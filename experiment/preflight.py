@@ -154,7 +154,7 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
     finetune.check_dir(cfg, run_dir)
     check_not_running(run_dir)  # before minutes of data preparation, not after
     top = run_dir  # the launch's: its lock, its workers' logs, ON_EXIT's
-    if cfg.generations > 1:  # the checks and the plan are the next generation's (experiment/generations.py)
+    if cfg.generations != 1:  # the checks and the plan are the next generation's (experiment/generations.py)
         gen_cfg, gen_dir, line = generations.pending(cfg, top)
         log(line)
         if gen_cfg is None:  # all done, or no budget left: nothing trains, so nothing to plan or guard

@@ -56,9 +56,12 @@ def stopped_at_minimum(t: Trainer) -> bool:
                                           and st.tokens_seen >= st.anneal_start_tokens + st.anneal_tokens)
 
 
+MAX_STEPS_OUTCOME = "finished: max_steps reached"  # GENERATIONS=auto begins no generation after it
+
+
 def last_outcome(t: Trainer) -> str:
     if t.st.step >= t.max_steps:
-        return "finished: max_steps reached"
+        return MAX_STEPS_OUTCOME
     if stopped_at_minimum(t):
         return plateau_outcome(t, t.st.used_seconds)
     if t.st.tokens_seen >= t.max_tokens:

@@ -449,7 +449,7 @@ def train(cfg: TrainConfig, d: Dist) -> int:
     log(f"config {json.dumps(dataclasses.asdict(cfg))}")
     try:
         generations.on_rank_0(d, lambda: generations.check_layout(cfg, run_dir))
-        if cfg.generations > 1:
+        if cfg.generations != 1:
             return generations.run_all(cfg, d, workspace, run_dir, log, launched, run)
         return run(cfg, d, workspace, run_dir, log, launched)[0]
     except (ConfigError, DataError, CheckpointError):

@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -231,7 +232,7 @@ def test_a_directory_holds_one_model_or_generations_never_both(tmp_path, corpus,
     assert "is a generation of the run in" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag,value,says", [("--generations", "0", "--generations must be >= 1"),
+@pytest.mark.parametrize("flag,value,says", [("--generations", "0", "--generations must be auto or a number >= 1"),
                                              ("--teacher", "all", "--teacher must be previous or ensemble"),
                                              ("--distill_weight", "1.5", "--distill_weight must lie in [0, 1]"),
                                              ("--distill_temperature", "0", "--distill_temperature must be"),
@@ -248,7 +249,7 @@ def test_bad_generation_settings_exit_2_before_any_step(tmp_path, corpus, flag, 
 def _fake_generation(top: Path, k: int, step: int, val_loss: float, used: float) -> dict:
     """gen<k>/ with a best.json and the meta of its best step: what begin() and the winner read."""
     d = top / f"gen{k}"
-    d.mkdir(parents=True)
+    d.mkdir(parents=True, exist_ok=True)
     (d / "best.json").write_text(json.dumps({"step": step, "val_loss": val_loss, "weights": "raw"}))
     ckpt.meta_path(d, step).write_text(json.dumps({"step": step, "gen": k}))
     (d / "best.pt").write_bytes(b"gen%d" % k)
@@ -285,6 +286,74 @@ def test_a_generation_begins_with_its_share_its_seed_and_its_teachers(tmp_path, 
     (top / "gen2/best.pt").unlink()  # the winner without its export: no best.pt of another generation's
     generations.publish_best(top, generations.read_record(top), print)
     assert not (top / "best.pt").exists() and json.loads((top / "best.json").read_text())["generation"] == 2
+
+
+def test_auto_gives_the_first_generation_the_whole_budget_and_another_while_enough_is_left(tmp_path):
+    from experiment import generations
+    from experiment.config import TrainConfig
+    from experiment.stopping import MAX_STEPS_OUTCOME
+    cfg = TrainConfig(generations="auto", training_hours=600 / 3600, model_tag="run")
+    assert generations.share({"generations": []}, 1, cfg, 600.0) == 600.0
+    first = {"used_seconds": 330.0, "outcome": "finished: the val loss stopped improving"}
+    assert generations.share({"generations": [first]}, 2, cfg, 600.0) == pytest.approx(270.0)
+    # 0.4 of the first's 330 s is 132 s: 130 s left begins none, 133 s does
+    second = {"used_seconds": 140.0, "outcome": "finished: the budget is spent"}
+    assert generations.share({"generations": [first, second]}, 3, cfg, 600.0) is None
+    assert generations.share({"generations": [first, second]}, 3, cfg, 603.0) == pytest.approx(133.0)
+    assert generations.share({"generations": [{**first, "outcome": MAX_STEPS_OUTCOME}]}, 2, cfg, 600.0) is None
+    assert generations.count(cfg) == generations.AUTO_MAX_GENERATIONS
+    top = tmp_path / "run"
+    top.mkdir()
+    gen_cfg, gen_dir, line = generations.pending(cfg, top)
+    assert gen_dir == top / "gen1" and gen_cfg.training_hours == cfg.training_hours
+    assert "generation 1 (GENERATIONS=auto) starts" in line and "600s of the budget" in line
+
+
+def test_auto_begins_a_generation_after_one_that_stopped_at_its_val_minimum_with_budget_left(tmp_path):
+    """run_all under auto, each generation's training replaced by what it leaves behind."""
+    from experiment import generations
+    from experiment.config import TrainConfig
+    from experiment.distributed import Dist
+    from experiment.runlog import RunLog
+    from experiment.stopping import MAX_STEPS_OUTCOME
+    top = tmp_path / "run"
+    ends = {1: ("finished: the val loss stopped improving ...", 330.0, 1.46),
+            2: ("finished: the budget is spent", 265.0, 1.43)}
+    calls = []
+
+    def run_one(cfg, d, workspace, gen_dir, log, launched, teachers, charge_setup):
+        k = int(gen_dir.name[3:])
+        calls.append((k, cfg.training_hours * 3600, [t["generation"] for t in teachers], cfg.seed))
+        outcome, used, loss = ends[k]
+        made = _fake_generation(top, k, 10 * k, loss, used)
+        return 0, outcome, made["used_seconds"]
+
+    cfg = TrainConfig(generations="auto", training_hours=600 / 3600, model_tag="run", seed=5)
+    d = Dist(0, 0, 1, torch.device("cpu"))
+    assert generations.run_all(cfg, d, tmp_path, top, RunLog(None), time.time(), run_one) == 0
+    assert [(k, round(s, 6), t, seed) for k, s, t, seed in calls] == [(1, 600.0, [], 5), (2, 270.0, [1], 6)]
+    record = generations.read_record(top)
+    assert [g["used_seconds"] for g in record["generations"]] == [330.0, 265.0]  # 5 s left: no third
+    assert json.loads((top / "best.json").read_text())["generation"] == 2
+    assert "| gen2 (served) |" in (top / "report.md").read_text()
+    # a first generation that MAX_STEPS ended is the last, budget left or not
+    ends[1] = (MAX_STEPS_OUTCOME, 100.0, 1.5)
+    calls.clear()
+    shutil.rmtree(top)
+    assert generations.run_all(cfg, d, tmp_path, top, RunLog(None), time.time(), run_one) == 0
+    assert [k for k, *_ in calls] == [1]
+
+
+@pytest.mark.slow
+def test_a_launch_with_generations_auto_trains_in_gen1_and_serves_it(tmp_path, corpus):
+    from experiment import train
+    args = [*map(str, ARGS), "--data_dir", str(corpus), "--workspace", str(tmp_path), "--generations", "auto",
+            "--max_steps", "4"]
+    assert train.main(args) == 0
+    top = tmp_path / "checkpoints/d2"
+    assert [g["outcome"] for g in _record(tmp_path)["generations"]] == ["finished: max_steps reached"]
+    assert ckpt.generation_winner(top) == top / "gen1" and (top / "best.pt").is_file()
+    assert not ckpt.complete_steps(top)  # the steps are gen1's
 
 
 @pytest.mark.slow
