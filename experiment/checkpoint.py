@@ -492,6 +492,9 @@ class RunState:
     # checkpoint that a crash or a stop threw away (the run's heartbeat says how far it got), and each
     # restart's setup and load (experiment/restarts.py).
     restart_seconds: float = 0.0
+    # GPU-seconds spent = gpu_seconds_base + used_seconds x the world size: nonzero once a resume ran on
+    # another GPU count than the launches before it (launch.spent_base), so BUDGET_USD counts dollars.
+    gpu_seconds_base: float = 0.0
     nonfinite_steps: int = 0  # updates skipped because the loss or gradients were not finite
     save_waits: int = 0  # saves that came due while the one before was still writing, and waited
     save_wait_seconds: float = 0.0

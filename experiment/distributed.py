@@ -252,27 +252,49 @@ class StopSignal:
             self._write.close()
 
 
+def process_alive(pid: int) -> bool:
+    """Whether pid runs: not gone, and not a zombie (killed, its own parent yet to reap it)."""
+    if os.path.isdir("/proc/self"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # the state, after the command's name
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
 class ParentWatch:
     """Workers must not outlive torchrun's agent. Killed with SIGKILL (a closed tmux window, an OOM
     kill), the agent cannot stop them: they live on, reparented, in process groups of their own,
     holding their GPUs, and a collective with a dead peer hangs for its whole timeout. A daemon
-    thread polls the parent pid; once the agent is gone it sends its own process SIGTERM (the
+    thread polls the agent's pid; once the agent is gone it sends its own process SIGTERM (the
     preemption path: finish the step, save, exit) and, if the process still lives `grace_seconds`
     later (stuck in a collective with a dead peer), exits at once. A save cut short that way leaves
     an incomplete step, which resume never loads. Only under torchrun (TORCHELASTIC_RUN_ID set): a
-    plain `python -m` run belongs to its shell."""
+    plain `python -m` run belongs to its shell.
+
+    The agent's pid comes from experiment/run.sh (LAUNCH_AGENT_PID: its own pid, which torchrun takes
+    over by exec), not from getppid() here: an agent killed in a launch's first seconds, while this
+    process still imported torch, would leave the reaper as the parent to watch, and the worker would
+    train on alone. Without run.sh (torchrun by hand), the parent at this point."""
 
     def __init__(self, poll_seconds: float = 2.0, grace_seconds: float = 45.0):
         self.poll_seconds, self.grace_seconds = poll_seconds, grace_seconds
 
     def start(self) -> ParentWatch:
         if "TORCHELASTIC_RUN_ID" in os.environ:
-            self.parent = os.getppid()
+            self.parent = int(os.environ.get("LAUNCH_AGENT_PID") or os.getppid())
             threading.Thread(target=self._watch, name="parent-watch", daemon=True).start()
         return self
 
     def _watch(self) -> None:
-        while os.getppid() == self.parent:
+        while process_alive(self.parent):
             time.sleep(self.poll_seconds)
         print(f"[rank {os.environ.get('RANK', '?')}] torchrun's agent (pid {self.parent}) is gone: saving and "
               f"exiting (at once in {self.grace_seconds:.0f} s if that hangs)", file=sys.stderr, flush=True)

@@ -56,7 +56,11 @@ def extends(cfg: TrainConfig, old: dict, old_budget: float, st: RunState, train_
         return epochs * train_tokens if epochs else math.inf
     if old["plateau_evals"] and (st.plateau_stopped or st.anneal_start_tokens >= 0):
         return not cfg.plateau_evals  # the val minimum ended it: more budget does not move a minimum
-    return (cfg.training_hours * 3600 > old_budget + 1e-6 or cap(cfg.max_epochs) > cap(old["max_epochs"])
+    if cfg.budget_usd is not None and old.get("budget_usd") is not None:  # dollars: its hours move with the GPUs
+        more = cfg.budget_usd > old["budget_usd"] * (1 + 1e-9)
+    else:
+        more = cfg.training_hours * 3600 > old_budget + 1e-6
+    return (more or cap(cfg.max_epochs) > cap(old["max_epochs"])
             or (cfg.max_steps or math.inf) > (old["max_steps"] or math.inf))
 
 
@@ -90,7 +94,7 @@ def rewound(start: RunState, latest: RunState) -> RunState:
     data position, the val minimum's reference) with the latest step's counters, no warmdown begun."""
     keep = ("step", "used_seconds", "best_val", "best_step", "best_weights", "best_score", "best_by", "eval_seconds",
             "save_seconds", "step_seconds",
-            "nonfinite_steps", "save_waits", "save_wait_seconds", "restart_seconds")
+            "nonfinite_steps", "save_waits", "save_wait_seconds", "restart_seconds", "gpu_seconds_base")
     # The eval grid counts from the rewound start's tokens; no eval at the resumed step number.
     return dataclasses.replace(start, **{k: getattr(latest, k) for k in keep}, warmdown_begun=False, warmdown_step=-1,
                                anneal_start_tokens=-1, anneal_tokens=0, plateau_stopped=False,

@@ -210,7 +210,6 @@ def run_all(cfg: TrainConfig, d: Dist, workspace: Path, top: Path, log: RunLog, 
     budget = cfg.training_hours * 3600
     if d.master:  # a kill inside finish() left these behind the record
         refresh(top, log)
-    trained = 0  # generations this launch has run: the setup of the next is charged to its budget
     for k in range(1, count(cfg) + 1):
         record = on_rank_0(d, lambda: read_record(top))
         gens = record["generations"]
@@ -227,8 +226,7 @@ def run_all(cfg: TrainConfig, d: Dist, workspace: Path, top: Path, log: RunLog, 
         gen_dir = top / g["dir"]
         teachers = [{**t, "file": str(top / t["file"])} for t in g["teachers"]]
         code, outcome, used = run_one(generation_config(cfg, g), d, workspace, gen_dir,
-                                      RunLog(gen_dir / "training.log" if d.master else None), launched, teachers,
-                                      charge_setup=trained > 0)
+                                      RunLog(gen_dir / "training.log" if d.master else None), launched, teachers)
         launched = time.time()  # the next generation's setup (this one's record, best files, release) from here
         d.set_timeout(PHASE_TIMEOUTS["setup"])
         if code != 0 or outcome == "running" or outcome.startswith("stopped"):
@@ -238,7 +236,6 @@ def run_all(cfg: TrainConfig, d: Dist, workspace: Path, top: Path, log: RunLog, 
                 end_record(top, code, f"{outcome.split(':')[0]}: generation {k} {of(cfg)}: {outcome}")
             return code  # a failure, or a stop signal: the same command resumes this generation
         on_rank_0(d, lambda: finish(top, k, outcome, used, log))
-        trained += 1
         release()
     if d.master:
         g = summary(top, log)
@@ -267,12 +264,30 @@ def refresh(top: Path, log: RunLog) -> None:
 
 
 def finish(top: Path, k: int, outcome: str, used: float, log: RunLog) -> None:
-    """Rank 0, at generation k's end: its outcome in the record, then the run's best and report."""
+    """Rank 0, at generation k's end: its outcome in the record, then the run's best and report, then
+    its checkpoints but the best step's weights go."""
     record = read_record(top)
     g = record["generations"][k - 1]
     g.update(outcome=outcome, used_seconds=used, best=ckpt.read_best(top / g["dir"]))
     atomic_write_json(top / RECORD, record)
     refresh(top, log)
+    shrink(top / g["dir"], log)
+
+
+def shrink(gen_dir: Path, log: RunLog) -> None:
+    """A finished generation is never trained again (a launch with more budget adds generations), so
+    it keeps only what serving and teaching read: its best step's weights and meta, best.pt. A run of
+    generations then holds one model's checkpoints, not one per generation (d56: 87 GB each)."""
+    before = sum(p.stat().st_size for p in gen_dir.iterdir() if p.is_file())
+    try:
+        steps = ckpt.prune(gen_dir, keep_last=0)
+        ckpt.drop_old_best_optimizer(gen_dir, keep_last=0)
+    except OSError as e:  # the files stay; the disk guard of the next launch counts them
+        log(f"warning: {gen_dir}'s checkpoints not pruned ({e})")
+        return
+    freed = before - sum(p.stat().st_size for p in gen_dir.iterdir() if p.is_file())
+    log(f"generations | {gen_dir.name} done: {len(steps)} step(s) and the best step's optimizer state pruned, "
+        f"{freed / 1e9:.2f} GB freed; its best step's weights and best.pt stay")
 
 
 def winner(record: dict) -> dict | None:

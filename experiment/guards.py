@@ -27,7 +27,7 @@ from experiment import autosize
 from experiment.config import ConfigError, TrainConfig
 from experiment.files import volume
 from experiment.hardware import link_gbps, peak_flops
-from experiment.memory import checkpoint_bytes, checkpoint_precision, staged_bytes_per_rank
+from experiment.memory import checkpoint_bytes, checkpoint_precision, host_average_bytes, staged_bytes_per_rank
 from experiment.saver import HOST_STAGING_FRACTION
 
 # Checkpoints on disk beside the newest KEEP_LAST at the peak: the best, the newest one from before the
@@ -54,6 +54,7 @@ class GpuPlan:
     staged_rank_bytes: int  # the largest rank's share staged in pinned host memory (background saves)
     disk_peak_bytes: int
     save_seconds: float  # the checkpoint at DISK_WRITE_GBPS: what a save takes, every rank into one volume
+    host_average_bytes: int = 0  # the largest rank's weight average in host memory (too large for its GPU)
 
 
 # Network volumes of GPU clouds write about 200-400 MB/s (RunPod's documentation); the low end.
@@ -98,9 +99,10 @@ def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: 
     epochs = min(budget_epochs, cfg.max_epochs or budget_epochs)
     ckpt = checkpoint_bytes(config, world_size, gpu.memory_bytes, cfg.precision, average)
     staged = max(staged_bytes_per_rank(config, world_size, precision, pinned=True, average=average))
+    host_average = host_average_bytes(config, world_size, gpu.memory_bytes, cfg.precision) if average else 0
     return GpuPlan(config.depth, rate, budget_epochs, epochs, default_cap,
                    epochs * train_tokens / rate / 3600, ckpt, staged,
-                   (cfg.keep_last + EXTRA_CHECKPOINTS) * ckpt, ckpt / (DISK_WRITE_GBPS * 1e9))
+                   (cfg.keep_last + EXTRA_CHECKPOINTS) * ckpt, ckpt / (DISK_WRITE_GBPS * 1e9), host_average)
 
 
 def shutdown_timeout(given: int, p: GpuPlan | None, log) -> int:
@@ -135,15 +137,23 @@ def staging_line(cfg: TrainConfig, p: GpuPlan, world_size: int, nproc_per_node: 
     """Whether saves can write in the background: this node's ranks stage their checkpoint shares in
     host memory, which must hold them within saver.HOST_STAGING_FRACTION of what is available (the
     trainer checks the same at start and otherwise saves blocking), counted as the pinned allocator
-    takes it (each buffer rounded up to a power of two)."""
+    takes it (each buffer rounded up to a power of two). A weight average too large for the GPUs lives
+    in host memory too, from the first step: the trainer measures what is available after it, so
+    it is counted here as taken."""
+    average = p.host_average_bytes * nproc_per_node
+    held = f", beside the weight average's {average / 1e9:.1f} GB there" if average else ""
+    if average > available:
+        return (f"warning: the weight average ({average / 1e9:.1f} GB on this node, too large for the GPUs) does not "
+                f"fit in the {available / 1e9:.1f} GB of host memory available: AVERAGE=none trains without it")
+    available -= average
     need = p.staged_rank_bytes * nproc_per_node
     if not cfg.async_save:
         return f"preflight | saves block training (ASYNC_SAVE=0): about {p.save_seconds:.0f} s each"
     if need > HOST_STAGING_FRACTION * available:
-        return (f"warning: background saves would stage {need / 1e9:.1f} GB of checkpoint in this node's host memory, "
-                f"more than {HOST_STAGING_FRACTION:g} x the {available / 1e9:.1f} GB available: every save will block "
-                f"training for about {p.save_seconds:.0f} s")
-    return (f"preflight | saves write in the background: {need / 1e9:.1f} GB staged in host memory per node "
+        return (f"warning: background saves would stage {need / 1e9:.1f} GB of checkpoint in this node's host memory"
+                f"{held}, more than {HOST_STAGING_FRACTION:g} x the {max(available, 0) / 1e9:.1f} GB left available: "
+                f"every save will block training for about {p.save_seconds:.0f} s")
+    return (f"preflight | saves write in the background: {need / 1e9:.1f} GB staged in host memory per node{held} "
             f"({available / 1e9:.0f} GB available); training waits only for the copy")
 
 

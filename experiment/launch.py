@@ -216,3 +216,42 @@ def depth_for(cfg: TrainConfig, run_dir: Path, resume_step: int | None) -> int |
 def make_config(cfg: TrainConfig, prepared: Prepared):
     """depth -> the GPTConfig of this run's shape at that depth."""
     return lambda depth: model_config(dataclasses.replace(cfg, depth=depth), prepared)
+
+
+def spent_base(meta: dict, world_size: int) -> float:
+    """RunState.gpu_seconds_base for a resume of `meta`'s step on `world_size` ranks: the GPU-seconds
+    its launches spent stay spent, whatever the GPU count from here on."""
+    st = ckpt.run_state(meta)
+    return st.gpu_seconds_base + st.used_seconds * (meta.get("world_size", world_size) - world_size)
+
+
+def dollar_budget(cfg: TrainConfig, run_dir: Path, resume_step: int | None, world_size: int, log) -> None:
+    """BUDGET_USD on a resume: the budget seconds on these `world_size` GPUs that spend what the
+    earlier launches left of the dollars (config.resolve's budget_usd / (rate x GPUs) holds only while
+    the GPU count never changed). An 8-GPU run resumed on 4 gets twice the hours left, not twice the
+    dollars."""
+    if cfg.budget_usd is None or resume_step is None:
+        return
+    meta = ckpt.read_meta(run_dir, resume_step)
+    base, used = spent_base(meta, world_size), ckpt.run_state(meta).used_seconds
+    seconds = (cfg.budget_usd * 3600 / cfg.gpu_hourly_usd - base) / world_size
+    cfg.training_hours = max(seconds, used) / 3600  # spent already: the run ends at once
+    if meta.get("world_size", world_size) != world_size or base:
+        spent = (base + used * world_size) * cfg.gpu_hourly_usd / 3600
+        log(f"budget | ${spent:,.2f} of BUDGET_USD=${cfg.budget_usd:,.2f} spent by earlier launches (on "
+            f"{meta.get('world_size')} GPU(s) last): {max(seconds - used, 0) / 3600:.3f} h left on {world_size}")
+
+
+def launch_started() -> float:
+    """When the budget's clock starts for this process: experiment/run.sh's start (LAUNCH_STARTED:
+    its pre-flight, data preparation and torchrun's start are on the renter's bill too) on a
+    launch's first attempt; now on one of torchrun's restarts (the restart's own setup is its cost)
+    and without run.sh."""
+    now = time.time()
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return now
+    try:
+        started = float(os.environ.get("LAUNCH_STARTED", ""))
+    except ValueError:
+        return now
+    return started if now - 86400 < started <= now else now  # a stale or foreign value: ignored

@@ -187,6 +187,18 @@ def choose_mode(config: GPTConfig, world_size: int, batch: int, seq: int, gpu_by
     return None
 
 
+def host_average_bytes(config: GPTConfig, world: int, gpu_bytes: int, precision: str = "auto", batch: int = 1) -> int:
+    """The largest rank's host memory for AVERAGE=ema's fp32 average when it does not fit on the GPU
+    beside the mode the plan picks at device batch `batch` (place_average's rule), else 0."""
+    mode = choose_mode(config, world, batch, config.max_seq_len, gpu_bytes, precision)
+    if mode is None or plan_memory(config, world, batch, config.max_seq_len, mode.precision,
+                                   mode.activation_checkpointing, average=True).fits(gpu_bytes):
+        return 0
+    sizes = {n: math.prod(s) for n, s in param_shapes(config).items()}
+    owner = partition(sizes, world)
+    return max(4 * sum(size for n, size in sizes.items() if owner[n] == r) for r in range(world))
+
+
 def format_plan(plans: list[MemoryPlan], gpu_bytes: int) -> str:
     gib = 2**30
     names = [p.precision + (" +ckpt" if p.activation_checkpointing else "") for p in plans]

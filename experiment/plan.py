@@ -233,12 +233,14 @@ def launch_budget(p: dict, cfg: PlanConfig, count: int) -> tuple[float, float]:
 def launch_line(p: dict, cfg: PlanConfig, count: int) -> tuple[str, str]:
     """What to paste on the rented box, and the run directory it writes: the GPU count the plan priced
     (NPROC_PER_NODE; past 8, nodes of 8), the plan's depth, explicit, with the default pass cap, the
-    budget in dollars (BUDGET_USD: the trainer turns it into hours on the GPUs it starts on), and
-    every planned setting that is not the trainer's default, quoted for the shell."""
+    budget in dollars (BUDGET_USD: the trainer turns it into hours on the GPUs it starts on),
+    GENERATIONS=auto where the data-limited recipe trains (what one model leaves unspent buys more
+    models), and every planned setting that is not the trainer's default, quoted for the shell."""
     usd = launch_budget(p, cfg, count)[1]
     nodes = {"NNODES": count // GPUS_PER_NODE} if count > GPUS_PER_NODE else {}  # and NODE_RANK, MASTER_ADDR
+    generations = {"GENERATIONS": "auto"} if p["regime"]["regularized"] else {}
     settings = {**nodes, "NPROC_PER_NODE": min(count, GPUS_PER_NODE), "DEPTH": p["depth"],
-                "BUDGET_USD": _cents(usd), **planned_settings(cfg)}
+                "BUDGET_USD": _cents(usd), **generations, **planned_settings(cfg)}
     return _shell(settings), f"$WORKSPACE/checkpoints/d{p['depth']}"
 
 
@@ -309,8 +311,8 @@ def plan(cfg: PlanConfig) -> dict:
          "link_gbps": gpus.link_gbps, "link_source": gpus.link_source, "hours_available": cfg.hours_available, "gpu_table": rows,
          "recommended_gpus": min(in_time) if cfg.hours_available is not None and in_time else gpus.count}
     recommend_on(p, cfg, rows)
-    p["launch"], p["run_dir"] = launch_line(p, cfg, p["recommended_gpus"])
     p["regime"] = regime_plan(p, cfg, rows, best.tok_per_s)
+    p["launch"], p["run_dir"] = launch_line(p, cfg, p["recommended_gpus"])
     p["sweep"] = sweep_plan(p, cfg, gpus, [r["depth"] for r in rungs if r["fits"]], vocab)
     return p
 
@@ -470,6 +472,9 @@ def regime_lines(p: dict) -> list[str]:
               f"passes, {plain['hours']:.2f} h on these GPUs, and leaves the rest unspent" if plain else "")
     return [f"{head}, more than {regime.PASSES}: data-limited, so the trainer's defaults are {settings}: regularized, "
             + spends,
+            f"recommendation | GENERATIONS=auto: when the stop at the val minimum ends d{p['depth']} with budget left, "
+            "the rest trains more models from scratch, each distilled from the one before; the best one is served "
+            "(measured on CPU at 100,000 characters only: docs/training.md, \"Generations\")",
             f"recommendation | d{p['depth']} and what its passes buy are EXTRAPOLATED: the rule that sized it was checked on "
             "2-core CPU grids of up to 1.1M characters and d8; the regularizers' gain also on one H200 run of d10 on 9.9M "
             "(docs/performance.md, \"DEPTH=auto for regularized training\")" + beside]
@@ -497,7 +502,10 @@ def gpu_lines(p: dict) -> list[str]:
                           f"is for {p['recommended_gpus']}, and its budget ends the run on time")
     lines += [f"launch | on the rented box, with the data in $WORKSPACE/data: {p['launch']}",
               f"launch | it writes {p['run_dir']} (WORKSPACE: /workspace/<repo> where /workspace is writable, "
-              "else the repository)"]
+              "else the repository)",
+              "launch | to stop paying when it ends, add ON_EXIT='[ \"$RUN_STATUS\" != stopped ] && runpodctl stop pod "
+              "$RUNPOD_POD_ID' (RunPod; on a VM: sudo shutdown -h now): it runs after best.pt and report.md are on "
+              "/workspace, which a stopped pod keeps, and never after a preemption (docs/survival.md)"]
     return lines
 
 

@@ -32,8 +32,8 @@ from experiment.dataloader import DataError, Prepared
 from experiment.distributed import pick_backend, resolve_device
 from experiment.files import atomic_write_json, default_workspace
 from experiment.hardware import host_available_bytes
-from experiment.launch import (check_not_running, check_resume_target, depth_for, eval_prompt_ids, fill_pass_cap,
-                               make_config, model_config, prepare_data, uses_demo)
+from experiment.launch import (check_not_running, check_resume_target, depth_for, dollar_budget, eval_prompt_ids,
+                               fill_pass_cap, make_config, model_config, prepare_data, uses_demo)
 from experiment.memory import checkpoint_bytes
 from experiment.mixture import source_weights
 from experiment.model import GPTConfig
@@ -172,6 +172,7 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
     resume_step = ckpt.pick_resume_step(run_dir, cfg.resume, log)
     unset = regime.left_unset(cfg)  # before the data's pass cap fills MAX_EPOCHS
     default_cap = fill_pass_cap(cfg, prepared, run_dir, resume_step, log)
+    dollar_budget(cfg, run_dir, resume_step, world_size, log)
     depth, train_tokens = depth_for(cfg, run_dir, resume_step), prepared.meta["split"]["train_tokens"]
     if depth is None and gpu is not None:
         depth = guards.auto_depth(cfg, make_config(cfg, prepared), gpu, world_size, train_tokens,

@@ -5,7 +5,9 @@ newest complete checkpoint, and every restart spends its setup and load before t
 The user paid for both. Rank 0 writes a heartbeat (heartbeat.json: the budget used and the step)
 every HEARTBEAT_SECONDS between steps and when the loop ends. A resume charges the budget, at its
 first step, its own seconds from the trainer's start to the loop and, when it resumes the newest
-checkpoint (RESUME=auto), the heartbeat's seconds past that checkpoint. A resume of an older step
+checkpoint (RESUME=auto), the heartbeat's seconds past that checkpoint. A launch that finds a
+heartbeat but no checkpoint (a crash before the first save) starts afresh and is charged the same
+way: all the heartbeat's seconds, and its own setup. A resume of an older step
 (RESUME=<step>) starts a branch: what the abandoned one trained is not charged to it.
 docs/survival.md, "What a restart costs".
 """
@@ -29,24 +31,36 @@ HEARTBEAT_SECONDS = 10.0
 
 
 def lost_seconds(run_dir: Path, resume_step: int | None, cfg: TrainConfig) -> float:
-    """Rank 0 before a resume: the budget seconds the last launch used past the checkpoint it resumes
-    (0 on a fresh run, an explicit RESUME step, or without a readable heartbeat from that step on)."""
-    if resume_step is None or cfg.resume != "auto":
+    """Rank 0 before a resume: the budget seconds the last launch used past the checkpoint it resumes,
+    or, with no checkpoint to resume, all it used (a crash before the first save: the run starts
+    afresh, but its lost training was paid for). 0 on an explicit RESUME (a step: a branch; never: a
+    fresh run by choice), or without a readable heartbeat from that step on."""
+    if cfg.resume != "auto":
         return 0.0
     try:
         beat = json.loads((run_dir / HEARTBEAT).read_text())
         used, step = float(beat["used_seconds"]), int(beat["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return 0.0
+    if resume_step is None:
+        return max(used, 0.0)
     if step < resume_step:  # written before this checkpoint (a heartbeat that failed since): nothing known
         return 0.0
     return max(used - ckpt.run_state(ckpt.read_meta(run_dir, resume_step)).used_seconds, 0.0)
 
 
+def restarted(t: Trainer) -> bool:
+    """A resume, or a fresh start after a launch that trained and lost it all (every rank alike: the
+    lost seconds are rank 0's, broadcast with the resume step)."""
+    return t.resume_step is not None or t.lost_seconds > 0
+
+
 def restart_cost(t: Trainer, now: float) -> float:
     """On a resume, before the loop (every rank: a broadcast): rank 0's lost seconds plus this
     restart's setup, charged at the first step the resumed run trains (charge)."""
-    lost, setup = broadcast_object((t.lost_seconds, now - t.launched), t.d)
+    # A fresh start's setup is in its budget already, as every fresh run's is (train.setup)
+    setup = now - t.launched if t.resume_step is not None else 0.0
+    lost, setup = broadcast_object((t.lost_seconds, setup), t.d)
     t.restart_lost, t.restart_setup = lost, setup
     return lost + setup
 
@@ -59,8 +73,12 @@ def charge(t: Trainer, loop: Loop) -> None:
     loop.used_at_start += lost + setup
     t.st.restart_seconds += lost + setup
     t.restart_lost = t.restart_setup = 0.0
-    t.log(f"restart | {lost:.1f}s trained past the checkpoint were lost and {setup:.1f}s went to this restart's "
-          f"setup and load: both counted in the budget ({t.st.restart_seconds:.1f}s lost to restarts in all)")
+    if t.resume_step is None:
+        t.log(f"restart | {lost:.1f}s trained before the first checkpoint were lost: counted in the budget, as "
+              f"this fresh start's setup is ({t.st.restart_seconds:.1f}s lost to restarts in all)")
+    else:
+        t.log(f"restart | {lost:.1f}s trained past the checkpoint were lost and {setup:.1f}s went to this restart's "
+              f"setup and load: both counted in the budget ({t.st.restart_seconds:.1f}s lost to restarts in all)")
     beat(t, loop, force=True)
 
 
@@ -75,8 +93,11 @@ def beat(t: Trainer, loop: Loop, force: bool = False) -> None:
         return
     loop.last_beat = now
     path = t.run_dir / HEARTBEAT
+    # A restart's charge still pending (no step has trained since the resume: a stop before the
+    # first, or a finished run relaunched) stays on record for the launch after this one.
+    pending = t.restart_lost + (t.restart_setup if loop.end is not None else 0.0)
     try:
-        atomic_write_json(path, {"step": t.st.step, "used_seconds": loop.used(), "time": now}, durable=False)
+        atomic_write_json(path, {"step": t.st.step, "used_seconds": loop.used() + pending, "time": now}, durable=False)
         loop.beat_failed = False
     except OSError as e:
         if not loop.beat_failed:

@@ -29,6 +29,10 @@ cd "$(dirname "$0")/.."
 # PYTHON / an active venv, checked against requirements.txt (experiment/pyenv.sh, shared with run.sh).
 source experiment/pyenv.sh
 setup_python
+# The budget counts the box from here (the pre-flight, data preparation, torchrun's start, the
+# trainer's setup): experiment/launch.py, launch_started.
+LAUNCH_STARTED=$(date +%s.%N)
+export LAUNCH_STARTED
 
 # The GPUs, the settings and torchrun's flags, from one Python process (experiment/launchfacts.py).
 facts_out=$("$PYTHON" -m experiment.launchfacts) || exit $?
@@ -48,7 +52,7 @@ MAX_RESTARTS=${MAX_RESTARTS:-3}
 SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-}
 
 # Map env overrides to flags; the flag list (fields) comes from TrainConfig itself, so the two never drift.
-launcher="NPROC_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT MAX_RESTARTS SHUTDOWN_TIMEOUT PREFLIGHT_WAIT_MINUTES PYTHON PYTHON_CHECK ON_EXIT SWEEP SWEEP_TAG SWEEP_PARALLEL SWEEP_ENSEMBLE_TOKENS"
+launcher="NPROC_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT MAX_RESTARTS SHUTDOWN_TIMEOUT PREFLIGHT_WAIT_MINUTES PYTHON PYTHON_CHECK ON_EXIT SWEEP SWEEP_TAG SWEEP_PARALLEL SWEEP_ENSEMBLE_TOKENS SWEEP_ALLOW_IDLE"
 known=" ${fields^^} $launcher "
 for name in "${given[@]}"; do
     if [[ "$known" != *" $name "* ]]; then
@@ -146,4 +150,7 @@ if [ -n "${ON_EXIT:-}" ]; then
     fi
     echo "launcher | ON_EXIT runs once the run ends (its output: $run_dir/on_exit.log)"
 fi
+# The workers' agent: torchrun takes over this pid. Each worker watches it (experiment/distributed.py,
+# ParentWatch), so a torchrun killed while its workers still import torch leaves none behind.
+export LAUNCH_AGENT_PID=$$
 exec "${launch[@]}" -m experiment.train "${flags[@]}"

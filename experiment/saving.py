@@ -69,10 +69,13 @@ def restore_checkpoint(run_dir: Path, step: int, model: GPT, opt: ShardedOptimiz
     model_state, shards, meta = ckpt.load_checkpoint(run_dir, step)
     model.load_state_dict(model_state)
     opt.load_shards(shards)
-    own = shards[d.rank] if d.rank < len(shards) else shards[0]
-    torch.set_rng_state(own["rng"]["cpu"])
-    if d.device.type == "cuda" and "cuda" in own["rng"]:
-        torch.cuda.set_rng_state(own["rng"]["cuda"], d.device)
+    if d.rank < len(shards):
+        torch.set_rng_state(shards[d.rank]["rng"]["cpu"])
+        if d.device.type == "cuda" and "cuda" in shards[d.rank]["rng"]:
+            torch.cuda.set_rng_state(shards[d.rank]["rng"]["cuda"], d.device)
+    else:  # a rank the saved world lacked: a stream of its own (rank 0's would repeat its dropout masks)
+        seed = meta.get("train_config", {}).get("seed", 0) + 1_000_003 * (step + 1) + d.rank
+        torch.manual_seed(seed)  # CPU and every GPU
     return ckpt.run_state(meta)
 
 

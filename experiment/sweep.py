@@ -10,7 +10,8 @@ member). Every other setting in the environment applies to every member.
   (CUDA_VISIBLE_DEVICES) and MODEL_TAG=<SWEEP_TAG>/<member tag>: its run directory, checkpoints, stop
   at the val minimum and TensorBoard run are its own, under $WORKSPACE/checkpoints/<SWEEP_TAG>/.
 - At most SWEEP_PARALLEL members run at once (default: the visible GPUs; 1 without CUDA); the rest
-  wait for a free slot.
+  wait for a free slot. On GPUs, a sweep that would leave a paid GPU idle (members not a multiple of
+  the GPUs, or SWEEP_PARALLEL below them) exits 2 saying the dollars, unless SWEEP_ALLOW_IDLE=1.
 - Every member's pre-flight runs before any member starts (the first prepares the data, the others
   find it prepared): a wrong setting or a depth that does not fit exits 2 naming the member. Members
   never prepare at the same time.
@@ -315,6 +316,22 @@ class Sweep:
     ensemble_tokens: int = ENSEMBLE_TOKENS  # SWEEP_ENSEMBLE_TOKENS; 0: no ensembles
 
 
+def idle_gpus(members: int, slots: int, gpus: int, box_hours: float, gpu_hourly: float) -> str | None:
+    """What a sweep of `members` on `gpus` GPUs pays for and leaves idle, as the refusal's words;
+    None when every GPU trains for the whole box (members a multiple of SWEEP_PARALLEL = the GPUs).
+    Each member trains box_hours / waves on one GPU; the box bills every GPU for box_hours."""
+    waves = math.ceil(members / slots)
+    idle = gpus * box_hours - members * box_hours / waves
+    if idle <= 1e-9 * gpus * box_hours:
+        return None
+    fit = max(g for g in range(1, gpus + 1) if members % g == 0)  # GPUs these members keep busy
+    return (f"{members} member(s) on {gpus} GPUs ({slots} at a time, {waves} wave(s)) leave {idle:,.1f} of the "
+            f"{gpus * box_hours:,.1f} GPU-hours idle (${idle * gpu_hourly:,.0f} of ${gpus * box_hours * gpu_hourly:,.0f}) "
+            f"buying nothing: give it a multiple of {gpus} members (more depths, or seeds: DEPTH=32+SEED=2)"
+            + (", SWEEP_PARALLEL unset" if slots < gpus else "") + f", rent {fit} GPU(s), or set SWEEP_ALLOW_IDLE=1 "
+            "to pay for the idle ones anyway")
+
+
 def setup(env: dict, log) -> Sweep:
     """The members, their budget and the sweep directory's lock; then every unfinished member's
     pre-flight, one after the other (the first prepares the data), before any starts: SweepError
@@ -334,6 +351,12 @@ def setup(env: dict, log) -> Sweep:
     if slots < 1 or (cuda and slots > gpus):
         raise SweepError(f"SWEEP_PARALLEL={slots}: at least 1" + (f", at most the {gpus} visible GPUs" if cuda else ""))
     ensemble_tokens = parse_ensemble_tokens(env)
+    waves = math.ceil(len(settings) / slots)
+    hours = box_hours(env, gpus if cuda else 1, cuda)  # first: it says what is wrong with the budget's numbers
+    gpu_hourly = float(env.get("GPU_HOURLY_USD") or TrainConfig.gpu_hourly_usd)
+    idle = idle_gpus(len(settings), slots, gpus, hours, gpu_hourly) if cuda else None
+    if idle and env.get("SWEEP_ALLOW_IDLE") != "1":
+        raise SweepError(idle)
     visible = (env.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(gpus)))).split(",") if cuda else None
     ignored = [k for k in ("MODEL_TAG", "NPROC_PER_NODE", "NNODES", "PREPARED_DIR") if env.get(k)]
     if ignored:
@@ -341,13 +364,13 @@ def setup(env: dict, log) -> Sweep:
     workspace = Path(env["WORKSPACE"]) if env.get("WORKSPACE") else default_workspace()
     sweep_dir = workspace / "checkpoints" / tag
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    waves = math.ceil(len(settings) / slots)
     # The box's hours over all its GPUs (an idle one is paid for too), shared by the waves.
     sweep = Sweep(dir=sweep_dir, tag=tag, members=[Member(member_tag(s), s, sweep_dir / member_tag(s)) for s in settings],
                   env={**env, "WORKSPACE": str(workspace)}, slots=slots, devices=visible[:slots] if cuda else None,
-                  member_hours=box_hours(env, gpus if cuda else 1, cuda) / waves,
-                  gpu_hourly=float(env.get("GPU_HOURLY_USD") or TrainConfig.gpu_hourly_usd), lock=take_lock(sweep_dir),
+                  member_hours=hours / waves, gpu_hourly=gpu_hourly, lock=take_lock(sweep_dir),
                   ensemble_tokens=ensemble_tokens)
+    if idle:
+        log(f"sweep | warning: {idle.split(': give it')[0]} (SWEEP_ALLOW_IDLE=1)")
     log(f"sweep | {len(settings)} members in {sweep_dir} | {slots} at a time ({'GPUs ' + ','.join(sweep.devices) if cuda else 'CPU'}) "
         f"| {waves} wave(s) of {sweep.member_hours:.3f} h each")
     for m in sweep.members:
@@ -357,9 +380,20 @@ def setup(env: dict, log) -> Sweep:
             log(f"sweep | {m.tag} is still running from an earlier launch: waiting for it to end")
         elif m.outcome.startswith("finished"):
             m.status = "finished"
+        elif m.outcome.startswith("failed"):
+            keep_failed(sweep, m, log)
         else:
             m.prepared = preflight_member(sweep, m, log)
     return sweep
+
+
+def keep_failed(sweep: Sweep, m: Member, log) -> None:
+    """A member whose trainer ended it with a failure (a diverged loss, a full disk): a restart would
+    repeat it, so a relaunched sweep reports it and does not train it again unasked."""
+    m.status = "failed"
+    settings = " ".join(f"{k}={v}" for k, v in m.settings.items())
+    log(f"sweep | {m.tag} failed in an earlier launch ({m.outcome}): not restarted. To train it again once its "
+        f"cause is fixed: MODEL_TAG={sweep.tag}/{m.tag} {settings} bash experiment/run.sh")
 
 
 def parse_ensemble_tokens(env: dict) -> int:
@@ -475,9 +509,7 @@ def step(sweep: Sweep, free: list[int], log) -> bool:
             finish(sweep, m, log)
             free.append(m.slot)
         elif m.status == "elsewhere" and not running_elsewhere(m.run_dir):  # a killed sweep's member ended
-            m.outcome = last_words(m.run_dir)
-            m.status = "finished" if m.outcome.startswith("finished") else "stopped" if sweep.stopping else "waiting"
-            log(f"sweep | {m.tag}, left running by an earlier launch, ended: {m.outcome or 'without last words'}")
+            ended_elsewhere(sweep, m, log)
             if m.slot >= 0:
                 free.append(m.slot)
         if sweep.stopping:
@@ -489,6 +521,23 @@ def step(sweep: Sweep, free: list[int], log) -> bool:
     if any(m.process is not None or m.status == "elsewhere" for m in sweep.members):
         return True
     return not sweep.stopping and any(m.status == "waiting" for m in sweep.members)
+
+
+def ended_elsewhere(sweep: Sweep, m: Member, log) -> None:
+    """A member a killed sweep left running has ended: finished, failed (kept so), or to be resumed,
+    after its pre-flight as every member's before it starts (the prepared data it then reads)."""
+    m.outcome = last_words(m.run_dir)
+    log(f"sweep | {m.tag}, left running by an earlier launch, ended: {m.outcome or 'without last words'}")
+    if m.outcome.startswith("finished") or sweep.stopping:
+        m.status = "finished" if m.outcome.startswith("finished") else "stopped"
+    elif m.outcome.startswith("failed"):
+        keep_failed(sweep, m, log)
+    else:
+        try:
+            m.prepared, m.status = preflight_member(sweep, m, log), "waiting"
+        except SweepError as e:  # the others go on; the table says why this one did not
+            m.status, m.outcome = "failed", str(e)
+            log(f"sweep | {m.tag} not resumed: {e}")
 
 
 def signal_member(m: Member) -> None:

@@ -75,8 +75,10 @@ def prepare_data(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path,
             prepared = launch.prepare_data(cfg, workspace, log)
             resume_step = pick_resume_step(run_dir, cfg.resume, log, quarantine=True)
             launch.fill_pass_cap(cfg, prepared, run_dir, resume_step, log)
+            launch.dollar_budget(cfg, run_dir, resume_step, d.world_size, log)
             train_tokens = prepared.meta["split"]["train_tokens"]
             setup = {"prepared": str(prepared.dir), "resume_step": resume_step, "max_epochs": cfg.max_epochs,
+                     "training_hours": cfg.training_hours,
                      "lost": restarts.lost_seconds(run_dir, resume_step, cfg),
                      "rewind_step": None if resume_step is None else extend.rewind_step(run_dir, resume_step, cfg,
                                                                                         train_tokens)}
@@ -86,6 +88,7 @@ def prepare_data(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path,
     if "error" in setup:
         raise ConfigError(setup["error"])
     cfg.max_epochs = setup["max_epochs"]  # rank 0's pass cap (launch.fill_pass_cap), on every rank
+    cfg.training_hours = setup["training_hours"]  # and its budget (launch.dollar_budget)
     return Prepared.load(setup["prepared"]), setup["resume_step"], setup["rewind_step"], lock, setup["lost"]
 
 
@@ -130,10 +133,10 @@ def compiled(ddp: torch.nn.Module) -> torch.nn.Module:
 
 
 def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog,
-          launched: float | None = None, teachers: list[dict] | None = None, charge_setup: bool = False) -> Trainer:
-    """`launched`: when this process's trainer began (a restart's setup is charged from there).
-    `teachers`: a later generation's (experiment/generations.py), loaded and checked here.
-    `charge_setup`: a fresh run's setup counts in its budget (a generation after another in one launch)."""
+          launched: float | None = None, teachers: list[dict] | None = None) -> Trainer:
+    """`launched`: when the budget's clock began (launch.launch_started; a generation's, when the one
+    before it ended): a fresh run's setup counts in its budget from there, a restart's is charged.
+    `teachers`: a later generation's (experiment/generations.py), loaded and checked here."""
     launched = time.time() if launched is None else launched
     cuda = d.device.type == "cuda"
     gpu = guards.local_gpu(d.device) if cuda else None
@@ -200,7 +203,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         f"{model_config.n_head} heads) | {t.flops_per_token:.3e} FLOP/token | batch {cfg.device_batch_size} x "
         f"{cfg.max_seq_len} x {d.world_size} ranks x {t.grad_accum} accum = {cfg.total_batch_size:,} tokens/step | "
         f"budget {cfg.training_hours:.3f}h | tensorboard {workspace / 'tensorboard' / cfg.model_tag}")
-    if charge_setup and resume_step is None:
+    if resume_step is None:  # DEPTH=auto's probe (start_state's) is part of it
         t.st.used_seconds = max(t.st.used_seconds, time.time() - launched)
     return t
 
@@ -227,6 +230,7 @@ def start_state(cfg: TrainConfig, d: Dist, run_dir: Path, model_config: GPTConfi
     elif extend.drop_anneal(st, cfg):
         log(f"extend | PLATEAU_EVALS=0: the warmdown the val minimum started at step {st.step:06d} is dropped; "
             "training on at the peak LR")
+    st.gpu_seconds_base = launch.spent_base(ckpt.read_meta(run_dir, resume_step), d.world_size)
     log(f"resumed from {ckpt.model_path(run_dir, load)}: step {st.step}, {st.used_seconds / 3600:.3f}h used, "
         f"best {st.best_val:.4f} @ {st.best_step:06d}")
     return model, opt, st
@@ -287,7 +291,7 @@ def start_loop(t: Trainer) -> Loop:
     x, y = (v.to(t.d.device, non_blocking=True) for v in next(t.batches))
     first = t.st.step if t.resume_step is not None else -1
     now = time.time()
-    if t.resume_step is not None:
+    if restarts.restarted(t):
         restarts.restart_cost(t, now)  # charged at the first step this resume trains (begin_step)
     loop = Loop(x=x, y=y, data_state=data_state, started=now, used_at_start=t.st.used_seconds,
                 last_eval_time=now, last_save_time=now, last_saved_step=first,
@@ -301,12 +305,12 @@ def start_loop(t: Trainer) -> Loop:
 
 
 def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog, launched: float,
-        teachers: list[dict] | None = None, charge_setup: bool = False) -> tuple[int, str, float]:
+        teachers: list[dict] | None = None) -> tuple[int, str, float]:
     """One model in run_dir: (the exit code, the loop's outcome, the budget seconds it used, the
     final eval, save and export included). A stop signal that came after the loop's last decision
     (during the final eval or save) makes the outcome a stop: a run of generations must not begin
     the next one then."""
-    t = setup(cfg, d, workspace, run_dir, log, launched, teachers, charge_setup)
+    t = setup(cfg, d, workspace, run_dir, log, launched, teachers)
     try:
         code = train_loop(t)
         outcome = t.outcome
@@ -432,7 +436,7 @@ def finish(t: Trainer, loop: Loop) -> None:
 
 
 def train(cfg: TrainConfig, d: Dist) -> int:
-    launched = time.time()
+    launched = launch.launch_started()
     cfg = resolve(finetune.apply(cfg), d.device.type == "cuda", d.world_size)
     workspace = Path(cfg.workspace) if cfg.workspace else default_workspace()
     run_dir = workspace / "checkpoints" / cfg.model_tag

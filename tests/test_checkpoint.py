@@ -199,6 +199,21 @@ def test_checkpoint_round_trip_gives_identical_logits_and_state(saved_run):
     assert a.keys() == b.keys() and all(torch.equal(a[n][k], b[n][k]) for n in a for k in a[n])
 
 
+def test_a_rank_the_saved_world_lacked_resumes_with_a_random_stream_of_its_own(saved_run):
+    """A resume on more ranks than saved the step: each new rank draws its own dropout masks, not
+    rank 0's (every rank that repeats them trains on the same noise), and the same on every resume."""
+    run, model, _, _ = saved_run
+
+    def draws(rank: int, world: int) -> torch.Tensor:
+        fresh = GPT(model.config)
+        restore_checkpoint(run, 2, fresh, ShardedOptimizer(fresh, **LRS), Dist(rank, rank, world, torch.device("cpu")))
+        return torch.rand(8)
+
+    saved, new1, new2 = draws(0, 1), draws(1, 3), draws(2, 3)
+    assert not torch.equal(new1, saved) and not torch.equal(new2, saved) and not torch.equal(new1, new2)
+    assert torch.equal(draws(2, 3), new2) and torch.equal(draws(0, 3), saved)
+
+
 def test_serving_resolution_prefers_best_and_refuses_incomplete(saved_run, tmp_path):
     run, _, _, _ = saved_run
     assert ckpt.resolve_serving_checkpoint(run, tmp_path) == ckpt.model_path(run, 2)

@@ -131,6 +131,11 @@ def test_what_extends_a_run_and_what_leaves_no_time_at_the_peak_lr():
     assert not extends(cfg, old, 1800.0, plateau, 1000)  # more hours do not move a minimum
     off = resolve(parse_args(["--training_hours", "1", "--plateau_evals", "0"]), cuda=False, world_size=1)
     assert extends(off, old, 3600.0, plateau, 1000)
+    # BUDGET_USD: the dollars decide, not the hours they buy on this launch's GPU count (4 GPUs get twice 8's)
+    usd = resolve(parse_args(["--budget_usd", "32", "--max_epochs", "8"]), cuda=False, world_size=4)
+    assert usd.training_hours == 2 and not extends(usd, {**old, "budget_usd": 32.0}, 3600.0, st, 1000)
+    assert extends(usd, {**old, "budget_usd": 31.0}, 3600.0, st, 1000)
+    assert extends(usd, old | {"budget_usd": None}, 3600.0, st, 1000)  # it ran on TRAINING_HOURS: its hours
     # CPU warmdown_frac 0.4: the peak LR ends at 60% of the schedule.
     two = resolve(parse_args(["--training_hours", "2", "--max_epochs", "8"]), cuda=False, world_size=1)
     assert too_short(two, st, 100, 4000, 1000) is None  # 1 h of 2 used; 4 of 8 passes

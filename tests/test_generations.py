@@ -103,7 +103,8 @@ def _gen(ws: Path, k: int) -> Path:
 
 
 def _final(run_dir: Path) -> dict:
-    return ckpt.load_model_state(run_dir, STEPS)
+    """The best step's weights: all a finished generation keeps (generations.shrink)."""
+    return ckpt.load_model_state(run_dir, ckpt.read_best(run_dir)["step"])
 
 
 def _record(ws: Path) -> dict:
@@ -126,6 +127,9 @@ def test_two_generations_share_the_budget_distill_the_second_from_the_first_and_
     assert "teacher | " in (_gen(ws, 2) / "training.log").read_text()
     assert "teacher | " not in (_gen(ws, 1) / "training.log").read_text()
     assert (ws / "tensorboard/d2/gen2").is_dir()
+    for g in (first, second):  # a finished generation keeps its best step's weights alone (and best.pt)
+        assert ckpt.complete_steps(_gen(ws, g["index"])) == [g["best"]["step"]]
+        assert not list(_gen(ws, g["index"]).glob("optim_*")) and (_gen(ws, g["index"]) / "best.pt").is_file()
     # served: the generation with the lower val loss, by every way of naming the run
     best_gen = min((first, second), key=lambda g: g["best"]["val_loss"])
     served = ckpt.resolve_serving_checkpoint(top, ws)
@@ -193,8 +197,9 @@ def test_a_damaged_teacher_stops_the_resume_with_one_line(tmp_path, corpus):
     run_train(args)
     top = tmp_path / "checkpoints/d2"
     record = _record(tmp_path)
-    record["generations"][1]["outcome"] = None  # as if the second generation were cut short
+    record["generations"][1]["outcome"] = None  # as if the second generation were cut short before a save
     (top / "generations.json").write_text(json.dumps(record))
+    shutil.rmtree(top / "gen2")
     teacher_file = top / record["generations"][1]["teachers"][0]["file"]
     meta = ckpt.meta_path(teacher_file.parent, record["generations"][0]["best"]["step"])
     meta.write_text(meta.read_text() + " ")  # still valid JSON, no longer the meta the record pinned
@@ -321,7 +326,7 @@ def test_auto_begins_a_generation_after_one_that_stopped_at_its_val_minimum_with
             2: ("finished: the budget is spent", 265.0, 1.43)}
     calls = []
 
-    def run_one(cfg, d, workspace, gen_dir, log, launched, teachers, charge_setup):
+    def run_one(cfg, d, workspace, gen_dir, log, launched, teachers):
         k = int(gen_dir.name[3:])
         calls.append((k, cfg.training_hours * 3600, [t["generation"] for t in teachers], cfg.seed))
         outcome, used, loss = ends[k]

@@ -134,5 +134,20 @@ def test_the_plan_says_whether_host_memory_holds_the_staged_checkpoint_shares(tm
     assert "64.5 GB staged" in guards.staging_line(cfg, p, 16, 4, 200 * 10**9)
     short = guards.staging_line(cfg, p, 8, 8, 200 * 10**9)
     assert short.startswith("warning:") and "every save will block training for about 430 s" in short
+    # d64's weight average on 8 x 80 GB lives in host memory: 8 ranks' averages are taken before any save
+    import dataclasses
+
+    from experiment.memory import host_average_bytes
+    from experiment.model import GPTConfig
+    big = GPTConfig(vocab_size=256, depth=64, aspect_ratio=64, head_dim=128, max_seq_len=2048)
+    per_rank = host_average_bytes(big, 8, 80 * 2**30)
+    assert 6.3e9 < per_rank < 6.6e9  # about an eighth of its 12.9B parameters in fp32
+    assert host_average_bytes(dataclasses.replace(big, depth=12), 8, 80 * 2**30) == 0
+    held = dataclasses.replace(p, host_average_bytes=per_rank)
+    assert "beside the weight average's" in guards.staging_line(cfg, held, 8, 8, 1000 * 10**9)
+    tight = guards.staging_line(cfg, held, 8, 8, 300 * 10**9)  # 129 GB fit in half of 300, not of 300 - 52
+    assert tight.startswith("warning:") and "every save will block" in tight
+    assert guards.staging_line(cfg, p, 8, 8, 300 * 10**9).startswith("preflight | saves write in the background")
+    assert "does not fit in the 20.0 GB of host memory" in guards.staging_line(cfg, held, 8, 8, 20 * 10**9)
     cfg.async_save = 0
     assert "saves block training (ASYNC_SAVE=0)" in guards.staging_line(cfg, p, 8, 8, 1000 * 10**9)

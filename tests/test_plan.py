@@ -67,19 +67,21 @@ def test_the_issue_example_with_the_trainers_defaults_trains_the_largest_regular
     assert p["depth"] == 56 and p["hours"] == pytest.approx(31) and p["unspent_usd"] == pytest.approx(0)
     assert chosen["budget_epochs"] > 4 and chosen["tokens_per_param"] >= autosize.REG_FLOOR
     assert rungs[64]["budget_epochs"] > 4 and rungs[64]["tokens_per_param"] < autosize.REG_FLOOR  # 0.3: too few
-    assert p["launch"] == "NPROC_PER_NODE=8 DEPTH=56 BUDGET_USD=992 bash experiment/run.sh"
+    assert p["launch"] == "NPROC_PER_NODE=8 DEPTH=56 BUDGET_USD=992 GENERATIONS=auto bash experiment/run.sh"
     assert (p["plain"]["depth"], p["plain"]["passes"]) == (32, pytest.approx(8)) and 3.7 < p["plain"]["hours"] < 3.9
     assert p["regime"]["regularized"] and p["regime"]["settings"]["ATTN_DROPOUT"] == 0.2
     text = table_of(p)
     assert "the largest depth the regime regularizes" in text and "$0 unspent" in text
     assert "d56 and what its passes buy are EXTRAPOLATED" in text
+    assert "GENERATIONS=auto: when the stop at the val minimum ends d56 with budget left" in text
+    assert "launch | to stop paying when it ends, add ON_EXIT='[ \"$RUN_STATUS\" != stopped ] && runpodctl" in text
     assert f"the plain rule trains d32 for 8.0 passes, {p['plain']['hours']:.2f} h on these GPUs" in text
     assert p["sweep"] is None  # one GPU cannot hold d56: no sweep of single-GPU members
     assert "past 4 passes regularized and no pass cap" in p["rule"]
     # Sized for the hours the launch line buys: 24 h available pick d48 for those 24 h on all 8
     short = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, hours_available=24))
     assert (short["depth"], short["recommended_gpus"], short["hours"]) == (48, 8, pytest.approx(24))
-    assert short["launch"] == "NPROC_PER_NODE=8 DEPTH=48 BUDGET_USD=768 bash experiment/run.sh"
+    assert short["launch"] == "NPROC_PER_NODE=8 DEPTH=48 BUDGET_USD=768 GENERATIONS=auto bash experiment/run.sh"
     off = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, regularizers="off"))
     assert off["depth"] == 32 and "never more than 8 passes" in off["rule"] and "regularized" not in off["rule"]
 

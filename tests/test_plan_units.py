@@ -45,9 +45,13 @@ def test_the_launch_budget_buys_more_hours_on_fewer_gpus_up_to_the_hours_availab
 
 
 def test_a_launch_line_carries_nodes_the_depth_the_dollars_and_every_setting_not_the_default():
-    p = {"budget_usd": 992.0, "depth": 24}
+    p = {"budget_usd": 992.0, "depth": 24, "regime": {"regularized": False}}
     assert plan.launch_line(p, PlanConfig(), 8) == ("NPROC_PER_NODE=8 DEPTH=24 BUDGET_USD=992 bash experiment/run.sh",
                                                     "$WORKSPACE/checkpoints/d24")
+    # data-limited and regularized: what one model leaves unspent buys more (GENERATIONS=auto)
+    limited = {**p, "regime": {"regularized": True}}
+    assert plan.launch_line(limited, PlanConfig(), 8)[0] == ("NPROC_PER_NODE=8 DEPTH=24 BUDGET_USD=992 GENERATIONS=auto "
+                                                             "bash experiment/run.sh")
     line, _ = plan.launch_line(p, PlanConfig(), 16)
     assert line.startswith("NNODES=2 NPROC_PER_NODE=8 DEPTH=24 BUDGET_USD=992 ")
     line, _ = plan.launch_line(p, PlanConfig(), 1)
@@ -162,9 +166,10 @@ def test_the_gpu_lines_mark_each_row_and_name_the_cheapest_or_the_fewest_in_time
     assert lines[3].endswith("  over the budget") and "HOURS_AVAILABLE" not in lines[3]
     assert lines[4].endswith("does not fit in memory") and lines[5].endswith("10%")  # in budget and in time: no mark
     assert lines[6].startswith("gpus | the cheapest: 2 GPU(s), $80 in 10.00 h;")
-    assert lines[-2:] == ["launch | on the rented box, with the data in $WORKSPACE/data: L",
-                          "launch | it writes R (WORKSPACE: /workspace/<repo> where /workspace is writable, else the "
-                          "repository)"]
+    assert lines[-3:-1] == ["launch | on the rented box, with the data in $WORKSPACE/data: L",
+                            "launch | it writes R (WORKSPACE: /workspace/<repo> where /workspace is writable, else the "
+                            "repository)"]
+    assert lines[-1].startswith("launch | to stop paying when it ends, add ON_EXIT=")  # a run ending at night
     assert not any(x.startswith("gpus | the cheapest") for x in plan.gpu_lines(_p([_row(1, 1.0, fits=False)])))
     timed = plan.gpu_lines(_p(rows, hours_available=24, recommended=8))
     assert timed[6] == "gpus | rent 8: the fewest that finish within HOURS_AVAILABLE=24 and the budget"
@@ -178,10 +183,11 @@ def test_the_regime_lines_say_whether_the_run_is_data_limited():
                                  "hours_at_most": 31.0, "usd_at_most": 992.0}}
     p |= {"hours": 10.0, "plain": {"depth": 8, "hours": 2.5, "passes": 8.0}}
     limited = plan.regime_lines(p)
-    assert len(limited) == 2 and f"more than {regime.PASSES}: data-limited" in limited[0]
+    assert len(limited) == 3 and f"more than {regime.PASSES}: data-limited" in limited[0]
     assert limited[0].endswith("at most the whole 31.00 h ($992): it may spend more than the hours above")
-    assert limited[1].startswith("recommendation | d12 and what its passes buy are EXTRAPOLATED")
-    assert limited[1].endswith("the plain rule trains d8 for 8.0 passes, 2.50 h on these GPUs, and leaves the rest unspent")
+    assert limited[1].startswith("recommendation | GENERATIONS=auto: when the stop at the val minimum ends d12")
+    assert limited[2].startswith("recommendation | d12 and what its passes buy are EXTRAPOLATED")
+    assert limited[2].endswith("the plain rule trains d8 for 8.0 passes, 2.50 h on these GPUs, and leaves the rest unspent")
     p["hours"] = 31.0  # the regularized rule's pick: the whole budget
     assert plan.regime_lines(p)[0].endswith("it trains the whole 31.00 h ($992) unless the stop at the val minimum "
                                             "ends it first")

@@ -3,6 +3,8 @@
 Restarts on another GPU count, several nodes, a failed save, a diverging loss: all on CPU with gloo
 ranks."""
 
+import contextlib
+import json
 import os
 import random
 import re
@@ -136,7 +138,6 @@ def test_second_signal_exits_at_once(tmp_path, corpus):
 
 
 def _records(run_dir):
-    import json
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
 
@@ -230,6 +231,45 @@ def test_a_second_launch_on_a_running_run_exits_2_and_one_after_a_kill_resumes(t
     assert again.returncode == 0 and f"resumed from {ckpt.model_path(run_dir, last)}" in again.stdout, [
         l for l in again.stdout.splitlines() if "resum" in l or "preflight" in l]
     assert ckpt.complete_steps(run_dir)[-1] == last + 3
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except FileNotFoundError:
+        return ""
+
+
+@pytest.mark.slow(seconds=15)
+def test_a_torchrun_killed_while_its_workers_still_import_leaves_no_worker_behind(tmp_path, corpus):
+    """kill -9 of torchrun the moment its worker exists (it is still importing torch, long before its
+    first step): the worker sees its agent gone and exits, instead of training on alone."""
+    env = {**ENV, "DEPTH": "2", "ASPECT_RATIO": "32", "HEAD_DIM": "32", "MAX_SEQ_LEN": "32", "DEVICE_BATCH_SIZE": "4",
+           "TOTAL_BATCH_SIZE": "256", "SAMPLE_TOKENS": "0", "DATA_DIR": str(corpus), "WORKSPACE": str(tmp_path),
+           "PLATEAU_EVALS": "0", "TRAINING_HOURS": "1", "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    launch = subprocess.Popen(["bash", str(REPO / "experiment/run.sh")], cwd=tmp_path, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    workers = []
+    try:
+        deadline = time.time() + 120
+        while not workers:  # run.sh's pid becomes torchrun's (exec); then its worker appears
+            assert launch.poll() is None and time.time() < deadline, "no worker started"
+            if "torch.distributed.run" in _cmdline(launch.pid):
+                workers = [p for p in _children(launch.pid) if "experiment.train" in _cmdline(p)]
+            time.sleep(0.02)
+        assert "step 0" not in ((tmp_path / "checkpoints/d2/training.log").read_text()
+                                if (tmp_path / "checkpoints/d2/training.log").exists() else "")
+        launch.kill()
+        launch.wait()
+        deadline = time.time() + 30
+        while any(map(_alive, workers)) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not any(map(_alive, workers)), "the worker outlived its killed torchrun"
+    finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _watchers(run_dir) -> list[str]:
@@ -465,7 +505,9 @@ def test_the_lost_seconds_come_from_a_heartbeat_written_since_the_resumed_checkp
     assert lost(14, 130.5, cfg=parse_args(["--resume", "".join(["au", "to"])])) == 30.5  # RESUME=auto from the shell
     assert lost(9, 130.5) == 0.0  # written before the checkpoint: it knows nothing past it
     assert lost(14, 130.5, cfg=older) == 0.0  # RESUME=<step>: a branch
-    assert lost(14, 130.5, resume_step=None) == 0.0  # a fresh run
+    # no checkpoint to resume, but a heartbeat: a crash before the first save lost all it trained
+    assert lost(14, 130.5, resume_step=None) == 130.5
+    assert lost(14, 130.5, cfg=parse_args(["--resume", "never"]), resume_step=None) == 0.0  # afresh by choice
     beat.write_text('{"step": 14, "used_se')  # torn
     assert restarts.lost_seconds(tmp_path, 10, auto) == 0.0
     beat.unlink()
@@ -483,10 +525,10 @@ def test_a_restarts_lost_and_setup_seconds_are_charged_once_at_its_first_step(tm
 
     logs = []
     t = SimpleNamespace(d=Dist(0, 0, 1, torch.device("cpu")), st=RunState(step=12, restart_seconds=5.0),
-                        lost_seconds=30.5, launched=100.0, run_dir=tmp_path, log=logs.append)
+                        lost_seconds=30.5, launched=100.0, run_dir=tmp_path, log=logs.append, resume_step=12)
     assert restarts.restart_cost(t, 112.0) == 42.5
     assert (t.restart_lost, t.restart_setup) == (30.5, 12.0)
-    loop = SimpleNamespace(used_at_start=200.0, last_beat=time.time(), beat_failed=False)
+    loop = SimpleNamespace(used_at_start=200.0, last_beat=time.time(), beat_failed=False, end=None)
     loop.used = lambda: loop.used_at_start
     restarts.charge(t, loop)
     assert (loop.used_at_start, t.st.restart_seconds, t.restart_lost, t.restart_setup) == (242.5, 47.5, 0.0, 0.0)
@@ -495,6 +537,74 @@ def test_a_restarts_lost_and_setup_seconds_are_charged_once_at_its_first_step(tm
     assert (beat["step"], beat["used_seconds"]) == (12, 242.5)  # though a beat was just written
     restarts.charge(t, loop)  # nothing is left to charge
     assert (loop.used_at_start, t.st.restart_seconds) == (242.5, 47.5)
+
+
+def test_the_budget_counts_the_launch_from_the_launchers_start(tmp_path, corpus, monkeypatch):
+    """experiment/run.sh exports LAUNCH_STARTED before its pre-flight: a fresh run's budget counts from
+    there (the pre-flight, data preparation and torchrun's start are on the bill), a restart by
+    torchrun from its own start, and a value from elsewhere is ignored."""
+    from experiment import launch, train
+    now = time.time()
+    monkeypatch.setenv("LAUNCH_STARTED", repr(now - 100))
+    assert launch.launch_started() == pytest.approx(now - 100)
+    for env in ({"LAUNCH_STARTED": "soon"}, {"LAUNCH_STARTED": repr(now + 60)},
+                {"LAUNCH_STARTED": repr(now - 100), "TORCHELASTIC_RESTART_COUNT": "1"}):  # a restart: its own
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            assert launch.launch_started() == pytest.approx(time.time(), abs=5)
+    args = [*map(str, TINY), "--data_dir", str(corpus), "--workspace", str(tmp_path), "--max_steps", "2",
+            "--save_every_steps", "2"]
+    assert train.main(args) == 0
+    assert run_meta(tmp_path, 2)["state"]["used_seconds"] >= 100
+
+
+def test_a_restart_charge_still_pending_when_the_loop_ends_stays_in_the_heartbeat(tmp_path):
+    """A resume that trains no step (a stop before its first, or a finished run relaunched) leaves its
+    uncharged lost seconds in the heartbeat, and a stopped one its setup too: the next launch is
+    charged them. Broken before: the loop's last heartbeat wrote the checkpoint's budget used alone."""
+    import json
+    from types import SimpleNamespace
+
+    from experiment import restarts
+    from experiment.checkpoint import RunState
+
+    t = SimpleNamespace(d=Dist(0, 0, 1, torch.device("cpu")), st=RunState(step=10), run_dir=tmp_path, log=print,
+                        restart_lost=30.5, restart_setup=12.0)
+    loop = SimpleNamespace(last_beat=0.0, beat_failed=False, used=lambda: 100.0, end=None)
+    restarts.beat(t, loop, force=True)  # no step was left to run: its setup bought nothing, its lost stays
+    assert json.loads((tmp_path / restarts.HEARTBEAT).read_text())["used_seconds"] == 130.5
+    loop.end = 0  # stopped before its first step: the setup was this restart's too
+    restarts.beat(t, loop, force=True)
+    assert json.loads((tmp_path / restarts.HEARTBEAT).read_text())["used_seconds"] == 142.5
+    (tmp_path / "meta_000010.json").write_text(json.dumps({"step": 10, "state": {"step": 10, "used_seconds": 100.0}}))
+    from experiment.config import parse_args
+    assert restarts.lost_seconds(tmp_path, 10, parse_args([])) == 42.5
+
+
+@pytest.mark.slow(seconds=20)
+def test_a_kill_9_before_the_first_save_charges_what_it_trained_to_the_fresh_start(tmp_path, corpus):
+    """No checkpoint yet (on GPUs the first comes with the first eval, about 30 minutes in): the same
+    command starts afresh, and its budget counts what the killed launch trained (its heartbeat)."""
+    args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256, "--save_every_steps", 4000,
+            "--async_save", 0, "--eval_every_minutes", 60, "--eval_every_epochs", 0, "--save_every_minutes", 60]
+    run_dir = tmp_path / "checkpoints/d2"
+    cmd = [sys.executable, str(REPO / "tests/faulty_train.py"), *map(str, args)]
+    env = {**ENV, "HEARTBEAT_SECONDS": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    beat = run_dir / "heartbeat.json"
+    _wait_for(lambda: beat.exists() and json.loads(beat.read_text())["used_seconds"] >= 3, what="3 s of training")
+    proc.kill()
+    proc.wait(timeout=60)
+    trained = json.loads(beat.read_text())["used_seconds"]
+    assert not ckpt.complete_steps(run_dir)
+    again = subprocess.run([*cmd, "--max_steps", "3"], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    lost = float(re.search(r"restart \| ([\d.]+)s trained before the first checkpoint were lost", again.stdout).group(1))
+    assert lost == pytest.approx(trained, abs=0.05)
+    state = run_meta(tmp_path, 3)["state"]
+    assert state["used_seconds"] >= trained
+    assert state["restart_seconds"] == pytest.approx(lost, abs=0.05)  # its setup counts once, as a fresh run's
 
 
 def test_the_heartbeat_is_rank_0s_every_heartbeat_seconds_and_a_failed_write_is_said_once(tmp_path, monkeypatch):
@@ -509,8 +619,9 @@ def test_the_heartbeat_is_rank_0s_every_heartbeat_seconds_and_a_failed_write_is_
     # not fsynced: on a network volume an fsync can wait behind a background save's gigabytes
     monkeypatch.setattr(restarts, "atomic_write_json",
                         lambda path, obj, durable=True: fsynced.append(durable) or write(path, obj, durable=durable))
-    t = SimpleNamespace(d=Dist(0, 0, 1, torch.device("cpu")), st=RunState(step=3), run_dir=tmp_path, log=logs.append)
-    loop = SimpleNamespace(last_beat=0.0, beat_failed=False, used=lambda: 7.0)
+    t = SimpleNamespace(d=Dist(0, 0, 1, torch.device("cpu")), st=RunState(step=3), run_dir=tmp_path, log=logs.append,
+                        restart_lost=0.0, restart_setup=0.0)
+    loop = SimpleNamespace(last_beat=0.0, beat_failed=False, used=lambda: 7.0, end=None)
     path = tmp_path / restarts.HEARTBEAT
     restarts.beat(t, loop)
     assert json.loads(path.read_text())["step"] == 3 and time.time() - loop.last_beat < 5
@@ -567,6 +678,56 @@ def test_workers_exit_on_their_own_when_the_agent_is_killed(tmp_path, corpus):
 
 
 # ---------------------------------------------------------------- another world size
+
+
+def test_a_budget_in_dollars_resumed_on_another_gpu_count_buys_the_hours_its_dollars_left(tmp_path):
+    """launch.spent_base and dollar_budget: 8 GPUs for 1 h of a $64 budget at $4 (2 h on 8), then
+    4 GPUs: $32 spent, $32 left buy 2 h on 4, so the run's budget is 1 + 2 = 3 h of its clock."""
+    from experiment import launch
+    from experiment.config import parse_args, resolve
+    meta = {"step": 10, "world_size": 8, "state": {"step": 10, "used_seconds": 3600.0}}
+    (tmp_path / "meta_000010.json").write_text(json.dumps(meta))
+    assert launch.spent_base(meta, 8) == 0 and launch.spent_base(meta, 4) == 4 * 3600
+    cfg = resolve(parse_args(["--budget_usd", "64"]), cuda=False, world_size=4)
+    assert cfg.training_hours == 4  # what 4 GPUs would get from nothing spent
+    lines = []
+    launch.dollar_budget(cfg, tmp_path, 10, 4, lines.append)
+    assert cfg.training_hours == pytest.approx(3) and "$32.00 of BUDGET_USD=$64.00 spent" in lines[0]
+    again = {**meta, "world_size": 4, "state": {"step": 10, "used_seconds": 3600.0, "gpu_seconds_base": 4 * 3600}}
+    assert launch.spent_base(again, 4) == 4 * 3600  # spent stays spent on the same count
+    assert launch.spent_base(again, 8) == 0  # back on 8: (base + used x 4) = 8 GPU-hours = used x 8
+    launch.dollar_budget(cfg, tmp_path, None, 4, lines.append)  # a fresh run: config.resolve's hours
+    assert cfg.training_hours == pytest.approx(3) and len(lines) == 1
+
+
+@pytest.mark.slow(seconds=45)
+def test_a_budget_usd_run_moved_from_2_ranks_to_1_spends_its_dollars_once(tmp_path, corpus):
+    """BUDGET_USD through the launcher: 2 ranks stopped (SIGTERM) part way, then the same command on
+    1 rank. The dollars spent in all (GPU-seconds x GPU_HOURLY_USD) stay within the budget; before,
+    the 1-rank launch took BUDGET_USD's hours for 1 GPU, twice the 2-rank ones, and spent a fifth more."""
+    budget_usd, rate = 30 * 2 * 4 / 3600, 4.0  # 30 s on 2 ranks
+    env = {**ENV, "DEPTH": "2", "ASPECT_RATIO": "32", "HEAD_DIM": "32", "MAX_SEQ_LEN": "32", "DEVICE_BATCH_SIZE": "4",
+           "TOTAL_BATCH_SIZE": "256", "SAMPLE_TOKENS": "0", "DATA_DIR": str(corpus), "WORKSPACE": str(tmp_path),
+           "PLATEAU_EVALS": "0", "BUDGET_USD": repr(budget_usd), "GPU_HOURLY_USD": "4", "SAVE_EVERY_STEPS": "10",
+           "MAX_RESTARTS": "0", "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    run_dir = tmp_path / "checkpoints/d2"
+    launch = ["bash", str(REPO / "experiment/run.sh")]
+    first = subprocess.Popen(launch, cwd=tmp_path, env={**env, "NPROC_PER_NODE": "2"}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    beat = run_dir / "heartbeat.json"
+    _wait_for(lambda: beat.exists() and json.loads(beat.read_text())["used_seconds"] >= 10, what="10 s of training")
+    first.send_signal(signal.SIGTERM)  # torchrun forwards it: each rank saves and stops
+    first.wait(timeout=120)
+    stopped = run_meta(tmp_path, ckpt.complete_steps(run_dir)[-1])["state"]
+    again = subprocess.run(launch, cwd=tmp_path, env={**env, "NPROC_PER_NODE": "1"}, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "spent by earlier launches (on 2 GPU(s) last)" in again.stdout and "extend |" not in again.stdout
+    final = run_meta(tmp_path, ckpt.complete_steps(run_dir)[-1])
+    st = final["state"]
+    spent = (st["gpu_seconds_base"] + st["used_seconds"] * final["world_size"]) * rate / 3600
+    assert final["world_size"] == 1 and st["gpu_seconds_base"] == pytest.approx(stopped["used_seconds"])
+    assert 0.9 * budget_usd < spent <= budget_usd * 1.01, (spent, budget_usd)
 
 
 @pytest.fixture(scope="module")

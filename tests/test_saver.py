@@ -826,7 +826,7 @@ def test_retention_keeps_no_step_for_a_warmdown_not_begun(tmp_path):
     assert ckpt.complete_steps(tmp_path) == [2]  # step 0 is no warmdown's start
 
 
-def test_a_restore_takes_this_ranks_shard_or_the_first_and_cuda_rng_only_on_cuda(tmp_path, monkeypatch):
+def test_a_restore_takes_this_ranks_shard_or_a_stream_of_its_own_and_cuda_rng_only_on_cuda(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from experiment import saving
@@ -839,13 +839,19 @@ def test_a_restore_takes_this_ranks_shard_or_the_first_and_cuda_rng_only_on_cuda
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: loaded.append((state, str(device))))
     model = SimpleNamespace(load_state_dict=lambda state: loaded.append(state))
     opt = SimpleNamespace(load_shards=lambda s: loaded.append(len(s)))
-    for rank, world, device, expect, cuda in ((1, 2, "cpu", 1, []), (2, 3, "cpu", 0, []), (3, 4, "cpu", 0, []),
+    new = []  # ranks past the saved world: a stream of their own each, neither shard's
+    for rank, world, device, expect, cuda in ((1, 2, "cpu", 1, []), (2, 3, "cpu", None, []), (3, 4, "cpu", None, []),
                                               (1, 2, "cuda", 1, [("cuda 1", "cuda:1")])):
         loaded.clear()
         st = saving.restore_checkpoint(tmp_path, 5, model, opt, Dist(rank, rank, world, torch.device(device, rank)
                                                                       if device == "cuda" else torch.device(device)))
-        assert st.step == 5 and torch.equal(torch.get_rng_state(), states[expect])
-        assert loaded == [{"w": 1}, 2, *cuda]
+        rng = torch.get_rng_state()
+        if expect is None:
+            assert not any(torch.equal(rng, s) for s in (*states, *new))
+            new.append(rng)
+        else:
+            assert torch.equal(rng, states[expect])
+        assert st.step == 5 and loaded == [{"w": 1}, 2, *cuda]
 
 
 def test_a_failed_save_of_an_earlier_step_leaves_a_later_best_standing(tmp_path):

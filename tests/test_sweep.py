@@ -57,6 +57,23 @@ def test_members_parse_to_settings_and_tags_and_the_budget_counts_the_box():
             sweep.parse_ensemble_tokens({"SWEEP_ENSEMBLE_TOKENS": bad})
 
 
+def test_a_sweep_that_would_leave_paid_gpus_idle_is_refused_with_the_dollars(tmp_path, monkeypatch):
+    # The README's old example: 3 members on 8 GPUs, $1000 at $4: 31.25 h of the box, 5 GPUs idle
+    words = sweep.idle_gpus(3, 8, 8, 31.25, 4.0)
+    assert "leave 156.2 of the 250.0 GPU-hours idle ($625 of $1,000)" in words and "a multiple of 8 members" in words
+    assert "rent 3 GPU(s)" in words and "rent 5 GPU(s)" in sweep.idle_gpus(10, 8, 8, 31.25, 4.0)
+    assert sweep.idle_gpus(8, 8, 8, 31.25, 4.0) is None and sweep.idle_gpus(16, 8, 8, 31.25, 4.0) is None
+    assert "leave 93.8 of the 250.0 GPU-hours idle" in sweep.idle_gpus(10, 8, 8, 31.25, 4.0)  # a last wave of 2
+    assert "($500 of $1,000)" in sweep.idle_gpus(8, 4, 8, 31.25, 4.0)  # SWEEP_PARALLEL=4: 4 GPUs never used
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    env = {"SWEEP": "DEPTH=32 DEPTH=24 DEPTH=40", "BUDGET_USD": "1000", "WORKSPACE": str(tmp_path)}
+    with pytest.raises(sweep.SweepError, match=r"\$625 of \$1,000"):
+        sweep.setup(env, print)
+    assert not (tmp_path / "checkpoints").exists()  # refused before the sweep's directory and lock
+
+
 @pytest.mark.slow(seconds=61)
 def test_a_sweep_trains_its_members_side_by_side_reports_a_winner_and_a_failing_member(tmp_path):
     write_corpus(tmp_path)
@@ -152,6 +169,50 @@ def test_the_same_command_after_a_kill_minus_9_resumes_every_member(tmp_path):
     got, want = (ckpt.load_model_state(d, 30) for d in (run_dir, ref / "ws/checkpoints/sweep/d2"))
     assert all((got[n] == want[n]).all() for n in want)
 
+
+
+def test_a_relaunched_sweep_keeps_a_failed_member_failed_and_checks_one_left_running_before_resuming_it(
+        tmp_path, monkeypatch):
+    """A member whose trainer ended it with a failure is not trained again unasked (a restart repeats
+    it); a member a killed sweep left running, which then ended unfinished, gets its pre-flight and
+    prepared data before it resumes, as every member does."""
+    def ended(tag: str, outcome: str) -> None:
+        d = tmp_path / "checkpoints/sweep" / tag
+        d.mkdir(parents=True, exist_ok=True)
+        with open(d / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"kind": "end", "outcome": outcome, "code": 1, "time": time.time()}) + "\n")
+
+    checked, refuse = [], set()
+
+    def preflight(sw, m, log):
+        checked.append(m.tag)
+        if m.tag in refuse:
+            raise sweep.SweepError(f"member {m.tag} (DEPTH=4): no such GPU")
+        return f"/prepared/{m.tag}"
+
+    monkeypatch.setattr(sweep, "preflight_member", preflight)
+    ended("d2", "failed: the loss diverged at step 40")
+    lines = []
+    sw = sweep.setup({"SWEEP": "DEPTH=2 DEPTH=3 DEPTH=4", "WORKSPACE": str(tmp_path)}, lines.append)
+    try:
+        d2, d3, d4 = sw.members
+        assert d2.status == "failed" and checked == ["d3", "d4"], checked  # d2's pre-flight never ran
+        assert any("d2 failed in an earlier launch (failed: the loss diverged at step 40): not restarted" in x
+                   and "MODEL_TAG=sweep/d2 DEPTH=2 bash experiment/run.sh" in x for x in lines), lines
+        checked.clear()
+        d3.status = "elsewhere"  # as if a killed sweep had left it running, and it ended stopped
+        ended("d3", "stopped: SIGTERM at step 12")
+        sweep.ended_elsewhere(sw, d3, lines.append)
+        assert (d3.status, d3.prepared, checked) == ("waiting", "/prepared/d3", ["d3"])
+        ended("d4", "stopped: SIGTERM at step 3")
+        refuse.add("d4")
+        sweep.ended_elsewhere(sw, d4, lines.append)
+        assert d4.status == "failed" and "no such GPU" in d4.outcome
+        ended("d3", "failed: the disk is full")
+        sweep.ended_elsewhere(sw, d3, lines.append)
+        assert d3.status == "failed" and checked == ["d3", "d4"]
+    finally:
+        sw.lock.close()
 
 
 def test_a_members_status_comes_from_its_own_launchs_last_words_and_the_winner_from_comparable_bests(tmp_path):

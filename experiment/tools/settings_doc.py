@@ -36,6 +36,8 @@ LAUNCHER = (
                        "+ (`DEPTH=8 DEPTH=12+WEIGHT_DECAY=0.2`); the budget counts the whole box (docs/sweep.md)"),
     ("SWEEP_TAG", "sweep", "the sweep's directory under $WORKSPACE/checkpoints/, its members' run directories in it"),
     ("SWEEP_PARALLEL", "visible GPUs, or 1 without CUDA", "members that run at once, each on one GPU"),
+    ("SWEEP_ALLOW_IDLE", "unset", "1: run a sweep that leaves paid GPUs idle (fewer members than GPUs, or a last wave "
+                                  "not full); unset, it exits 2 saying the dollars idle"),
     ("SWEEP_ENSEMBLE_TOKENS", "1048576", "val tokens the ensembles of the best 2, 4 and all members are scored on when "
                                          "the sweep ends (in sweep.md); 0: none"),
 )
