@@ -640,7 +640,8 @@ def pick_resume_step(run_dir: Path, resume: str, log: Callable[[str], None] | No
         if quarantine:
             meta_path(run_dir, candidate).rename(meta_path(run_dir, candidate).with_suffix(".json.damaged"))
     raise CheckpointError(f"{run_dir}: every resumable checkpoint is damaged (steps {', '.join(f'{s:06d}' for s in skipped)}"
-                          "; the warnings above name the files); move them away to start afresh")
+                          "; the warnings above name the files); move them away to start afresh (the budget then counts the "
+                          "time the lost run used, from its heartbeat; RESUME=never starts a new budget)")
 
 
 def _pick_step(run_dir: Path, resume: str) -> int | None:

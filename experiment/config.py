@@ -110,7 +110,8 @@ class TrainConfig:
                                     "DATA_DIR not read")
     tokenizer: str = opt("char, or a tiktoken encoding name", "char")
     alphabet: str | None = opt("allowed characters; data with any other one is rejected")
-    val_fraction: float = opt("last fraction of the tokens held out for validation", 0.05)
+    val_fraction: float = opt("fraction of each source's tokens held out for validation, drawn across its files (one "
+                                 "file: its tail; docs/data.md)", 0.05)
     model_tag: str | None = opt("run directory name (default d<depth>, or auto)")
     resume: str = opt("auto: latest complete checkpoint; never; or a step number", "auto")
     save_every_minutes: float | None = opt("checkpoint cadence (default 60 with CUDA, 1 without)")

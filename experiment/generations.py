@@ -122,7 +122,16 @@ def check_teachers(top: Path, g: dict) -> None:
                                   "start the run afresh")
 
 
-def begin(top: Path, record: dict, k: int, cfg: TrainConfig, budget: float) -> dict | None:
+def check_world(record: dict, cfg: TrainConfig, world_size: int | None) -> None:
+    """A run of generations with BUDGET_USD keeps its GPU count: each generation's share is recorded
+    in seconds of the box it began on, so another count would spend other dollars."""
+    began = record.get("world_size")
+    if cfg.budget_usd is not None and world_size is not None and began not in (None, world_size):
+        raise ConfigError(f"this run of generations began on {began} GPU(s) with BUDGET_USD, whose shares are hours "
+                          f"of that box: relaunch it on {began} (NPROC_PER_NODE), or give TRAINING_HOURS instead")
+
+
+def begin(top: Path, record: dict, k: int, cfg: TrainConfig, budget: float, world_size: int = 1) -> dict | None:
     """Rank 0: generation k's record, written before it trains; None when no budget is left for it."""
     done = record["generations"][: k - 1]
     seconds = share(record, k, cfg, budget)
@@ -133,7 +142,7 @@ def begin(top: Path, record: dict, k: int, cfg: TrainConfig, budget: float) -> d
          "distill": [cfg.distill_weight, cfg.distill_temperature] if done else None,
          "began": time.time(), "outcome": None, "used_seconds": None, "best": None}
     record["generations"].append(g)
-    record["budget_seconds"] = budget
+    record["budget_seconds"], record["world_size"] = budget, world_size
     atomic_write_json(top / RECORD, record)
     return g
 
@@ -151,13 +160,14 @@ def generation_config(cfg: TrainConfig, g: dict) -> TrainConfig:
                                distill_temperature=distill[1])
 
 
-def pending(cfg: TrainConfig, top: Path) -> tuple[TrainConfig | None, Path | None, str]:
+def pending(cfg: TrainConfig, top: Path, world_size: int | None = None) -> tuple[TrainConfig | None, Path | None, str]:
     """What the next launch trains, for the pre-flight: (the generation's one-model config, its run
     directory, a line saying which generation), or (None, None, a line) when all GENERATIONS are
     done or no budget is left. A generation not begun yet is shown with the share it would get now
     (and no teacher yet); a begun one's teachers are checked."""
     check_layout(cfg, top)
     record = read_record(top)
+    check_world(record, cfg, world_size)
     gens = record["generations"]
     done = [g for g in gens if g["outcome"] is not None]
     if len(done) >= count(cfg):
@@ -215,7 +225,8 @@ def run_all(cfg: TrainConfig, d: Dist, workspace: Path, top: Path, log: RunLog, 
         gens = record["generations"]
         if k <= len(gens) and gens[k - 1]["outcome"] is not None:
             continue  # done in an earlier launch
-        g = gens[k - 1] if k <= len(gens) else on_rank_0(d, lambda: begin(top, record, k, cfg, budget))
+        on_rank_0(d, lambda: check_world(record, cfg, d.world_size))
+        g = gens[k - 1] if k <= len(gens) else on_rank_0(d, lambda: begin(top, record, k, cfg, budget, d.world_size))
         if g is None:
             log(f"generations | no budget left for generation {k} {of(cfg)}")
             break
@@ -226,7 +237,8 @@ def run_all(cfg: TrainConfig, d: Dist, workspace: Path, top: Path, log: RunLog, 
         gen_dir = top / g["dir"]
         teachers = [{**t, "file": str(top / t["file"])} for t in g["teachers"]]
         code, outcome, used = run_one(generation_config(cfg, g), d, workspace, gen_dir,
-                                      RunLog(gen_dir / "training.log" if d.master else None), launched, teachers)
+                                      RunLog(gen_dir / "training.log" if d.master else None, top / "training.log"),
+                                      launched, teachers)
         launched = time.time()  # the next generation's setup (this one's record, best files, release) from here
         d.set_timeout(PHASE_TIMEOUTS["setup"])
         if code != 0 or outcome == "running" or outcome.startswith("stopped"):
@@ -261,6 +273,10 @@ def refresh(top: Path, log: RunLog) -> None:
             write_report(top, record)
     except (CheckpointError, OSError) as e:
         log(f"warning: the run's best.json, best.pt or report.md not brought up to date ({e})")
+        return
+    for g in record["generations"]:  # finish() records the outcome first: a kill may come before its shrink
+        if g["outcome"] is not None:
+            shrink(top / g["dir"], log)
 
 
 def finish(top: Path, k: int, outcome: str, used: float, log: RunLog) -> None:
@@ -270,24 +286,30 @@ def finish(top: Path, k: int, outcome: str, used: float, log: RunLog) -> None:
     g = record["generations"][k - 1]
     g.update(outcome=outcome, used_seconds=used, best=ckpt.read_best(top / g["dir"]))
     atomic_write_json(top / RECORD, record)
-    refresh(top, log)
-    shrink(top / g["dir"], log)
+    refresh(top, log)  # and the generation's shrink
 
 
 def shrink(gen_dir: Path, log: RunLog) -> None:
     """A finished generation is never trained again (a launch with more budget adds generations), so
     it keeps only what serving and teaching read: its best step's weights and meta, best.pt. A run of
-    generations then holds one model's checkpoints, not one per generation (d56: 87 GB each)."""
-    before = sum(p.stat().st_size for p in gen_dir.iterdir() if p.is_file())
+    generations then holds one model's checkpoints, not one per generation (d56: 87 GB each).
+    Idempotent (refresh repeats it after a kill); nothing goes while best.json names no complete step."""
     try:
+        best = ckpt.read_best(gen_dir)
+        if best is None or int(best["step"]) not in ckpt.complete_steps(gen_dir):
+            return
+        size = lambda: sum(p.stat().st_size for p in gen_dir.iterdir() if p.is_file())
+        before = size()
+        ckpt.remove_incomplete(gen_dir)  # a save or a prune that a kill cut short
         steps = ckpt.prune(gen_dir, keep_last=0)
-        ckpt.drop_old_best_optimizer(gen_dir, keep_last=0)
-    except OSError as e:  # the files stay; the disk guard of the next launch counts them
+        shards = ckpt.drop_old_best_optimizer(gen_dir, keep_last=0)
+        freed = before - size()
+    except (OSError, CheckpointError) as e:  # the files stay; the disk guard of the next launch counts them
         log(f"warning: {gen_dir}'s checkpoints not pruned ({e})")
         return
-    freed = before - sum(p.stat().st_size for p in gen_dir.iterdir() if p.is_file())
-    log(f"generations | {gen_dir.name} done: {len(steps)} step(s) and the best step's optimizer state pruned, "
-        f"{freed / 1e9:.2f} GB freed; its best step's weights and best.pt stay")
+    if steps or shards is not None:
+        log(f"generations | {gen_dir.name} done: {len(steps)} step(s) and the best step's optimizer state pruned, "
+            f"{freed / 1e9:.2f} GB freed; its best step's weights and best.pt stay")
 
 
 def winner(record: dict) -> dict | None:

@@ -99,7 +99,8 @@ def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: 
     epochs = min(budget_epochs, cfg.max_epochs or budget_epochs)
     ckpt = checkpoint_bytes(config, world_size, gpu.memory_bytes, cfg.precision, average)
     staged = max(staged_bytes_per_rank(config, world_size, precision, pinned=True, average=average))
-    host_average = host_average_bytes(config, world_size, gpu.memory_bytes, cfg.precision) if average else 0
+    host_average = host_average_bytes(config, world_size, gpu.memory_bytes, cfg.precision, cfg.device_batch_size or 1,
+                                      cfg.activation_checkpointing) if average else 0
     return GpuPlan(config.depth, rate, budget_epochs, epochs, default_cap,
                    epochs * train_tokens / rate / 3600, ckpt, staged,
                    (cfg.keep_last + EXTRA_CHECKPOINTS) * ckpt, ckpt / (DISK_WRITE_GBPS * 1e9), host_average)

@@ -225,15 +225,16 @@ def spent_base(meta: dict, world_size: int) -> float:
     return st.gpu_seconds_base + st.used_seconds * (meta.get("world_size", world_size) - world_size)
 
 
-def dollar_budget(cfg: TrainConfig, run_dir: Path, resume_step: int | None, world_size: int, log) -> None:
+def dollar_budget(cfg: TrainConfig, run_dir: Path, resume_step: int | None, world_size: int, log,
+                  gpu_fix: float = 0.0) -> None:
     """BUDGET_USD on a resume: the budget seconds on these `world_size` GPUs that spend what the
     earlier launches left of the dollars (config.resolve's budget_usd / (rate x GPUs) holds only while
     the GPU count never changed). An 8-GPU run resumed on 4 gets twice the hours left, not twice the
-    dollars."""
+    dollars. `gpu_fix`: restarts.lost_on_other_gpus."""
     if cfg.budget_usd is None or resume_step is None:
         return
     meta = ckpt.read_meta(run_dir, resume_step)
-    base, used = spent_base(meta, world_size), ckpt.run_state(meta).used_seconds
+    base, used = spent_base(meta, world_size) + gpu_fix, ckpt.run_state(meta).used_seconds
     seconds = (cfg.budget_usd * 3600 / cfg.gpu_hourly_usd - base) / world_size
     cfg.training_hours = max(seconds, used) / 3600  # spent already: the run ends at once
     if meta.get("world_size", world_size) != world_size or base:

@@ -187,10 +187,11 @@ def choose_mode(config: GPTConfig, world_size: int, batch: int, seq: int, gpu_by
     return None
 
 
-def host_average_bytes(config: GPTConfig, world: int, gpu_bytes: int, precision: str = "auto", batch: int = 1) -> int:
+def host_average_bytes(config: GPTConfig, world: int, gpu_bytes: int, precision: str = "auto", batch: int = 1,
+                       activation_checkpointing: str = "auto") -> int:
     """The largest rank's host memory for AVERAGE=ema's fp32 average when it does not fit on the GPU
     beside the mode the plan picks at device batch `batch` (place_average's rule), else 0."""
-    mode = choose_mode(config, world, batch, config.max_seq_len, gpu_bytes, precision)
+    mode = choose_mode(config, world, batch, config.max_seq_len, gpu_bytes, precision, activation_checkpointing)
     if mode is None or plan_memory(config, world, batch, config.max_seq_len, mode.precision,
                                    mode.activation_checkpointing, average=True).fits(gpu_bytes):
         return 0

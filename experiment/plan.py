@@ -504,8 +504,9 @@ def gpu_lines(p: dict) -> list[str]:
               f"launch | it writes {p['run_dir']} (WORKSPACE: /workspace/<repo> where /workspace is writable, "
               "else the repository)",
               "launch | to stop paying when it ends, add ON_EXIT='[ \"$RUN_STATUS\" != stopped ] && runpodctl stop pod "
-              "$RUNPOD_POD_ID' (RunPod; on a VM: sudo shutdown -h now): it runs after best.pt and report.md are on "
-              "/workspace, which a stopped pod keeps, and never after a preemption (docs/survival.md)"]
+              "$RUNPOD_POD_ID' (RunPod; on a VM: sudo shutdown -h now): it runs once the launch ends, a finished "
+              "run's best.pt and report.md already on /workspace, which a stopped pod keeps; never after a "
+              "preemption (docs/survival.md)"]
     return lines
 
 

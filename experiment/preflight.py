@@ -144,7 +144,12 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
             gpu = guards.local_gpu() if resolve_device(cfg.device).type == "cuda" else None
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    default_budget = cfg.training_hours is None and cfg.budget_usd is None
     cfg = resolve(finetune.apply(cfg), gpu is not None, world_size)
+    if gpu is not None and default_budget:  # one GPU for an afternoon would otherwise pay for a day
+        log(f"warning: neither TRAINING_HOURS nor BUDGET_USD is set: the GPU default of {cfg.training_hours:g} h "
+            f"(${cfg.training_hours * cfg.gpu_hourly_usd * world_size:,.0f} on {world_size} GPU(s)) is the budget; "
+            "set the hours or dollars you rent for (docs/one-gpu.md)")
     check_ranks_per_gpu(cfg, gpu, nproc_per_node or world_size)
     workspace = Path(cfg.workspace) if cfg.workspace else default_workspace()
     run_dir = workspace / "checkpoints" / cfg.model_tag
@@ -155,7 +160,7 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
     check_not_running(run_dir)  # before minutes of data preparation, not after
     top = run_dir  # the launch's: its lock, its workers' logs, ON_EXIT's
     if cfg.generations != 1:  # the checks and the plan are the next generation's (experiment/generations.py)
-        gen_cfg, gen_dir, line = generations.pending(cfg, top)
+        gen_cfg, gen_dir, line = generations.pending(cfg, top, world_size)
         log(line)
         if gen_cfg is None:  # all done, or no budget left: nothing trains, so nothing to plan or guard
             plan = {"prepared": str(prepare_data(cfg, workspace, log).dir), "resume_step": None,

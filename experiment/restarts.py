@@ -49,6 +49,16 @@ def lost_seconds(run_dir: Path, resume_step: int | None, cfg: TrainConfig) -> fl
     return max(used - ckpt.run_state(ckpt.read_meta(run_dir, resume_step)).used_seconds, 0.0)
 
 
+def lost_on_other_gpus(run_dir: Path, lost: float, world_size: int) -> float:
+    """GPU-seconds the lost seconds cost beyond what charging them on `world_size` GPUs counts: they
+    were spent on the heartbeat's GPU count (RunState.gpu_seconds_base: BUDGET_USD stays dollars)."""
+    try:
+        spent_on = int(json.loads((run_dir / HEARTBEAT).read_text()).get("world_size", world_size))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0.0
+    return lost * (spent_on - world_size)
+
+
 def restarted(t: Trainer) -> bool:
     """A resume, or a fresh start after a launch that trained and lost it all (every rank alike: the
     lost seconds are rank 0's, broadcast with the resume step)."""
@@ -93,11 +103,14 @@ def beat(t: Trainer, loop: Loop, force: bool = False) -> None:
         return
     loop.last_beat = now
     path = t.run_dir / HEARTBEAT
-    # A restart's charge still pending (no step has trained since the resume: a stop before the
-    # first, or a finished run relaunched) stays on record for the launch after this one.
-    pending = t.restart_lost + (t.restart_setup if loop.end is not None else 0.0)
+    # A restart's charge still pending (no step has trained since the resume) stays on record for the
+    # launch after this one: its lost seconds, and its setup when a stop signal cut it short (a
+    # finished run relaunched is charged no setup: charge's docstring).
+    stopped = loop.outcome.startswith("stopped")
+    pending = t.restart_lost + (t.restart_setup if stopped else 0.0)
     try:
-        atomic_write_json(path, {"step": t.st.step, "used_seconds": loop.used() + pending, "time": now}, durable=False)
+        atomic_write_json(path, {"step": t.st.step, "used_seconds": loop.used() + pending, "time": now,
+                                 "world_size": t.d.world_size}, durable=False)
         loop.beat_failed = False
     except OSError as e:
         if not loop.beat_failed:

@@ -142,7 +142,8 @@ rm -f "$plan_file"
 # runs the command once with the outcome in RUN_STATUS, RUN_OUTCOME, BEST_CHECKPOINT, ...
 if [ -n "${ON_EXIT:-}" ]; then
     mkdir -p "$run_dir"
-    watcher=(setsid "$PYTHON" -m experiment.onexit "$$" "$run_dir" "$(date +%s)" "$ON_EXIT")
+    # Not LAUNCH_STARTED: a trainer that ON_EXIT starts is a launch of its own, not this one's
+    watcher=(env -u LAUNCH_STARTED setsid "$PYTHON" -m experiment.onexit "$$" "$run_dir" "$(date +%s)" "$ON_EXIT")
     if [ -n "${lock_fd:-}" ]; then
         "${watcher[@]}" {lock_fd}>&- </dev/null >>"$run_dir/on_exit.log" 2>&1 &
     else

@@ -20,10 +20,11 @@ from experiment.model import GPT
 
 
 class RunLog:
-    """Rank 0's human lines: stdout and the run's training.log. Off rank 0 every call is a no-op."""
+    """Rank 0's human lines: stdout and the run's training.log (and `also`: a generation's lines go to
+    the run's own log too, so one `tail -f` follows every generation). Off rank 0 every call is a no-op."""
 
-    def __init__(self, path: Path | None):
-        self.path, self.failing = path, False
+    def __init__(self, path: Path | None, also: Path | None = None):
+        self.path, self.also, self.failing = path, also, False
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -32,8 +33,9 @@ class RunLog:
             return
         print(msg, flush=True)
         try:
-            with open(self.path, "a") as f:
-                f.write(msg + "\n")
+            for path in filter(None, (self.path, self.also)):
+                with open(path, "a") as f:
+                    f.write(msg + "\n")
             self.failing = False
         except OSError as e:  # a full disk must not stop the run; stdout still has every line
             if not self.failing:

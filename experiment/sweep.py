@@ -49,6 +49,7 @@ from experiment import checkpoint as ckpt
 from experiment.config import CPU_DEFAULTS, CUDA_DEFAULTS, ConfigError, TrainConfig
 from experiment.files import atomic_write_bytes, atomic_write_json, default_workspace
 from experiment.report import read_records
+from experiment.textbpc import text_key
 
 POLL_SECONDS = 2.0
 TABLE = "sweep.md"
@@ -180,17 +181,17 @@ def member_row(m: Member, gpu_hourly: float) -> dict:
         meta = None
     if meta is not None:
         state = ckpt.run_state(meta)
-        train_tokens = _train_tokens(meta)
+        prepared = _prepared_meta(meta)
+        train_tokens = prepared["split"]["train_tokens"] if prepared else None
         row.update(hours=state.used_seconds / 3600, usd=state.used_seconds / 3600 * gpu_hourly,
                    passes=state.tokens_seen / train_tokens if train_tokens else None,
-                   data=meta.get("prepared", {}).get("hash"))
+                   data=meta.get("prepared", {}).get("hash"), text=text_key(prepared) if prepared else None)
     return row
 
 
-def _train_tokens(meta: dict) -> int | None:
+def _prepared_meta(meta: dict) -> dict | None:
     try:
-        prepared = json.loads((Path(meta["prepared"]["dir"]) / "meta.json").read_text())
-        return prepared["split"]["train_tokens"]
+        return json.loads((Path(meta["prepared"]["dir"]) / "meta.json").read_text())
     except (OSError, KeyError, ValueError, TypeError):
         return None
 
@@ -201,7 +202,12 @@ def winner(rows: list[dict]) -> tuple[dict | None, str]:
     have val losses that do not compare: no winner then."""
     rows = [r for r in rows if r.get("best") is not None]
     if len({r.get("data") for r in rows}) > 1:
-        return None, "the members trained on different data or tokenizers: their val losses do not compare"
+        if len({r.get("text") for r in rows}) > 1 or None in {r.get("text") for r in rows}:
+            return None, "the members trained on different text: their val losses do not compare"
+        if not all(r.get("bpc") for r in rows):
+            return None, ("the members' tokenizers differ: their val losses do not compare; the winner by bits per "
+                          "character on the val text they share comes when they have ended")
+        return min(rows, key=lambda r: r["bpc"]), ""
     best = ckpt.pick_winner([(i, r["best"]) for i, r in enumerate(rows)])
     return (rows[best], "") if best is not None else (None, "no member has a best checkpoint yet")
 
@@ -223,8 +229,12 @@ def write_table(sweep_dir: Path, rows: list[dict], member_hours: float, status: 
                      f"{r['status']} | {_num(r['val_loss'], 4)} | {_num(r['passes'], 2)} | {_num(r['hours'], 3)} | "
                      f"{_usd(r['usd'])} | {r['outcome'] or '-'} |")
     by = (best or {}).get("best", {}).get("best_by")
+    by = f"bits per character {best['bpc']:.4f} on the val text all members share" if best and best.get("bpc") else by
     lines += ["", f"winner: {best['member']} (val loss {best['val_loss']:.4f}" + (f", chosen by {by}" if by else "")
               + f", {best['run_dir']})" if best else f"winner: none ({why})", ""]
+    if any(r.get("bpc") for r in rows):
+        lines += ["bits per character on the val text every member held out (tokenizers differ: the val losses do "
+                  "not compare): " + ", ".join(f"{r['member']} {r['bpc']:.4f}" for r in rows if r.get("bpc")), ""]
     if ensembles:
         lines += ensemble_lines(ensembles, rows)
     atomic_write_bytes(sweep_dir / TABLE, "\n".join(lines).encode())
@@ -290,6 +300,47 @@ def measure_ensembles(sweep: Sweep, rows: list[dict], log) -> dict | None:
         return None
 
 
+BPC_CHARS = 1 << 18  # characters of the shared val text each member scores (on CPU, d4: seconds)
+
+
+def measure_bpc(sweep: Sweep, rows: list[dict], log) -> bool:
+    """Members of one corpus but several tokenizers: each one's bits per character on the val text
+    they all held out (experiment/textbpc.py), in its row as "bpc"; the winner is then the lowest.
+    False when that does not apply, a stop signal comes, or it fails (logged)."""
+    usable = [r for r in rows if r.get("best") is not None]
+    if len(usable) < 2 or len({r.get("data") for r in usable}) < 2 or len({r.get("text") for r in usable}) > 1 \
+            or usable[0].get("text") is None:
+        return False
+    import torch
+
+    from experiment.dataloader import Prepared, tokenizer_from_meta
+    from experiment.distributed import resolve_device
+    from experiment.textbpc import bits_per_char, common_text, val_texts
+
+    try:
+        device = resolve_device(sweep.env.get("DEVICE") or "auto")
+        paths = [ckpt.resolve_serving_checkpoint(Path(r["run_dir"]), sweep.dir) for r in usable]
+        metas = [ckpt.model_meta(p) for p in paths]
+        docs = common_text([val_texts(Prepared.load(Path(m["prepared"]["dir"]))) for m in metas], BPC_CHARS)
+        chars = sum(map(len, docs))
+        if not chars:
+            log("sweep | bits per character not measured: the members' val splits share no text")
+            return False
+        log(f"sweep | the members' tokenizers differ: bits per character on the {chars:,} val characters all of "
+            "them held out ...")
+        for r, path, meta in zip(usable, paths, metas):
+            model, _ = ckpt.load_model(path, device, torch.bfloat16 if device.type == "cuda" else None)
+            r["bpc"] = bits_per_char(model.eval(), tokenizer_from_meta(meta["tokenizer"]), docs,
+                                     lambda: sweep.stopping)
+            del model
+        return True
+    except Exception as e:  # noqa: BLE001 (as measure_ensembles: the sweep's own outcome stands)
+        for r in usable:
+            r.pop("bpc", None)
+        log(f"sweep | bits per character not measured: {type(e).__name__}: {e}")
+        return False
+
+
 def _num(value, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -324,7 +375,7 @@ def idle_gpus(members: int, slots: int, gpus: int, box_hours: float, gpu_hourly:
     idle = gpus * box_hours - members * box_hours / waves
     if idle <= 1e-9 * gpus * box_hours:
         return None
-    fit = max(g for g in range(1, gpus + 1) if members % g == 0)  # GPUs these members keep busy
+    fit = max(g for g in range(1, min(slots, gpus) + 1) if members % g == 0)  # GPUs these members keep busy
     return (f"{members} member(s) on {gpus} GPUs ({slots} at a time, {waves} wave(s)) leave {idle:,.1f} of the "
             f"{gpus * box_hours:,.1f} GPU-hours idle (${idle * gpu_hourly:,.0f} of ${gpus * box_hours * gpu_hourly:,.0f}) "
             f"buying nothing: give it a multiple of {gpus} members (more depths, or seeds: DEPTH=32+SEED=2)"
@@ -393,7 +444,8 @@ def keep_failed(sweep: Sweep, m: Member, log) -> None:
     m.status = "failed"
     settings = " ".join(f"{k}={v}" for k, v in m.settings.items())
     log(f"sweep | {m.tag} failed in an earlier launch ({m.outcome}): not restarted. To train it again once its "
-        f"cause is fixed: MODEL_TAG={sweep.tag}/{m.tag} {settings} bash experiment/run.sh")
+        f"cause is fixed, on one GPU (CUDA_VISIBLE_DEVICES) with its hours: MODEL_TAG={sweep.tag}/{m.tag} "
+        f"NPROC_PER_NODE=1 TRAINING_HOURS={sweep.member_hours:g} {settings} bash experiment/run.sh")
 
 
 def parse_ensemble_tokens(env: dict) -> int:
@@ -623,7 +675,7 @@ def main() -> int:
         # unwinds.
         if ended and status != "stopped" and not sweep.stopping:
             ensembles = measure_ensembles(sweep, rows, log)
-            if ensembles:
+            if ensembles or measure_bpc(sweep, rows, log):
                 write_table(sweep.dir, rows, sweep.member_hours, status, ensembles)
         log(f"sweep | {status} | {sweep.dir / TABLE}:")
         log((sweep.dir / TABLE).read_text().rstrip())

@@ -66,8 +66,8 @@ def prepare_data(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path,
     there reaches every rank. Under experiment/run.sh the data is the pre-flight's prepared
     directory (--prepared_dir), so no rank waits in this broadcast while another prepares; a bare
     torchrun prepares here. Returns (data, resume step, the step whose weights to load instead or None,
-    the lock: rank 0's open file, else None, the seconds the last launch trained past the resumed
-    checkpoint: restarts.lost_seconds)."""
+    the lock: rank 0's open file, else None, (the seconds the last launch trained past the resumed
+    checkpoint: restarts.lost_seconds, their GPU-seconds on its GPU count beyond this one's))."""
     setup, lock = None, None
     if d.master:
         try:
@@ -75,11 +75,12 @@ def prepare_data(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path,
             prepared = launch.prepare_data(cfg, workspace, log)
             resume_step = pick_resume_step(run_dir, cfg.resume, log, quarantine=True)
             launch.fill_pass_cap(cfg, prepared, run_dir, resume_step, log)
-            launch.dollar_budget(cfg, run_dir, resume_step, d.world_size, log)
+            lost = restarts.lost_seconds(run_dir, resume_step, cfg)
+            gpu_fix = restarts.lost_on_other_gpus(run_dir, lost, d.world_size)
+            launch.dollar_budget(cfg, run_dir, resume_step, d.world_size, log, gpu_fix)
             train_tokens = prepared.meta["split"]["train_tokens"]
             setup = {"prepared": str(prepared.dir), "resume_step": resume_step, "max_epochs": cfg.max_epochs,
-                     "training_hours": cfg.training_hours,
-                     "lost": restarts.lost_seconds(run_dir, resume_step, cfg),
+                     "training_hours": cfg.training_hours, "lost": (lost, gpu_fix),
                      "rewind_step": None if resume_step is None else extend.rewind_step(run_dir, resume_step, cfg,
                                                                                         train_tokens)}
         except (DataError, ConfigError, CheckpointError) as e:
@@ -142,7 +143,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     gpu = guards.local_gpu(d.device) if cuda else None
     log(f"world {d.world_size} x {gpu.name if gpu else 'cpu'} | torch {torch.__version__}")
     unset = regime.left_unset(cfg)  # before the data's pass cap fills MAX_EPOCHS
-    prepared, resume_step, rewind_step, lock, lost = prepare_data(cfg, d, workspace, run_dir, log)
+    prepared, resume_step, rewind_step, lock, (lost, gpu_fix) = prepare_data(cfg, d, workspace, run_dir, log)
     assert cfg.max_epochs is not None, "the pass cap is set with the data (launch.fill_pass_cap)"
     teacher = Teacher.for_run(cfg, d.device, prepared, teachers, log) if teachers else None
     auto, probe_seconds = (choose_depth(cfg, d, gpu, prepared, run_dir, resume_step, unset, log)
@@ -160,6 +161,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast
     model, opt, st = start_state(cfg, d, run_dir, model_config, prepared, resume_step, rewind_step,
                                  probe_seconds + regime_seconds, log, teacher)
+    st.gpu_seconds_base += gpu_fix  # the lost seconds are charged on these GPUs, but were spent on those
     if d.master:  # files of a save that a crash cut short; the loaded step is complete, so never these
         ckpt.remove_incomplete(run_dir)
         launch.clear_ended(run_dir)

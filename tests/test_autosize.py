@@ -47,7 +47,7 @@ def test_rule_picks_the_sweeps_winners_from_their_measured_speeds():
     for budget, rates in speeds.items():
         cands = [candidate(make_config(d), r, budget, train_tokens, 4096) for d, r in rates.items()]
         assert choose(cands).depth == winners[budget], budget
-    # The sweep again with the bigram table and the LR by depth (reports/autosize-refit.jsonl), on a
+    # The sweep again with the bigram table and the LR by depth (reports/raw/autosize-refit.jsonl), on a
     # machine where d4 ran relatively slower: the same winners.
     speeds = {60: {2: 65_288, 4: 12_531, 6: 3_879}, 180: {2: 61_605, 4: 13_007, 6: 4_716},
               600: {4: 14_287, 6: 5_143, 8: 2_223}}
@@ -587,7 +587,7 @@ def _grid_cells(path):
 
 
 def test_the_refit_picks_each_grid_cells_winner_from_the_rates_its_sweep_measured():
-    """reports/autosize-grid-regime.jsonl: per cell (corpus, characters, budget) every depth trained
+    """reports/raw/autosize-grid-regime.jsonl: per cell (corpus, characters, budget) every depth trained
     with the regime's defaults; each row holds the tok/s the regime measured at the start of its run
     (the rule's input) and the full-val loss of the step it served. The refitted rule, given those
     rates, picks a depth within 1% of the cell's best in at least 80% of the cells; the misses are
@@ -595,7 +595,7 @@ def test_the_refit_picks_each_grid_cells_winner_from_the_rates_its_sweep_measure
     where the plain rule's d6 served 0.8554 and d8 0.8462."""
     cpu = lambda d: GPTConfig(vocab_size=100, depth=d, aspect_ratio=32, head_dim=64, max_seq_len=256, bigram_vocab=100)
     regret, plain_regret = {}, {}
-    for key, runs in _grid_cells(REPO / "reports" / "autosize-grid-regime.jsonl").items():
+    for key, runs in _grid_cells(REPO / "reports" / "raw" / "autosize-grid-regime.jsonl").items():
         best = min(r["served"] for r in runs.values())
         for reg, out in ((True, regret), (False, plain_regret)):
             cands = [candidate(cpu(d), r["regime_tok_per_s"], r["seconds"], r["train_tokens"], 4096, regularized=reg)
@@ -618,21 +618,21 @@ def test_the_refit_picks_each_grid_cells_winner_from_the_rates_its_sweep_measure
 
 
 def test_with_seeds_on_the_smallest_cells_the_refit_is_within_1_percent_in_17_of_20():
-    """reports/autosize-grid-seeds.jsonl: seeds 1 and 2 of the depths within a few % of the winner on
+    """reports/raw/autosize-grid-seeds.jsonl: seeds 1 and 2 of the depths within a few % of the winner on
     the 20,000-character cells, where one run cannot resolve 1% (the standard deviation of three runs: 0.01-0.08).
     Each depth's loss is then the mean of its runs. The refit: 17 of 20 within 1% (TS 20,000 at 90 s
     is now a hit, +0.17%; at 30 s d2 is 3.0% behind d4, which won all three seeds with 144 predicted
     steps, under the rule's 250); the plain rule: 16 of 20."""
     cpu = lambda d: GPTConfig(vocab_size=100, depth=d, aspect_ratio=32, head_dim=64, max_seq_len=256, bigram_vocab=100)
     seeds = {}
-    for line in (REPO / "reports" / "autosize-grid-seeds.jsonl").read_text().splitlines():
+    for line in (REPO / "reports" / "raw" / "autosize-grid-seeds.jsonl").read_text().splitlines():
         r = json.loads(line)
         seeds.setdefault((r["corpus"], r["chars"], r["seconds"], r["depth"]), []).append(r["served"])
     assert {k[:3] for k in seeds} == {(c, 20_000, s) for c in ("code", "tinyshakespeare") for s in (30.0, 90.0)}
     misses = {}
     for reg in (True, False):
         misses[reg] = set()
-        for key, runs in _grid_cells(REPO / "reports" / "autosize-grid-regime.jsonl").items():
+        for key, runs in _grid_cells(REPO / "reports" / "raw" / "autosize-grid-regime.jsonl").items():
             served = {d: statistics.mean([r["served"], *seeds.get((*key, d), [])]) for d, r in runs.items()}
             cands = [candidate(cpu(d), r["regime_tok_per_s"], r["seconds"], r["train_tokens"], 4096, regularized=reg)
                      for d, r in sorted(runs.items())]

@@ -126,6 +126,8 @@ def test_two_generations_share_the_budget_distill_the_second_from_the_first_and_
     assert all(g["outcome"].startswith("finished") for g in (first, second)), record
     assert "teacher | " in (_gen(ws, 2) / "training.log").read_text()
     assert "teacher | " not in (_gen(ws, 1) / "training.log").read_text()
+    top_log = (top / "training.log").read_text()  # one tail -f follows every generation
+    assert "teacher | " in top_log and top_log.count("done: step") == 2
     assert (ws / "tensorboard/d2/gen2").is_dir()
     for g in (first, second):  # a finished generation keeps its best step's weights alone (and best.pt)
         assert ckpt.complete_steps(_gen(ws, g["index"])) == [g["best"]["step"]]
@@ -347,6 +349,52 @@ def test_auto_begins_a_generation_after_one_that_stopped_at_its_val_minimum_with
     shutil.rmtree(top)
     assert generations.run_all(cfg, d, tmp_path, top, RunLog(None), time.time(), run_one) == 0
     assert [k for k, *_ in calls] == [1]
+
+
+def test_a_finished_generation_keeps_its_best_weights_and_a_relaunch_finishes_a_cut_short_shrink(tmp_path):
+    """generations.shrink: the best step's model files and meta, best.pt; a kill between the record
+    and the shrink (or inside it) is made up by the next launch's refresh; nothing goes while best.json
+    names no complete step (a teacher must stay loadable)."""
+    from experiment import generations
+    gen = tmp_path / "run/gen1"
+
+    def step(k: int, complete: bool = True):
+        gen.mkdir(parents=True, exist_ok=True)
+        ckpt.model_path(gen, k).write_bytes(b"m" * 10)
+        ckpt.optim_path(gen, k, 0).write_bytes(b"o" * 40)
+        if complete:
+            ckpt.meta_path(gen, k).write_text(json.dumps({"step": k}))
+
+    for k in (4, 8, 12):
+        step(k)
+    step(16, complete=False)  # a save a kill cut short
+    (gen / "best.pt").write_bytes(b"export")
+    lines = []
+    generations.shrink(gen, lines.append)  # no best.json: nothing can name the step to keep
+    assert ckpt.complete_steps(gen) == [4, 8, 12] and not lines
+    (gen / "best.json").write_text(json.dumps({"step": 8, "val_loss": 1.0}))
+    record = {"generations": [{"index": 1, "dir": "gen1", "seed": 1, "budget_seconds": 9.0, "teachers": [],
+                               "outcome": "finished: the budget is spent", "used_seconds": 9.0,
+                               "best": {"step": 8, "val_loss": 1.0}}]}
+    (tmp_path / "run/generations.json").write_text(json.dumps(record))
+    generations.refresh(tmp_path / "run", lines.append)  # a relaunch after a kill before the shrink
+    assert ckpt.complete_steps(gen) == [8] and sorted(p.name for p in gen.iterdir()) == [
+        "best.json", "best.pt", "meta_000008.json", "model_000008.pt"]
+    assert "gen1 done: 2 step(s) and the best step's optimizer state pruned" in lines[-1]
+    generations.refresh(tmp_path / "run", lines.append)  # again: nothing left to do, nothing said
+    assert len([x for x in lines if "pruned" in x]) == 1
+
+
+def test_a_run_of_generations_on_a_dollar_budget_keeps_its_gpu_count():
+    from experiment import generations
+    from experiment.config import ConfigError, TrainConfig
+    record = {"generations": [], "world_size": 8}
+    dollars, hours = TrainConfig(generations="auto", budget_usd=100.0), TrainConfig(generations="auto")
+    with pytest.raises(ConfigError, match="began on 8 GPU\\(s\\) with BUDGET_USD"):
+        generations.check_world(record, dollars, 4)
+    generations.check_world(record, dollars, 8)
+    generations.check_world(record, hours, 4)  # hours are hours on any count
+    generations.check_world({"generations": []}, dollars, 4)  # none begun yet
 
 
 @pytest.mark.slow

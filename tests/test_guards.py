@@ -120,6 +120,17 @@ def test_the_shutdown_timeout_covers_the_predicted_preemption_save(tmp_path, cor
     assert big["shutdown_timeout"] > 300
 
 
+def test_a_gpu_launch_on_the_default_budget_is_warned_of_its_dollars(tmp_path, corpus):
+    """CUDA's default budget is a day on the box (31 h): one GPU rented for an afternoon would spend
+    it, so a launch without TRAINING_HOURS or BUDGET_USD says what the default costs."""
+    plan, lines = run_preflight(tmp_path, "--data_dir", corpus)
+    warned = [x for x in lines if x.startswith("warning: neither TRAINING_HOURS nor BUDGET_USD")]
+    assert len(warned) == 1 and "the GPU default of 31 h ($992 on 8 GPU(s))" in warned[0], lines
+    for given in (["--training_hours", "4"], ["--budget_usd", "16"]):
+        _, lines = run_preflight(tmp_path, "--data_dir", corpus, *given)
+        assert not any("neither TRAINING_HOURS" in x for x in lines)
+
+
 def test_the_plan_says_whether_host_memory_holds_the_staged_checkpoint_shares(tmp_path, corpus):
     from experiment import guards
     from experiment.config import resolve

@@ -261,6 +261,6 @@ def test_depth_auto_takes_the_regularized_rule_only_where_the_run_leaves_the_who
     t, lines = _setup(tmp_path / "pinned", corpus, "--depth", "auto", "--attn_dropout", 0)
     assert not any(c["regularized"] for c in t.run_meta["auto"]["candidates"])
     assert "the largest depth the regime regularizes" not in t.run_meta["auto"]["reason"]
-    # An explicit depth with nothing left to the regime: no probe, no measurement, nothing charged
+    # An explicit depth with nothing left to the regime: no probe, no measurement; its setup alone charged
     t, lines = _setup(tmp_path / "explicit", corpus, "--attn_dropout", 0, "--average", "none", "--max_epochs", 8)
-    assert t.run_meta["auto"] is None and t.st.used_seconds == 0.0
+    assert t.run_meta["auto"] is None and 0.0 < t.st.used_seconds < 2.0

@@ -198,7 +198,8 @@ def test_a_relaunched_sweep_keeps_a_failed_member_failed_and_checks_one_left_run
         d2, d3, d4 = sw.members
         assert d2.status == "failed" and checked == ["d3", "d4"], checked  # d2's pre-flight never ran
         assert any("d2 failed in an earlier launch (failed: the loss diverged at step 40): not restarted" in x
-                   and "MODEL_TAG=sweep/d2 DEPTH=2 bash experiment/run.sh" in x for x in lines), lines
+                   and "MODEL_TAG=sweep/d2 NPROC_PER_NODE=1 TRAINING_HOURS=" in x and "DEPTH=2 bash experiment/run.sh" in x
+                   for x in lines), lines
         checked.clear()
         d3.status = "elsewhere"  # as if a killed sweep had left it running, and it ended stopped
         ended("d3", "stopped: SIGTERM at step 12")
@@ -234,8 +235,7 @@ def test_a_members_status_comes_from_its_own_launchs_last_words_and_the_winner_f
                  for r in rows[:2]]
     assert sweep.winner(by_metric)[0]["member"] == "a"  # chosen by the same metric: its score decides
     mixed = [rows[0], {**rows[1], "data": "h2"}]
-    assert sweep.winner(mixed) == (None, "the members trained on different data or tokenizers: their val losses "
-                                         "do not compare")
+    assert sweep.winner(mixed) == (None, "the members trained on different text: their val losses do not compare")
     assert sweep.winner([rows[2]]) == (None, "no member has a best checkpoint yet")
     (run_dir / sweep.SLOT_FILE).write_text("3\n")
     assert sweep._recorded_slot(run_dir, ["2", "3"]) == 1 and sweep._recorded_slot(run_dir, ["0", "1"]) == -1
@@ -370,3 +370,82 @@ def test_the_ensembles_come_only_when_the_members_ended_on_their_own(monkeypatch
     sw.stopping = True  # a signal after the members ended, before the loop returned: none either
     calls.clear()
     assert sweep.main() == 1 and calls == []
+
+
+def _one_text_two_prepared(tmp_path, corpus, *second):
+    """Two finished runs of one corpus prepared two ways (the second with `second`'s settings), as a
+    sweep's members, and their rows."""
+    run = lambda tag, *extra: run_train([*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--model_tag",
+                                         f"sw/{tag}", "--max_steps", 4, "--save_every_steps", 2,
+                                         "--eval_every_steps", 2, *extra])
+    run("first")
+    run("second", *second)
+    members = [sweep.Member(tag, {}, tmp_path / "checkpoints/sw" / tag, status="finished") for tag in ("first", "second")]
+    return members, [sweep.member_row(m, 4.0) for m in members]
+
+
+def test_members_of_one_text_prepared_two_ways_are_ranked_by_bits_per_character(tmp_path, corpus):
+    """Two prepared directories of one corpus (here ALPHABET differs: another directory, the same
+    text): their val losses are not compared, so the winner is the lowest bits per character on the
+    val text both held out, each member scoring it with its own tokenizer (experiment/textbpc.py)."""
+    from types import SimpleNamespace
+
+    from experiment import textbpc
+    from experiment.dataloader import Prepared, tokenizer_from_meta
+    members, rows = _one_text_two_prepared(tmp_path, corpus, "--alphabet",
+                                           "".join(sorted(set((corpus / "sums.txt").read_text()))) + "!#%")
+    assert rows[0]["data"] != rows[1]["data"] and rows[0]["text"] == rows[1]["text"]
+    assert sweep.winner(rows)[0] is None and "bits per character" in sweep.winner(rows)[1]
+    lines = []
+    box = SimpleNamespace(env={"DEVICE": "cpu"}, dir=tmp_path / "checkpoints/sw", stopping=False)
+    assert sweep.measure_bpc(box, rows, lines.append) and all(0 < r["bpc"] < 8 for r in rows)
+    # each member's figure is its own model on the shared text, by hand
+    path = ckpt.resolve_serving_checkpoint(members[1].run_dir, tmp_path)
+    model, meta = ckpt.load_model(path)
+    docs = textbpc.common_text([textbpc.val_texts(Prepared.load(ckpt.model_meta(ckpt.resolve_serving_checkpoint(
+        m.run_dir, tmp_path))["prepared"]["dir"])) for m in members], sweep.BPC_CHARS)
+    assert sum(map(len, docs)) > 1000 and "val characters all of them held out" in lines[0]
+    assert textbpc.bits_per_char(model.eval(), tokenizer_from_meta(meta["tokenizer"]), docs) == pytest.approx(
+        rows[1]["bpc"])
+    rows[0]["bpc"] += 0.1  # the lower one wins, in either order
+    assert sweep.winner(rows)[0] is rows[1] is sweep.winner(rows[::-1])[0]
+    sweep.write_table(box.dir, rows, 1.0, "finished")
+    assert f"chosen by bits per character {rows[1]['bpc']:.4f}" in (box.dir / "sweep.md").read_text()
+    other = [{**rows[0], "text": "another corpus"}, rows[1]]  # other text: still no winner
+    assert sweep.winner(other)[0] is None and "different text" in sweep.winner(other)[1]
+
+
+@pytest.mark.slow
+def test_a_char_and_a_bpe_member_of_one_text_get_a_winner_by_bits_per_character(tmp_path, corpus):
+    """The same with TOKENIZER=gpt2 beside char, where the encoding files can be had (offline
+    machines cannot download them)."""
+    from types import SimpleNamespace
+
+    from experiment.dataloader import DataError, TiktokenTokenizer
+    pytest.importorskip("tiktoken")
+    try:
+        TiktokenTokenizer("gpt2")
+    except DataError as e:
+        pytest.skip(str(e))
+    _, rows = _one_text_two_prepared(tmp_path, corpus, "--tokenizer", "gpt2")
+    box = SimpleNamespace(env={"DEVICE": "cpu"}, dir=tmp_path / "checkpoints/sw", stopping=False)
+    assert sweep.measure_bpc(box, rows, print)
+    assert rows[0]["bpc"] != rows[1]["bpc"] and sweep.winner(rows)[0] is min(rows, key=lambda r: r["bpc"])
+
+
+def test_bits_per_character_of_a_model_that_knows_nothing_is_the_log_of_its_vocabulary():
+    import math
+
+    import torch
+
+    from conftest import tiny_config
+    from experiment import textbpc
+    from experiment.dataloader import CharTokenizer
+    from experiment.model import GPT
+    model = GPT(tiny_config(vocab_size=64)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # every next character equally likely
+    docs = ["abcabc" * 20, "cab"]
+    assert textbpc.bits_per_char(model, CharTokenizer("abc"), docs) == pytest.approx(math.log2(64), rel=1e-5)
+    tails = [{"s": "x\x00one\x00two"}, {"s": "one\x00two"}, {"s": "ne\x00two"}]
+    assert textbpc.common_text(tails, 100) == ["ne", "two"] and textbpc.common_text(tails, 3) == ["ne", "t"]

@@ -63,9 +63,12 @@ class Sizes:
     e2e_seconds: float
 
 
-GPU_FULL = Sizes(64, 128, 2048, (12, 20, 24, 32), 16, 6, 0, 64, 8, (1, 2, 4), (32,), 12, 90)
-GPU_QUICK = Sizes(64, 128, 2048, (12, 24), 16, 4, 24, 64, 8, (1,), (24,), 12, 90)
-CPU_SIZES = Sizes(32, 32, 64, (2, 4), 4, 3, 4, 8, 8, (1, 2), (2,), 2, 30)
+# The e2e budget holds two launches' starts, both charged to it since the budget counts the launch
+# from run.sh's start (pre-flight, imports, compile: about 55 s of d12 on an H200, the resumed one
+# about 30 s), and steps on both sides of the preemption.
+GPU_FULL = Sizes(64, 128, 2048, (12, 20, 24, 32), 16, 6, 0, 64, 8, (1, 2, 4), (32,), 12, 150)
+GPU_QUICK = Sizes(64, 128, 2048, (12, 24), 16, 4, 24, 64, 8, (1,), (24,), 12, 150)
+CPU_SIZES = Sizes(32, 32, 64, (2, 4), 4, 3, 4, 8, 8, (1, 2), (2,), 2, 60)
 
 
 @dataclass

@@ -4,7 +4,7 @@
 # same test against a mutant whose decode matmul is a plain F.linear (it must fail there), `gpucheck
 # --quick` on this code, then decoding's tokens/s of one model and an ensemble of two (GEN picks the
 # sizes; last, as it is the part a lease can spare).
-#   bash reports/gpu-serve-check.sh OUT [SMOKE]     (SMOKE=1: tiny sizes on the CPU, to try it first)
+#   bash experiment/tools/gpu_serve_check.sh OUT [SMOKE]     (SMOKE=1: tiny sizes on the CPU, to try it first)
 set -u
 OUT=${1:?OUT}; SMOKE=${2:-0}
 PY=${PY:-python3}

@@ -1,6 +1,6 @@
 """The data-limited regime on one GPU, in one command (reports/gpu-h200-2026-11-27.md says what it found).
 
-    python3 reports/gpu-regime-check.py --data DIR --out OUT [--seconds 180] [--deadline 500] [--smoke]
+    python3 experiment/tools/gpu_regime_check.py --data DIR --out OUT [--seconds 180] [--deadline 500] [--smoke]
 
 1. Two runs of the trainer on the same data and budget, DEPTH=auto: the defaults (the regime decides
    the attention dropout, the average and the pass cap) and everything off (ATTN_DROPOUT=0
@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 T0 = time.time()
 

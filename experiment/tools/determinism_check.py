@@ -1,12 +1,12 @@
 """The determinism runs of reports/gpucheck-h200.md, kept as they ran (not imported by anything).
 
-    python3 reports/gpucheck-h200-determinism.py DIR on|off NPROC   (DIAG_CPU=1: on the CPU)
+    python3 experiment/tools/determinism_check.py DIR on|off NPROC   (DIAG_CPU=1: on the CPU)
 
 Two uninterrupted runs (a, b) and one cut by SIGTERM after the save of step 40 and resumed (c), on
 tests/conftest.py's tiny config; prints one JSON line of how they differ."""
 import json, os, signal, subprocess, sys, time
 from pathlib import Path
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent / "tests"), str(Path(__file__).resolve().parent.parent)]
+sys.path[:0] = [str(Path(__file__).resolve().parents[2] / "tests"), str(Path(__file__).resolve().parents[2])]
 from conftest import ENV, REPO, TINY, train_cmd, write_corpus
 from experiment import checkpoint as ckpt
 
