@@ -122,8 +122,11 @@ def machine_share(request):
     """Under pytest-xdist, a test marked `alone` holds the machine: it waits for the tests running
     on other workers to end, and none starts beside it. Every test takes a shared lock, an `alone`
     one an exclusive lock; the turnstile before it keeps a stream of shared takers from starving
-    an exclusive one. Without xdist (one process) it does nothing."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    an exclusive one. Without xdist (one process) it does nothing, and so does a pytest that a test
+    starts (gpucheck's run of tests/test_cuda.py): it inherits the workers' environment, but not
+    their locks, and waiting on the turnstile an `alone` test holds while its parent test holds the
+    shared lock deadlocked a whole suite (load 0, forever)."""
+    run = getattr(request.config, "workerinput", {}).get("testrunuid")  # an xdist worker's own config only
     if run is None:
         yield
         return
