@@ -16,6 +16,7 @@ def test_a_pytest_started_by_a_test_never_waits_on_the_lock_its_parent_holds(tmp
     turnstile an `alone` test on the other worker holds while that test waits for the parent's
     shared lock: a whole suite hung, load 0. Here: one worker's test starts a nested pytest a moment
     after the other worker's `alone` test queued for the machine; all must end."""
+    pytest.importorskip("xdist")
     (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
         import importlib.util, sys
         sys.path.insert(0, {str(REPO)!r})
