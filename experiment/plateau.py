@@ -8,16 +8,10 @@ from __future__ import annotations
 import math
 
 from experiment.checkpoint import RunState
-from experiment.config import TrainConfig
+from experiment.config import WARMDOWN_WINDOW, TrainConfig
 from experiment.stopping import plateau_outcome
 from experiment.trainer import Loop, Trainer
 
-
-# The stop at the val minimum in a warmdown compares the mean of the last two val losses: chosen on
-# the recorded curves (reports/plateau-curves.md and the code run in docs/performance.md) as the
-# shortest window that kept a noisy code run (d4, 150,000 characters) annealing to its best while the
-# overfitting Shakespeare runs still stopped within 4-5 evals of their minimum.
-WARMDOWN_WINDOW = 2
 
 
 def plateau_check(t: Trainer, loop: Loop) -> None:

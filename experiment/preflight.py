@@ -131,6 +131,13 @@ def wait_for_node0(plan_file: Path, started: float, wait_minutes: float, log) ->
         time.sleep(WAIT_POLL_SECONDS)
 
 
+def default_budget_warning(cfg: TrainConfig, world_size: int) -> str:
+    """A GPU launch on CUDA's default budget: one GPU rented for an afternoon would pay for a day."""
+    return (f"warning: neither TRAINING_HOURS nor BUDGET_USD is set: the GPU default of {cfg.training_hours:g} h "
+            f"(${cfg.training_hours * cfg.gpu_hourly_usd * world_size:,.0f} on {world_size} GPU(s)) is the budget; "
+            "set the hours or dollars you rent for (docs/one-gpu.md)")
+
+
 def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: float, log,
               gpu: guards.Gpu | None = None, shutdown_given: int = 0, nproc_per_node: int | None = None) -> dict:
     """Returns the plan ({"prepared": dir, "resume_step": step or None, "shutdown_timeout": s, ...});
@@ -146,10 +153,8 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
             raise ConfigError(str(e)) from None
     default_budget = cfg.training_hours is None and cfg.budget_usd is None
     cfg = resolve(finetune.apply(cfg), gpu is not None, world_size)
-    if gpu is not None and default_budget:  # one GPU for an afternoon would otherwise pay for a day
-        log(f"warning: neither TRAINING_HOURS nor BUDGET_USD is set: the GPU default of {cfg.training_hours:g} h "
-            f"(${cfg.training_hours * cfg.gpu_hourly_usd * world_size:,.0f} on {world_size} GPU(s)) is the budget; "
-            "set the hours or dollars you rent for (docs/one-gpu.md)")
+    if gpu is not None and default_budget:
+        log(default_budget_warning(cfg, world_size))
     check_ranks_per_gpu(cfg, gpu, nproc_per_node or world_size)
     workspace = Path(cfg.workspace) if cfg.workspace else default_workspace()
     run_dir = workspace / "checkpoints" / cfg.model_tag

@@ -297,7 +297,7 @@ def run_facts(cfg: TrainConfig, d: Dist, model: GPT, prepared: Prepared, budget_
 
     import torch
 
-    from experiment.plateau import WARMDOWN_WINDOW  # imported here: plateau -> trainer -> report
+    from experiment.config import WARMDOWN_WINDOW
     c, meta = model.config, prepared.meta
     device = torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "cpu"
     return {
