@@ -60,10 +60,14 @@ def plan(path: Path, size: int, chunk_bytes: int) -> list[Chunk]:
 
 
 def _cut(tail: bytes) -> int:
-    """Where a chunk ends within `tail`, its last bytes (an index), best first: after a newline
-    between letters (see _CLEAN_CUT); after the last newline; after the last ASCII byte (no UTF-8
+    """Where a chunk ends within `tail`, its last bytes (an index), best first: after the last NUL
+    (a record boundary in a record file's text: records.py); after a newline between letters (see
+    _CLEAN_CUT); after the last newline; after the last ASCII byte (no UTF-8
     character is split, and a truncated one before it is reported as in the whole file); before the
     last UTF-8 lead byte (scan() reports a truncated character as the whole file would); the end."""
+    record = tail.rfind(b"\x00")  # a text file holds none (pass 1 refuses it)
+    if record >= 0:
+        return record + 1
     clean = None
     for clean in _CLEAN_CUT.finditer(tail):
         pass
@@ -119,8 +123,10 @@ class Scan:
     outside: tuple[int, str] | None = None  # first character not in the alphabet: offset, character
 
 
-def scan(task: tuple[Chunk, str | None]) -> Scan:
-    chunk, alphabet = task
+def scan(task: tuple[Chunk, str | None, bool]) -> Scan:
+    """records: the chunk is of a record file's text (experiment/records.py), where NUL separates
+    records: no error, and no character of the vocabulary (the encoders write it as BOS)."""
+    chunk, alphabet, records = task
     raw = read(chunk)
     try:
         text = raw.decode("utf-8")
@@ -129,8 +135,8 @@ def scan(task: tuple[Chunk, str | None]) -> Scan:
         if reason == "unexpected end of data" and not chunk.last:
             reason = "invalid continuation byte"  # cut before a lead byte (see _cut): what the whole file says
         return Scan(utf8=(chunk.offset + e.start, reason))
-    nul = raw.find(b"\x00")
-    ascii_chars = _distinct_ascii(raw)
+    nul = -1 if records else raw.find(b"\x00")
+    ascii_chars = _distinct_ascii(raw).replace(b"\x00", b"") if records else _distinct_ascii(raw)
     codes = NO_CODES if raw.isascii() else np.unique(multibyte(np.frombuffer(raw, dtype=np.uint8))[1])
     outside = None
     if alphabet is not None:
@@ -202,7 +208,8 @@ def encode_chars_into(task: tuple[Chunk, CharCodes, Target]) -> int:
 
 
 def encode_chars(chunk: Chunk, cc: CharCodes) -> np.ndarray:
-    """Ids of a chunk's characters (all in the vocabulary: pass 1 built it from the data)."""
+    """Ids of a chunk's characters (all in the vocabulary: pass 1 built it from the data). NUL, never in
+    the vocabulary, gets id 0: BOS, between a record file's records."""
     raw = read(chunk)
     table = np.zeros(256, dtype=cc.dtype)  # ASCII byte -> id; lead bytes -> 0, replaced below
     table[np.frombuffer(cc.ascii, dtype=np.uint8)] = np.arange(1, len(cc.ascii) + 1)
@@ -218,13 +225,18 @@ def encode_chars(chunk: Chunk, cc: CharCodes) -> np.ndarray:
     return ids
 
 
-def encode_tiktoken(task: tuple[Chunk, str, str]) -> np.ndarray:
-    chunk, encoding, dtype = task
+def encode_tiktoken(task: tuple[Chunk, str, str, bool]) -> np.ndarray:
+    """records: NUL separates records (see scan) and becomes the end-of-text token, BOS."""
+    chunk, encoding, dtype, records = task
     import tiktoken
 
     enc = tiktoken.get_encoding(encoding)  # cached per process (each worker loads it once, from tiktoken's disk cache)
     # disallowed_special=() with no special allowed: special-token text is plain text, as encode_ordinary
-    return enc.encode_to_numpy(read(chunk).decode("utf-8"), disallowed_special=()).astype(dtype)
+    pieces = read(chunk).decode("utf-8").split("\x00") if records else [read(chunk).decode("utf-8")]
+    ids = [enc.encode_to_numpy(pieces[0], disallowed_special=()).astype(dtype)]
+    for piece in pieces[1:]:
+        ids += [np.array([enc.eot_token], dtype=dtype), enc.encode_to_numpy(piece, disallowed_special=()).astype(dtype)]
+    return np.concatenate(ids)
 
 
 # ---------------------------------------------------------------- the pool

@@ -103,11 +103,13 @@ class TrainConfig:
                      "repeat (an explicit DEPTH whose budget repeats the data more than the default cap, with MAX_EPOCHS=0 or above it), disk (less free "
                      "space than the checkpoints need)", "")
     max_steps: int = opt("stop after this many optimizer steps (0: budget only); for tests and benchmarks", 0)
-    data_dir: str | None = opt("directory of *.txt (or one .txt); default $WORKSPACE/data, demo if empty")
+    data_dir: str | None = opt("directory of data files: *.txt, *.jsonl, *.jsonl.gz, *.parquet, sub-directories too "
+                               "(or one such file); default $WORKSPACE/data, the demo if it holds none")
+    text_field: str = opt("the JSONL field or Parquet column that holds a document", "text")
     workspace: str | None = opt("root of data, prepared, checkpoints, tensorboard "
                                  "(default /workspace/<project> if writable, else the repo)")
     data_mix: str | None = opt("source weights, e.g. web=0.65,code=0.34,math=0.01 (each sub-directory of "
-                                "DATA_DIR is a source, its top-level *.txt files one more; default: by size)")
+                                "DATA_DIR is a source, its top-level data files one more; default: by size)")
     init_from: str | None = opt("start a fresh run from a trained model's weights: a best.pt, a model_<step>.pt or a "
                                  "run directory (its best); its shape and vocabulary are kept, the new data may use "
                                  "only its characters, and MODEL_TAG defaults to its tag + '-ft'")

@@ -28,12 +28,13 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from experiment import chunks
+from experiment import chunks, records
 from experiment.files import atomic_write_bytes, atomic_write_json, default_workspace, publish_dir
 
 VOCAB_MULTIPLE = 64  # padded vocab: matmul-friendly head shape, room for BOS
@@ -121,13 +122,14 @@ def tokenizer_from_meta(meta: dict):
 
 
 def list_sources(data_dir: Path) -> list[Path]:
-    """A directory's *.txt files and those under its sub-directories (the top-level files first, then
-    each sub-directory's, each by relative path: a source's files are contiguous), or a single .txt file. Hidden directories
+    """A directory's data files (*.txt, and the record files *.jsonl, *.jsonl.gz, *.parquet: experiment/
+    records.py) and those under its sub-directories (the top-level files first, then each sub-directory's,
+    each by relative path: a source's files are contiguous), or a single data file. Hidden directories
     (.ipynb_checkpoints, .git) are skipped; symlinked ones are followed, once each."""
     data_dir = Path(data_dir)
     if data_dir.is_file():
-        if data_dir.suffix != ".txt":
-            raise DataError(f"{data_dir}: not a .txt file")
+        if not records.is_data_file(data_dir.name):
+            raise DataError(f"{data_dir}: not a data file (*.txt, *.jsonl, *.jsonl.gz or *.parquet)")
         return [data_dir]
     if not data_dir.is_dir():
         raise DataError(f"{data_dir}: data directory does not exist")
@@ -139,27 +141,27 @@ def list_sources(data_dir: Path) -> list[Path]:
             continue
         seen.add(real)
         dirs[:] = [d for d in dirs if not d.startswith(".")]
-        files += [Path(parent) / n for n in names if n.endswith(".txt") and (Path(parent) / n).is_file()]
+        files += [Path(parent) / n for n in names if records.is_data_file(n) and (Path(parent) / n).is_file()]
     # The top-level files first (they are one source), then each sub-directory's: a source's files
     # are contiguous in the stream.
     files.sort(key=lambda p: (p.parent != data_dir, p.relative_to(data_dir).parts))
     if not files:
-        raise DataError(f"{data_dir}: no *.txt files (expected UTF-8 text files)")
+        raise DataError(f"{data_dir}: no data files (expected UTF-8 *.txt, or *.jsonl, *.jsonl.gz, *.parquet)")
     return files
 
 
 def source_names(data_dir: Path, files: list[Path]) -> list[str]:
-    """Each file's source: the *.txt files directly in data_dir are one, named by the directory (a
+    """Each file's source: the data files directly in data_dir are one, named by the directory (a
     flat directory of many record files is one corpus); a sub-directory is one, named by the
-    sub-directory, whatever *.txt it holds; a single file is one, named by its stem."""
+    sub-directory, whatever data files it holds; a single file is one, named by its stem."""
     data_dir = Path(data_dir)
     if data_dir.is_file():
-        return [data_dir.stem]
+        return [records.stem(data_dir.name)]
     top = Path(os.path.abspath(data_dir)).name or "data"  # a symlinked data/ is still "data"
     names = [top if p.parent == data_dir else p.relative_to(data_dir).parts[0] for p in files]
     sub_directories = {n for p, n in zip(files, names) if p.parent != data_dir}
     if top in sub_directories and any(p.parent == data_dir for p in files):
-        raise DataError(f"{data_dir}: its top-level *.txt files and its sub-directory {top}/ would both be the "
+        raise DataError(f"{data_dir}: its top-level data files and its sub-directory {top}/ would both be the "
                         f"source {top!r}; move the files into a sub-directory, or rename {top}/")
     return names
 
@@ -171,10 +173,11 @@ def _relative_names(data_dir: Path, files: list[Path]) -> list[str]:
 
 
 class _FileScan:
-    """A file's pass-1 results so far: characters, counts, and its first problem of each kind."""
+    """A file's pass-1 results so far: characters, counts, and its first problem of each kind. A record
+    file is scanned as its converted text (conv), and its problems are named by its own lines."""
 
-    def __init__(self, path: Path, size: int):
-        self.path, self.size, self.chunk_chars = path, size, []
+    def __init__(self, path: Path, size: int, conv: records.Converted | None = None):
+        self.path, self.size, self.conv, self.chunk_chars = path, size, conv, []
         self.ascii, self.codes, self.nul, self.outside = set(), chunks.NO_CODES, None, None
         self.sha = hashlib.sha256()
 
@@ -192,13 +195,15 @@ class _FileScan:
     def check(self) -> None:
         """Once every chunk is in: the problems in the order a whole-file check finds them."""
         if self.size == 0:
-            raise DataError(f"{self.path}: file is empty")
+            raise DataError(f"{self.path}: no record holds text ({self.conv.empty} empty)" if self.conv
+                            else f"{self.path}: file is empty")
         if self.nul is not None:
             line, col = chunks.line_col(self.path, self.nul)
             raise DataError(f"{self.path}:{line}:{col}: NUL byte (binary file?)")
         if self.outside:
-            (line, col), ch = chunks.line_col(self.path, self.outside[0]), self.outside[1]
-            raise DataError(f"{self.path}:{line}:{col}: character {ch!r} (U+{ord(ch):04X}) is not in --alphabet")
+            offset, ch = self.outside
+            where = self.conv.where(offset) if self.conv else "{}:{}:{}".format(self.path, *chunks.line_col(self.path, offset))
+            raise DataError(f"{where}: character {ch!r} (U+{ord(ch):04X}) is not in --alphabet")
 
 
 # ---------------------------------------------------------------- prepare
@@ -289,16 +294,56 @@ def _check_unchanged(files: list[Path], stats: list[os.stat_result]) -> None:
             raise DataError(f"{p}: changed while being prepared; prepare again once it is written")
 
 
-def _scan(files: list[Path], stats, plans, alphabet: str | None, pool: chunks.Pool, log) -> list[_FileScan]:
+@dataclass
+class _Texts:
+    """What the two passes read for each file: the file itself, or a record file's text (records.py)."""
+    paths: list[Path]
+    sizes: list[int]
+    convs: list[records.Converted | None]
+
+    def plans(self) -> list[tuple[int, chunks.Chunk]]:
+        return [(i, c) for i, p in enumerate(self.paths) for c in chunks.plan(p, self.sizes[i], CHUNK_BYTES)]
+
+
+@contextmanager
+def _as_text(files: list[Path], stats, field: str, parent: Path | None, workers: int, log):
+    """_Texts of the files: each record file converted (on the workers) into a temp directory under
+    `parent` (None: the system's), removed on exit; nothing converted when there is none."""
+    todo = [i for i, p in enumerate(files) if records.is_records(p)]
+    texts = _Texts(list(files), [s.st_size for s in stats], [None] * len(files))
+    if not todo:
+        yield texts
+        return
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".records.", dir=parent))
+    try:
+        started = time.monotonic()
+        tasks = ((files[i], field, tmp / f"{i}.txt") for i in todo)
+        with chunks.Pool(min(workers, len(todo))) as pool:
+            try:
+                for i, conv in zip(todo, pool.ordered(records.convert_task, tasks)):
+                    texts.paths[i], texts.sizes[i], texts.convs[i] = conv.path, conv.path.stat().st_size, conv
+            except records.RecordError as e:
+                raise DataError(str(e)) from None
+        kept, empty = (sum(getattr(texts.convs[i], k) for i in todo) for k in ("records", "empty"))
+        log(f"prepare | {len(todo):,} record file(s): {kept:,} records with text, {empty:,} empty skipped | "
+            f"{time.monotonic() - started:.1f} s")
+        yield texts
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _scan(files: list[Path], texts: _Texts, plans, alphabet: str | None, pool: chunks.Pool, log) -> list[_FileScan]:
     """Pass 1: every file validated (the first problem raises, naming the place), its characters
     collected and its sha256 taken, one chunk at a time; the workers scan while this process hashes."""
-    scans = [_FileScan(p, s.st_size) for p, s in zip(files, stats)]
-    progress = _Progress("validate", sum(s.st_size for s in stats), log)
+    scans = [_FileScan(p, n, conv) for p, n, conv in zip(files, texts.sizes, texts.convs)]
+    progress = _Progress("validate", sum(texts.sizes), log)
 
     def tasks():
         for i, c in plans:
             scans[i].sha.update(chunks.read(c))  # hashlib drops the GIL; the page cache serves the worker
-            yield c, alphabet
+            yield c, alphabet, scans[i].conv is not None
 
     results = pool.ordered(chunks.scan, tasks())
     checked = 0
@@ -404,13 +449,13 @@ def _encode_chars(names: list[str], plans, chunk_chars, tok: CharTokenizer, dtyp
     return counts, parts
 
 
-def _encode_stream(n_files: int, plans, tok, dtype: str, out: Path, pool: chunks.Pool,
+def _encode_stream(texts: _Texts, plans, tok, dtype: str, out: Path, pool: chunks.Pool,
                    progress: _Progress) -> list[int]:
     """Pass 2, tiktoken: BOS then each file's tokens appended to `out` in order (how many, only the
     encoder knows); returns the tokens per file."""
-    counts = [0] * n_files
+    counts = [0] * len(texts.paths)
     bos = np.array([tok.bos_id], dtype=dtype)
-    tasks = ((c, tok.name, dtype) for _, c in plans)
+    tasks = ((c, tok.name, dtype, texts.convs[i] is not None) for i, c in plans)
     with open(out, "wb") as f:
         for (i, c), ids in zip(plans, pool.ordered(chunks.encode_tiktoken, tasks)):
             if c.offset == 0:
@@ -470,12 +515,14 @@ def prepare(
     max_seq_len: int = 256,
     *,
     chars: str | None = None,
+    text_field: str = records.TEXT_FIELD,
     workers: int | None = None,
     log=None,
 ) -> Prepared:
     """Validates and tokenizes data_dir into <workspace>/prepared/<hash>/, or finds it there.
     chars: the char tokenizer's fixed vocabulary (INIT_FROM's model's: experiment/finetune.py), each
     character keeping its id; a character outside it is a DataError naming it (default: the data's).
+    text_field: the JSON field or Parquet column holding a record file's documents.
     workers: processes for the chunks (default: one per core this process may use, at most
     MAX_WORKERS; 1 runs them in this process); log: where the progress lines go (default: stderr)."""
     if not 0 < val_fraction < 1:
@@ -484,7 +531,7 @@ def prepare(
     files = list_sources(data_dir)
     names, relative = source_names(data_dir, files), _relative_names(data_dir, files)
     root = Path(workspace) / "prepared"
-    settings = {"tokenizer": tokenizer, "alphabet": alphabet, "val_fraction": val_fraction}
+    settings = _settings(files, tokenizer, alphabet, val_fraction, text_field)
     if chars is not None and tokenizer == "char":
         settings["chars"] = chars
     if len(files) > 1:  # val across the files (file_parts): another layout than the one-file stream's tail
@@ -503,15 +550,26 @@ def prepare(
     return prepared
 
 
+def _settings(files: list[Path], tokenizer: str, alphabet: str | None, val_fraction: float, text_field: str) -> dict:
+    """What the prepared hash covers besides the files: with a record file, the field read and the
+    conversion's version too (a corpus of *.txt alone keeps the hash it had before record files)."""
+    settings = {"tokenizer": tokenizer, "alphabet": alphabet, "val_fraction": val_fraction}
+    if any(records.is_records(p) for p in files):
+        settings["records"] = {"version": records.VERSION, "text_field": text_field}
+    return settings
+
+
 def default_workers() -> int:
     """One process per core this process may use, at most MAX_WORKERS."""
     return min(MAX_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
 
 
 def validate(data_dir: Path, tokenizer: str = "char", alphabet: str | None = None, val_fraction: float = 0.05,
-             max_seq_len: int = 256, *, workers: int | None = None, log=None) -> dict:
+             max_seq_len: int = 256, *, text_field: str = records.TEXT_FIELD, workers: int | None = None,
+             log=None) -> dict:
     """prepare's checks without its writes, for `plan` before renting: pass 1 over every file (UTF-8,
-    empty files, NUL bytes, ALPHABET) and each source's val share against max_seq_len. DataError names
+    empty files, NUL bytes, malformed records, ALPHABET) and each source's val share against max_seq_len
+    (a record file's text goes to a temp directory for the pass, then is removed). DataError names
     the first problem. Returns {"tokens": the corpus's tokens, "sources": {name: tokens}, "exact": bool};
     with tiktoken the tokens are estimated as bytes / 4 (exact: False), since counting means encoding."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -519,9 +577,10 @@ def validate(data_dir: Path, tokenizer: str = "char", alphabet: str | None = Non
     names = source_names(data_dir, files)
     stats = [p.stat() for p in files]
     workers = workers or default_workers()
-    plans = [(i, c) for i, p in enumerate(files) for c in chunks.plan(p, stats[i].st_size, CHUNK_BYTES)]
-    with chunks.Pool(min(workers, len(plans))) as pool:
-        scans = _scan(files, stats, plans, alphabet, pool, log)
+    with _as_text(files, stats, text_field, None, workers, log) as texts:  # record files: in a temp directory
+        plans = texts.plans()
+        with chunks.Pool(min(workers, len(plans))) as pool:
+            scans = _scan(files, texts, plans, alphabet, pool, log)
     # prepare's counts: a BOS before every file, then its characters (or, estimated, its tokens)
     counts = [1 + (sum(s.chunk_chars) if tokenizer == "char" else s.size // 4) for s in scans]
     parts = source_parts(file_parts(names, counts, val_fraction))
@@ -545,26 +604,28 @@ def _prepare_files(files, names, relative, stats, settings: dict, max_seq_len: i
     """Pass 1 (validation, characters, content hash), then the content hash's directory if it exists,
     else pass 2 writing it."""
     workers = workers or default_workers()
-    plans = [(i, c) for i, p in enumerate(files) for c in chunks.plan(p, stats[i].st_size, CHUNK_BYTES)]
-    with chunks.Pool(min(workers, len(plans))) as pool:
-        scans = _scan(files, stats, plans, settings["alphabet"], pool, log)  # every error surfaces before any write
-        digests = [s.sha.hexdigest() for s in scans]
-        final = root / hashlib.sha256(json.dumps([settings, relative, digests]).encode()).hexdigest()[:16]
-        if (final / "meta.json").exists():
-            return Prepared.load(final)
-        return _write(files, names, stats, plans, scans, settings, max_seq_len, final, pool, where, log)
+    field = settings.get("records", {}).get("text_field")
+    with _as_text(files, stats, field, root, workers, log) as texts:  # record files: converted under root
+        plans = texts.plans()
+        with chunks.Pool(min(workers, len(plans))) as pool:
+            scans = _scan(files, texts, plans, settings["alphabet"], pool, log)  # every error surfaces before any write
+            digests = [s.sha.hexdigest() for s in scans]
+            final = root / hashlib.sha256(json.dumps([settings, relative, digests]).encode()).hexdigest()[:16]
+            if (final / "meta.json").exists():
+                return Prepared.load(final)
+            return _write(files, names, stats, texts, plans, scans, settings, max_seq_len, final, pool, where, log)
 
 
-def _tokens(tmp: Path, tok, dtype: str, names: list[str], stats, plans, scans, val_fraction: float,
+def _tokens(tmp: Path, tok, dtype: str, names: list[str], texts: _Texts, plans, scans, val_fraction: float,
             pool: chunks.Pool, log) -> tuple[list[int], list[dict]]:
     """Pass 2: tmp/train.bin and tmp/val.bin, each file's tail in val (file_parts; one file: the tail
     of the stream); returns the tokens and the file_parts of every file."""
-    progress = _Progress("encode", sum(s.st_size for s in stats), log)
+    progress = _Progress("encode", sum(texts.sizes), log)
     itemsize = np.dtype(dtype).itemsize
     if isinstance(tok, CharTokenizer):
         chunk_chars = [n for s in scans for n in s.chunk_chars]
         return _encode_chars(names, plans, chunk_chars, tok, dtype, val_fraction, tmp, pool, progress)
-    counts = _encode_stream(len(names), plans, tok, dtype, tmp / "train.bin", pool, progress)
+    counts = _encode_stream(texts, plans, tok, dtype, tmp / "train.bin", pool, progress)
     parts = file_parts(names, counts, val_fraction)
     if len(parts) == 1:
         _split_off_val(tmp / "train.bin", tmp / "val.bin", parts[0]["val"][1] - parts[0]["val"][0], itemsize)
@@ -573,8 +634,8 @@ def _tokens(tmp: Path, tok, dtype: str, names: list[str], stats, plans, scans, v
     return counts, parts
 
 
-def _write(files, names, stats, plans, scans, settings: dict, max_seq_len: int, final: Path, pool: chunks.Pool,
-           where: str, log) -> Prepared:
+def _write(files, names, stats, texts: _Texts, plans, scans, settings: dict, max_seq_len: int, final: Path,
+           pool: chunks.Pool, where: str, log) -> Prepared:
     """Pass 2 into a temp directory next to `final`, renamed into place once complete."""
     tok = _tokenizer(settings, scans)
     dtype = _dtype_for(tok.vocab_size)
@@ -582,13 +643,14 @@ def _write(files, names, stats, plans, scans, settings: dict, max_seq_len: int, 
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         try:
-            counts, parts = _tokens(tmp, tok, dtype, names, stats, plans, scans, settings["val_fraction"], pool, log)
+            counts, parts = _tokens(tmp, tok, dtype, names, texts, plans, scans, settings["val_fraction"], pool, log)
         except Exception:
             _check_unchanged(files, stats)  # a file rewritten since pass 1 breaks pass 2: say that, if so
             raise
         meta = _meta(final.name, settings, tok, dtype, source_parts(parts), tmp / "val.bin",
                      [{"path": str(p.resolve()), "source": name, "sha256": s.sha.hexdigest(), "bytes": st.st_size,
-                       "tokens": count, "train": part["train"], "val": part["val"]}
+                       "tokens": count, "train": part["train"], "val": part["val"],
+                       **({"records": s.conv.records, "empty_records": s.conv.empty} if s.conv else {})}
                       for p, name, s, st, count, part in zip(files, names, scans, stats, counts, parts)])
         check_seq_len(meta, max_seq_len, where)
         _check_unchanged(files, stats)
@@ -670,19 +732,23 @@ def write_demo_corpus(directory: Path, n_lines: int = 120_000) -> Path:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiment.dataloader", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("prepare", help="validate and tokenize *.txt files into the prepared cache")
-    p.add_argument("--data_dir", required=True, help="directory of UTF-8 *.txt files, or one .txt file")
+    p = sub.add_parser("prepare", help="validate and tokenize data files into the prepared cache")
+    p.add_argument("--data_dir", required=True, help="directory of UTF-8 *.txt, *.jsonl, *.jsonl.gz or *.parquet "
+                   "files (sub-directories too), or one such file")
+    p.add_argument("--text_field", default=records.TEXT_FIELD, help="the JSONL field or Parquet column that holds "
+                   "a document")
     p.add_argument("--workspace", default=None, help="root of prepared/ (default: as WORKSPACE in run.sh)")
     p.add_argument("--alphabet", default=None, help="allowed characters; any other one is an error")
     p.add_argument("--tokenizer", default="char", help="char, or a tiktoken encoding name")
-    p.add_argument("--val_fraction", type=float, default=0.05, help="last fraction of tokens for validation")
+    p.add_argument("--val_fraction", type=float, default=0.05, help="fraction of each source's tokens held out for "
+                   "validation, drawn across its files (docs/data.md)")
     p.add_argument("--max_seq_len", type=int, default=256, help="each split must hold one sequence of this")
     args = parser.parse_args(argv)
     workspace = Path(args.workspace) if args.workspace else default_workspace()
     started = time.perf_counter()
     try:
         prepared = prepare(Path(args.data_dir), workspace, args.tokenizer, args.alphabet,
-                           args.val_fraction, args.max_seq_len)
+                           args.val_fraction, args.max_seq_len, text_field=args.text_field)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -5,7 +5,8 @@
 Standard library only: it runs before anything else, on interpreters that may have no torch at all.
 A pin (name==version) must match the installed version up to a local build tag (2.13.0+cpu and
 2.13.0+cu128 both satisfy torch==2.13.0); a bare name must be installed. pytest is for the tests
-alone (and pytest-xdist): a launch does not ask for them.
+alone (and pytest-xdist), pyarrow for Parquet data files alone (its reader says what to install when
+one is read without it): a launch does not ask for them.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ def requirements(path: str) -> list[tuple[str, str | None]]:
 
 
 TEST_ONLY = {"pytest", "pytest-xdist"}
+ON_DEMAND = {"pyarrow"}  # only a Parquet data file needs it (experiment/records.py)
 
 
 def problems(wanted: list[tuple[str, str | None]]) -> list[str]:
     found = []
     for name, pin in wanted:
-        if name in TEST_ONLY:
+        if name in TEST_ONLY or name in ON_DEMAND:
             continue
         try:
             have = metadata.version(name)

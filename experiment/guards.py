@@ -164,7 +164,7 @@ def check(cfg: TrainConfig, p: GpuPlan | None, demo: bool, workspace: Path, run_
     allowed = set(filter(None, cfg.allow.split(",")))
     errors = []
     if demo and "demo" not in allowed:
-        errors.append(f"no *.txt in {workspace / 'data'}: this would train on the built-in demo data; put the "
+        errors.append(f"no data files in {workspace / 'data'}: this would train on the built-in demo data; put the "
                       "corpus there or set DATA_DIR (ALLOW=demo trains on the demo)")
     if p is not None and p.default_cap and p.epochs > p.default_cap + 1e-9 and "repeat" not in allowed:
         errors.append(f"d{p.depth} would see the training data {p.epochs:.1f} times in the {cfg.training_hours:g}h "

@@ -20,12 +20,13 @@ from experiment import checkpoint as ckpt
 from experiment import finetune
 from experiment.config import ConfigError, TrainConfig
 from experiment.dataloader import DataError, Prepared, prepare, write_demo_corpus
+from experiment.records import is_data_file
 from experiment.model import GPTConfig
 
 
 def prepare_data(cfg: TrainConfig, workspace: Path, log) -> Prepared:
     """The data the run trains on: --prepared_dir as given, else DATA_DIR (or <workspace>/data, or the
-    built-in demo when that holds no *.txt) prepared now (a cache hit when unchanged)."""
+    built-in demo when that holds no data file) prepared now (a cache hit when unchanged)."""
     if cfg.prepared_dir:
         directory = Path(cfg.prepared_dir)
         if not (directory / "meta.json").is_file():
@@ -35,17 +36,17 @@ def prepare_data(cfg: TrainConfig, workspace: Path, log) -> Prepared:
     data_dir = Path(cfg.data_dir) if cfg.data_dir else workspace / "data"
     if uses_demo(cfg, workspace):
         data_dir = write_demo_corpus(workspace / "demo_data").parent
-        log(f"no *.txt in {workspace / 'data'}: training on the built-in arithmetic demo ({data_dir})")
+        log(f"no data files in {workspace / 'data'}: training on the built-in arithmetic demo ({data_dir})")
     return prepare(data_dir, workspace, cfg.tokenizer, cfg.alphabet, cfg.val_fraction, cfg.max_seq_len,
-                   chars=finetune.chars(cfg))
+                   chars=finetune.chars(cfg), text_field=cfg.text_field)
 
 
 def uses_demo(cfg: TrainConfig, workspace: Path) -> bool:
-    """True when the run trains on the built-in demo: no DATA_DIR or PREPARED_DIR, and no *.txt in
-    <workspace>/data."""
+    """True when the run trains on the built-in demo: no DATA_DIR or PREPARED_DIR, and no data file
+    (*.txt, *.jsonl, ...) in <workspace>/data."""
     data_dir = workspace / "data"
     return (cfg.data_dir is None and cfg.prepared_dir is None
-            and not (data_dir.is_dir() and any(data_dir.rglob("*.txt"))))
+            and not (data_dir.is_dir() and any(is_data_file(p.name) for p in data_dir.rglob("*"))))
 
 
 # In the run directory, each a flock that lives as long as its holder (the kernel drops it when the

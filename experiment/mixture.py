@@ -1,6 +1,6 @@
 """Sources and their weights: which source each training window comes from.
 
-Each sub-directory of DATA_DIR is a source, and its top-level `*.txt` files one more. DATA_MIX
+Each sub-directory of DATA_DIR is a source, and its top-level data files one more. DATA_MIX
 ("web=0.65,code=0.34,math=0.01") weights them: the global sequence of training windows draws its
 source by weight and then that source's next window. Window g's source is a function of (seed, g)
 alone, and a source's k-th window is entry k mod n of its own per-epoch permutation, so the sequence

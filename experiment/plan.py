@@ -56,7 +56,8 @@ GPUS_PER_NODE = 8  # a rented box's GPUs at most: more come as several nodes (NN
 @dataclass
 class PlanConfig:
     tokens: int | None = opt("training + val tokens of the corpus; unset: counted in DATA_DIR")
-    data_dir: str | None = opt("*.txt files to count (default $WORKSPACE/data)")
+    data_dir: str | None = opt("data files to count: *.txt, *.jsonl, *.jsonl.gz, *.parquet (default $WORKSPACE/data)")
+    text_field: str = opt("the JSONL field or Parquet column that holds a document, as for training", "text")
     tokenizer: str = opt("char, or a tiktoken encoding name (counted as bytes / 4: set TOKENS for the exact "
                          "figure)", "char")
     alphabet: str | None = opt("allowed characters, as for training: data with any other one is refused")
@@ -159,7 +160,7 @@ def count_tokens(cfg: PlanConfig) -> tuple[int, str]:
     if cfg.tokens is not None:
         return cfg.tokens, "TOKENS"
     data_dir = Path(cfg.data_dir) if cfg.data_dir else default_workspace() / "data"
-    v = validate(data_dir, cfg.tokenizer, cfg.alphabet, cfg.val_fraction, cfg.max_seq_len)
+    v = validate(data_dir, cfg.tokenizer, cfg.alphabet, cfg.val_fraction, cfg.max_seq_len, text_field=cfg.text_field)
     sources = f"{len(v['sources'])} source(s) of {data_dir}, checked as the pre-flight checks them"
     if not v["exact"]:
         return v["tokens"], f"estimated as bytes / 4 in {sources} (set TOKENS to be exact)"
@@ -247,8 +248,9 @@ def launch_line(p: dict, cfg: PlanConfig, count: int) -> tuple[str, str]:
 def planned_settings(cfg: PlanConfig) -> dict:
     """Every planned setting that is not the trainer's default: a launch line carries them."""
     defaults = {f.name: f.default for f in dataclasses.fields(PlanConfig)}
-    settings = {name.upper(): getattr(cfg, name) for name in ("tokenizer", "alphabet", "val_fraction", "gpu_hourly_usd",
-                                                              "keep_last") if getattr(cfg, name) != defaults[name]}
+    settings = {name.upper(): getattr(cfg, name) for name in ("tokenizer", "alphabet", "val_fraction", "text_field",
+                                                              "gpu_hourly_usd", "keep_last")
+                if getattr(cfg, name) != defaults[name]}
     if cfg.max_seq_len != CUDA_DEFAULTS["max_seq_len"]:
         settings["MAX_SEQ_LEN"] = cfg.max_seq_len
     if cfg.regularizers == "off":

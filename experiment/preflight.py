@@ -78,13 +78,22 @@ def plan_lines(cfg: TrainConfig, prepared: Prepared, config: GPTConfig | None, w
              "model auto (depth chosen at start from the throughput measured there)")
     return [
         f"preflight | data {prepared.dir} | {split['train_tokens']:,} train tokens, {split['val_tokens']:,} val "
-        f"tokens | vocabulary {prepared.meta['vocab_size']}",
+        f"tokens | vocabulary {prepared.meta['vocab_size']}{records_note(prepared.meta)}",
         f"preflight | {model}, context {cfg.max_seq_len} | world {world_size} | {cfg.total_batch_size:,} tokens/step = "
         f"{cfg.total_batch_size / split['train_tokens']:.4f} epochs/step | budget {cfg.training_hours:.3f}h",
         f"preflight | the data supports up to "
         f"{autosize.supports(make_config(cfg, prepared), split['train_tokens'], cfg.total_batch_size)}",
         f"preflight | {resume}",
     ]
+
+
+def records_note(meta: dict) -> str:
+    """What the record files (JSONL, Parquet) gave: records kept, empty ones skipped; "" with none."""
+    files = [s for s in meta.get("sources", []) if "records" in s]
+    if not files:
+        return ""
+    kept, empty = sum(s["records"] for s in files), sum(s["empty_records"] for s in files)
+    return f" | {kept:,} records from {len(files):,} record file(s), {empty:,} empty skipped"
 
 
 def plan_regime(cfg: TrainConfig, unset: list[str], config: GPTConfig | None, gpu: guards.Gpu | None, world_size: int,
@@ -104,7 +113,7 @@ def plan_regime(cfg: TrainConfig, unset: list[str], config: GPTConfig | None, gp
 def source_lines(cfg: TrainConfig, prepared: Prepared, weights: list[float] | None) -> list[str]:
     """Each source's weight and tokens, with a warning when there are many of them."""
     lines = [] if len(weights or []) <= MANY_SOURCES else [
-        f"warning: {len(weights)} sources (each sub-directory of DATA_DIR is one, its top-level *.txt files together "
+        f"warning: {len(weights)} sources (each sub-directory of DATA_DIR is one, its top-level data files together "
         "another): each is evaluated at every eval and needs a DATA_MIX weight; put texts that belong together in "
         "one sub-directory"]
     for source, w in zip(prepared.meta.get("source_splits", []), weights or []):

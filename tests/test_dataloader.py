@@ -35,7 +35,7 @@ GOOD = "hello world\n" * 100
 
 @pytest.mark.parametrize("case,files,kwargs,message", [
     ("missing dir", None, {}, r"missing: data directory does not exist"),
-    ("no txt", {"notes.md": GOOD}, {}, r"data: no \*\.txt files"),
+    ("no data files", {"notes.md": GOOD}, {}, r"data: no data files \(expected UTF-8 \*\.txt, or \*\.jsonl"),
     ("empty file", {"a.txt": GOOD, "b.txt": ""}, {}, r"b\.txt: file is empty"),
     ("invalid utf-8", {"a.txt": b"abc\ndef\xff\xfeghi"}, {}, r"a\.txt: invalid UTF-8 at byte offset 7 \(line 2\)"),
     ("nul byte", {"a.txt": GOOD + "ab\x00c\n"}, {}, r"a\.txt:101:3: NUL byte"),
@@ -369,7 +369,7 @@ def test_the_top_level_files_are_one_source_and_each_sub_directory_another(tmp_p
     assert splits[0]["val"] == [p.meta["sources"][0]["val"][0], p.meta["sources"][1]["val"][1]]
     (data / "data").mkdir()
     (data / "data" / "z.txt").write_text("abc\n")
-    with pytest.raises(DataError, match=r"top-level \*.txt files and its sub-directory data/ would both be the "
+    with pytest.raises(DataError, match=r"top-level data files and its sub-directory data/ would both be the "
                                         r"source 'data'"):
         prepare(data, tmp_path / "ws", max_seq_len=16)
 

@@ -57,9 +57,10 @@ def test_a_launch_line_carries_nodes_the_depth_the_dollars_and_every_setting_not
     line, _ = plan.launch_line(p, PlanConfig(), 1)
     assert line.startswith("NPROC_PER_NODE=1 DEPTH=24 BUDGET_USD=992 ")
     cfg = PlanConfig(tokenizer="gpt2", alphabet="ab c", val_fraction=0.1, gpu_hourly_usd=3.0, keep_last=2,
-                     max_seq_len=1024)
+                     max_seq_len=1024, text_field="body")
     assert plan.planned_settings(cfg) == {"TOKENIZER": "gpt2", "ALPHABET": "ab c", "VAL_FRACTION": 0.1,
-                                          "GPU_HOURLY_USD": 3.0, "KEEP_LAST": 2, "MAX_SEQ_LEN": 1024}
+                                          "TEXT_FIELD": "body", "GPU_HOURLY_USD": 3.0, "KEEP_LAST": 2,
+                                          "MAX_SEQ_LEN": 1024}
     assert plan.planned_settings(PlanConfig()) == {}
     assert "ALPHABET='ab c'" in plan.launch_line(p, cfg, 8)[0]  # quoted for the shell
 

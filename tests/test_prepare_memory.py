@@ -40,14 +40,18 @@ print(json.dumps({"dir": str(p.dir), "rss_at_start": rss, "peak_rss": status("Vm
 
 
 @pytest.mark.slow
-def test_prepare_of_a_corpus_larger_than_its_memory_limit(tmp_path):
-    block = "".join(demo_lines(20_000)).encode()
+@pytest.mark.parametrize("fmt", ["txt", "jsonl"])
+def test_prepare_of_a_corpus_larger_than_its_memory_limit(tmp_path, fmt):
+    """The same text as one *.txt file, and as one JSONL file of 3,000-line records (converted to text
+    on disk first: records.py)."""
+    block = "".join(demo_lines(3_000))
     data = tmp_path / "data"
     data.mkdir()
-    with open(data / "sums.txt", "wb") as f:
-        for _ in range(CORPUS_MB * 2**20 // len(block)):
-            f.write(block)
-    size = (data / "sums.txt").stat().st_size
+    n = CORPUS_MB * 2**20 // len(block)
+    with open(data / f"sums.{fmt}", "w") as f:
+        for _ in range(n):
+            f.write(block if fmt == "txt" else json.dumps({"text": block}) + "\n")
+    size = (data / f"sums.{fmt}").stat().st_size
     assert size > 2 * LIMIT_MB * 2**20
     proc = subprocess.run([sys.executable, "-c", CHILD, str(data), str(tmp_path / "ws"), str(LIMIT_MB)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -56,4 +60,5 @@ def test_prepare_of_a_corpus_larger_than_its_memory_limit(tmp_path):
     assert out["peak_rss"] - out["rss_at_start"] < LIMIT_MB * 2**20
     assert out["worker_peak_rss"] < out["rss_at_start"] + LIMIT_MB * 2**20  # a worker shares the parent's pages
     meta = json.loads((tmp_path / "ws/prepared" / out["dir"].rsplit("/", 1)[1] / "meta.json").read_text())
-    assert meta["split"]["train_tokens"] + meta["split"]["val_tokens"] == size + 1  # BOS + one id per character
+    # BOS + one id per character, a BOS per record
+    assert meta["split"]["train_tokens"] + meta["split"]["val_tokens"] == (size + 1 if fmt == "txt" else n * (len(block) + 1))

@@ -18,7 +18,8 @@ def test_problems_name_the_mismatch_and_the_missing(tmp_path):
     torch_version = metadata.version("torch")
     req.write_text(f"# comment\ntorch=={torch_version.split('+')[0]}\nnumpy\npytest\n")
     assert envcheck.problems(envcheck.requirements(str(req))) == []  # a local build tag (+cpu) matches its pin
-    req.write_text("torch==0.0.1\nno-such-package-here\npytest==0.0.1  # tests only: not asked of a launch\n")
+    req.write_text("torch==0.0.1\nno-such-package-here\npytest==0.0.1  # tests only: not asked of a launch\n"
+                   "pyarrow==0.0.1  # Parquet data only: not asked of a launch either\n")
     found = envcheck.problems(envcheck.requirements(str(req)))
     assert found == [f"torch {torch_version}, requirements.txt pins torch==0.0.1", "no no-such-package-here"]
 

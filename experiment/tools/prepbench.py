@@ -1,7 +1,11 @@
 """The prepare benchmark: a synthetic char-level corpus of a given size, prepared cold and then again.
 
-    python -m experiment.tools.prepbench [--mb 100] [--files 4] [--dir D] [--keep]
+    python -m experiment.tools.prepbench [--mb 100] [--files 4] [--format txt] [--record_kb 4] [--dir D] [--keep]
     (also `python -m experiment.tools.bench prepare ...`)
+
+--format jsonl, jsonl.gz or parquet writes the same text as record files instead: each file's
+lines grouped into records of about --record_kb KB (one JSONL line or one Parquet row each, field
+"text"), so that a run of each format compares them on the same characters.
 
 Writes the corpus into a temp directory, runs `python -m experiment.dataloader prepare` on it in a
 child process and prints the wall time, MB/s, the child's peak RSS (ru_maxrss: the largest single
@@ -59,10 +63,11 @@ def write_corpus(directory: Path, total_bytes: int, n_files: int, seed: int = 0)
     mean = float(sum(len(e) * q for e, q in zip(entries, p)))
     per_file = total_bytes // n_files
     for f in range(n_files):
-        with open(directory / f"part{f:03d}.txt", "wb") as out:
+        with open(directory / f"part{f:05d}.txt", "wb") as out:
             left = per_file
             while left > 0:
-                block = b"".join(entries[rng.choice(len(entries), size=int(BLOCK_BYTES / mean), p=p)])
+                size = int(min(BLOCK_BYTES, 2 * left + 4096) / mean)  # small files: no 8 MB block each
+                block = b"".join(entries[rng.choice(len(entries), size=size, p=p)])
                 if len(block) >= left:  # the last block: the file ends after a whole line
                     block, left = block[: block.rfind(b"\n", 0, left) + 1], 0
                 else:
@@ -71,6 +76,48 @@ def write_corpus(directory: Path, total_bytes: int, n_files: int, seed: int = 0)
                 written += len(block)
                 non_ascii += len(block) - len(block.translate(None, bytes(range(0x80, 0x100))))
     return non_ascii / written
+
+
+def to_records(txt: Path, fmt: str, record_bytes: int) -> None:
+    """txt (whole lines) rewritten as a record file of the same name with fmt's suffix; txt removed.
+    Streams: a record at a time (JSONL) or 1,024 of them (Parquet)."""
+    import gzip
+    import json
+
+    out = txt.with_suffix("." + fmt)
+
+    def texts():
+        record, n = [], 0
+        with open(txt, encoding="utf-8") as f:
+            for line in f:
+                record.append(line)
+                n += len(line)
+                if n >= record_bytes:
+                    yield "".join(record)
+                    record, n = [], 0
+        if record:
+            yield "".join(record)
+
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        schema = pa.schema([("text", pa.string())])
+        with pq.ParquetWriter(out, schema) as writer:
+            batch = []
+            for text in texts():
+                batch.append(text)
+                if len(batch) == 1024:
+                    writer.write_table(pa.table({"text": batch}, schema=schema))
+                    batch = []
+            if batch:
+                writer.write_table(pa.table({"text": batch}, schema=schema))
+    else:
+        with (gzip.open(out, "wt", encoding="utf-8", compresslevel=6) if fmt == "jsonl.gz"
+              else open(out, "w", encoding="utf-8")) as f:
+            for text in texts():
+                f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+    txt.unlink()
 
 
 def _tree_pss_kb(pid: int) -> int:
@@ -130,7 +177,10 @@ def run_child(args: list[str], scratch: Path) -> tuple[float, int, int, float, s
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mb", type=float, default=100, help="corpus size in MB (10^6 bytes)")
-    p.add_argument("--files", type=int, default=4, help="number of .txt files the corpus is split into")
+    p.add_argument("--files", type=int, default=4, help="number of files the corpus is split into")
+    p.add_argument("--format", default="txt", choices=["txt", "jsonl", "jsonl.gz", "parquet"],
+                   help="the files' format (the same text in each)")
+    p.add_argument("--record_kb", type=float, default=4, help="record size of a record format, in KB")
     p.add_argument("--dir", default=None, help="where the temp directory goes (default: the system's temp)")
     p.add_argument("--keep", action="store_true", help="keep the corpus and the prepared directory")
 
@@ -148,9 +198,13 @@ def main(args) -> int:
         data.mkdir()
         t = time.perf_counter()
         share = write_corpus(data, total, args.files)
+        text_mb = sum(f.stat().st_size for f in data.iterdir()) / 1e6
+        if args.format != "txt":
+            for f in sorted(data.iterdir()):
+                to_records(f, args.format, int(args.record_kb * 1000))
         size = sum(f.stat().st_size for f in data.iterdir())
-        print(f"prepbench | corpus {size / 1e6:,.0f} MB in {args.files} files ({share:.2%} non-ASCII bytes), written in "
-              f"{time.perf_counter() - t:.1f} s | {root}")
+        print(f"prepbench | corpus {size / 1e6:,.0f} MB in {args.files} {args.format} files ({text_mb:,.0f} MB of text, "
+              f"{share:.2%} non-ASCII bytes), written in {time.perf_counter() - t:.1f} s | {root}")
         time.sleep(dataloader.STAT_TRUST_SECONDS)  # files this fresh are not trusted by their stat (see dataloader)
         cmd = ["-m", "experiment.dataloader", "prepare", "--data_dir", str(data), "--workspace", str(ws)]
         _, base_rss, _, base_cpu, _ = run_child(["-c", "import experiment.dataloader"], root)
