@@ -57,7 +57,12 @@ GUARDS = ("demo", "repeat", "disk")  # the pre-flight's guards on CUDA, which AL
 
 
 class ConfigError(Exception):
-    """A setting that cannot work; the message names the flag."""
+    """A setting that cannot work; the message names the flag. every_rank: rank 0 decided it and every
+    rank raises the same one (broadcast), so rank 0 alone says it (train.main)."""
+
+    def __init__(self, message: str, every_rank: bool = False):
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 def opt(help_text: str, default=None, **kwargs):

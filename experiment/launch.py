@@ -12,6 +12,7 @@ import dataclasses
 import fcntl
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from experiment.config import ConfigError, TrainConfig
 from experiment.dataloader import DataError, Prepared, prepare, write_demo_corpus
 from experiment.records import is_data_file
 from experiment.model import GPTConfig
+from experiment.onexit import last_words
 
 
 def prepare_data(cfg: TrainConfig, workspace: Path, log) -> Prepared:
@@ -99,45 +101,75 @@ def _try_lock(f) -> bool:
 
 
 # torchrun restarts every worker that exits non-zero (MAX_RESTARTS times). A launch the trainer itself
-# ended with a failure (a final save the volume refused, a diverging loss) would then resume and
-# train up to the same failure again, each time: the hours since the latest checkpoint, over and
-# over. So its workers leave a marker for their torchrun agent (named by host and the agent's pid,
-# which restarted workers share), and a restarted worker that finds it exits at once. The marker is
-# an empty file: it needs an inode and a directory entry but no data block, which a volume full of
-# data still has. experiment/run.sh deletes this host's markers before each launch, and a first
-# attempt deletes its own (a container's torchrun may get the same pid every time).
+# ended (a user's mistake found at the start, a final save the volume refused, a diverging loss)
+# would then set up again, or resume and train up to the same failure again, each time: the hours
+# since the latest checkpoint, over and over. So its workers leave a marker for their torchrun agent
+# (named by host and the agent's pid, which restarted workers share, and the exit code the launch
+# ends with: 2 for a mistake, 1 for a failure), and a restarted worker that finds it exits at once.
+# experiment/agent.py, the agent experiment/run.sh starts, then ends the launch with that code. The
+# marker is an empty file: it needs an inode and a directory entry but no data block, which a volume
+# full of data still has. experiment/run.sh deletes this host's markers before each launch, and a
+# first attempt deletes its own (a container's torchrun may get the same pid every time).
 ENDED_PREFIX = ".ended."
+# Set by experiment/agent.py for its workers: a restart of an ended launch may exit 0 (one restart,
+# then the agent exits with the marker's code) instead of 1 (which a bare torchrun needs to fail).
+AGENT_READS_ENDED = "LAUNCH_AGENT_READS_ENDED"
 
 
-def _ended_marker(run_dir: Path) -> Path | None:
+def _marker_name(agent_pid: int) -> str:
+    return f"{ENDED_PREFIX}{socket.gethostname()}.{agent_pid}."
+
+
+def end_launch(run_dir: Path, code: int = 1) -> None:
+    """Every rank whose trainer ended the launch (code 2: the user's mistake; 1: a failure): no restart
+    of this launch sets up or trains again."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:  # not under torchrun: nothing restarts this process
-        return None
-    return Path(run_dir) / f"{ENDED_PREFIX}{socket.gethostname()}.{os.getppid()}"
+        return
+    try:
+        (Path(run_dir) / f"{_marker_name(os.getppid())}{code}").touch()
+    except OSError:  # a volume out of inodes, or gone: torchrun then restarts as before
+        pass
 
 
-def end_launch(run_dir: Path) -> None:
-    """Every rank whose trainer ended the launch with a failure: no restart of this launch trains again."""
-    if (marker := _ended_marker(run_dir)) is not None:
+def ended_code(run_dir: Path, agent_pid: int) -> tuple[int, float] | None:
+    """(exit code, time) of the marker that the workers of agent `agent_pid` on this host left; None
+    when they left none."""
+    for marker in Path(run_dir).glob(_marker_name(agent_pid) + "*"):
         try:
-            marker.touch()
-        except OSError:  # a volume out of inodes, or gone: torchrun then restarts as before
-            pass
+            return int(marker.name.rsplit(".", 1)[1]), marker.stat().st_mtime
+        except (ValueError, OSError):  # not one of ours, or gone meanwhile
+            continue
+    return None
 
 
 def launch_ended(run_dir: Path) -> float | None:
     """When this process is one of torchrun's restarts after its trainer ended the launch
     (end_launch): the time the marker was left; else None. A first attempt removes a marker that a
     reused pid left from an earlier launch (no rank of this launch can have written one yet)."""
-    marker = _ended_marker(run_dir)
-    if marker is None:
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
     try:
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
-            marker.unlink(missing_ok=True)
+            for marker in Path(run_dir).glob(_marker_name(os.getppid()) + "*"):
+                marker.unlink(missing_ok=True)
             return None
-        return marker.stat().st_mtime if marker.exists() else None
+        found = ended_code(run_dir, os.getppid())
+        return found[1] if found else None
     except OSError:  # an unreadable run directory: train, and let the trainer say what is wrong
         return None
+
+
+def not_restarting(run_dir: Path, ended: float | None, master: bool) -> int:
+    """A restart of a launch that a trainer ended (some rank's launch_ended): nothing to set up or train
+    again. Rank 0 says why, unless it was the user's mistake, whose error line came once already.
+    Returns 0 where experiment/agent.py reads this node's marker (it then ends the launch with the
+    marker's code, after this one restart), else 1: a bare torchrun must see the failure."""
+    found = ended_code(run_dir, os.getppid()) if ended is not None else None
+    if master and (found is None or found[0] != 2):
+        print(f"error: not restarting: the trainer ended this launch with a failure that a restart would repeat "
+              f"({(ended and last_words(run_dir, ended - 60)) or 'its outcome is not on record'}; training.log "
+              f"in {run_dir} says more)", file=sys.stderr, flush=True)
+    return 0 if found is not None and os.environ.get(AGENT_READS_ENDED) == "1" else 1
 
 
 def clear_ended(run_dir: Path) -> None:

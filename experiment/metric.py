@@ -180,7 +180,7 @@ def setup(cfg: TrainConfig, d: Dist, model, prepared: Prepared, log) -> EvalMetr
             problem = str(e)
     problem = broadcast_object(problem, d)
     if problem is not None:
-        raise ConfigError(problem)
+        raise ConfigError(problem, every_rank=True)
     log(f"metric | {spec} | before training: " + ", ".join(f"{k} {v:.4f}" for k, v in (values or {}).items())
         + f" | within {cfg.eval_metric_seconds:g} s at each eval | best by {cfg.best_by}")
     return EvalMetric(fn, spec, tok, cfg.eval_metric_seconds)

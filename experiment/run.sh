@@ -72,12 +72,14 @@ for name in $fields; do
     fi
 done
 
+# torchrun's agent, with one thing more (experiment/agent.py): a launch the trainer ended (a mistake it
+# found at the start, a failed final save) ends once, with the trainer's code and no traceback.
 if [ "$NNODES" -gt 1 ]; then
     : "${MASTER_ADDR:?MASTER_ADDR must be set when NNODES > 1}"
-    launch=("$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC_PER_NODE"
+    launch=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC_PER_NODE"
             --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_id="${MODEL_TAG:-run}")
 else
-    launch=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC_PER_NODE")
+    launch=(--standalone --nproc_per_node="$NPROC_PER_NODE")
 fi
 launch+=(--max-restarts="$MAX_RESTARTS")
 
@@ -133,7 +135,8 @@ rm -f -- "$run_dir"/.ended."$(uname -n)".*
 echo "launcher | gpus visible $n_gpu | nproc_per_node $NPROC_PER_NODE | nnodes $NNODES | node_rank $NODE_RANK |" \
      "max_restarts $MAX_RESTARTS | shutdown_timeout ${SHUTDOWN_TIMEOUT}s"
 echo "launcher | overrides: ${flags[*]:-(none: device defaults)}"
-echo "launcher | ${launch[*]} -m experiment.train ${flags[*]}"
+agent=("$PYTHON" -m experiment.agent "$run_dir")
+echo "launcher | ${agent[*]} ${launch[*]} -m experiment.train ${flags[*]}"
 # train.py prints the fully resolved configuration next and appends its lines (and any crash's
 # traceback) to training.log in the run directory.
 rm -f "$plan_file"
@@ -154,4 +157,4 @@ fi
 # The workers' agent: torchrun takes over this pid. Each worker watches it (experiment/distributed.py,
 # ParentWatch), so a torchrun killed while its workers still import torch leaves none behind.
 export LAUNCH_AGENT_PID=$$
-exec "${launch[@]}" -m experiment.train "${flags[@]}"
+exec "${agent[@]}" "${launch[@]}" -m experiment.train "${flags[@]}"

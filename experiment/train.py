@@ -42,7 +42,6 @@ from experiment.hardware import link_gbps
 from experiment.memory import choose_memory_mode, find_device_batch, place_average, probe_reserve_bytes
 from experiment.mixture import MixedBatches, source_weights
 from experiment.model import DTYPES, GPT, GPTConfig, build_model
-from experiment.onexit import last_words
 from experiment.optim import ShardedOptimizer
 from experiment.plateau import plateau_check
 from experiment.progress import begin_step, record_step
@@ -87,7 +86,7 @@ def prepare_data(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path,
             setup = {"error": str(e)}
     setup = broadcast_object(setup, d)
     if "error" in setup:
-        raise ConfigError(setup["error"])
+        raise ConfigError(setup["error"], every_rank=True)
     cfg.max_epochs = setup["max_epochs"]  # rank 0's pass cap (launch.fill_pass_cap), on every rank
     cfg.training_hours = setup["training_hours"]  # and its budget (launch.dollar_budget)
     return Prepared.load(setup["prepared"]), setup["resume_step"], setup["rewind_step"], lock, setup["lost"]
@@ -446,11 +445,7 @@ def train(cfg: TrainConfig, d: Dist) -> int:
     # Every rank asks, so that all exit together even where one node's marker is missing.
     ended = launch.launch_ended(run_dir)
     if not all_ranks_ok(ended is None, d):
-        if d.master:
-            print(f"error: not restarting: the trainer ended this launch with a failure that a restart would repeat "
-                  f"({(ended and last_words(run_dir, ended - 60)) or 'its outcome is not on record'}; training.log "
-                  f"in {run_dir} says more)", file=sys.stderr, flush=True)
-        return 1
+        return launch.not_restarting(run_dir, ended, d.master)
     log = RunLog(run_dir / "training.log" if d.master else None)
     log(f"config {json.dumps(dataclasses.asdict(cfg))}")
     try:
@@ -459,6 +454,7 @@ def train(cfg: TrainConfig, d: Dist) -> int:
             return generations.run_all(cfg, d, workspace, run_dir, log, launched, run)
         return run(cfg, d, workspace, run_dir, log, launched)[0]
     except (ConfigError, DataError, CheckpointError):
+        launch.end_launch(run_dir, 2)  # the same mistake again on a restart: it ends the launch, with exit 2
         raise  # reported as a one-line error by main()
     except BaseException:
         log_crash(run_dir / "training.log", d.rank)
@@ -478,7 +474,8 @@ def main(argv=None) -> int:
         d = setup_distributed(cuda, backend)
         return train(cfg, d)
     except (ConfigError, DataError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        if d is None or d.master or not getattr(e, "every_rank", False):  # one line for the launch
+            print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     finally:
         if d is not None:

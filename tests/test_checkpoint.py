@@ -105,6 +105,32 @@ def test_a_launch_the_trainer_ended_is_refused_to_torchruns_restarts_only(tmp_pa
     assert launch.launch_ended(tmp_path) is None and not list(tmp_path.iterdir())  # a first attempt: a new launch
 
 
+def test_a_restart_of_an_ended_launch_exits_0_only_to_an_agent_that_reads_its_code(tmp_path, monkeypatch, capsys):
+    from experiment import launch
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.delenv(launch.AGENT_READS_ENDED, raising=False)
+    agent = launch.os.getppid()
+    assert launch.ended_code(tmp_path, agent) is None
+    launch.end_launch(tmp_path, 2)  # the user's mistake
+    (tmp_path / f".ended.{launch.socket.gethostname()}.{agent}0.1").touch()  # another agent's (pid 10x longer)
+    assert launch.ended_code(tmp_path, agent)[0] == 2
+    ended = launch.launch_ended(tmp_path)
+    assert launch.not_restarting(tmp_path, ended, True) == 1  # a bare torchrun must see a failure
+    monkeypatch.setenv(launch.AGENT_READS_ENDED, "1")
+    assert launch.not_restarting(tmp_path, ended, True) == 0  # experiment/agent.py exits 2 for it
+    assert capsys.readouterr().err == ""  # the mistake's own error line came once already
+    assert launch.not_restarting(tmp_path, None, True) == 1  # another node's marker: this agent has no code
+    launch.clear_ended(tmp_path)
+    launch.end_launch(tmp_path)  # a failure: code 1, and the restart says why
+    assert launch.ended_code(tmp_path, agent)[0] == 1
+    assert launch.not_restarting(tmp_path, launch.launch_ended(tmp_path), True) == 0
+    assert "error: not restarting" in capsys.readouterr().err
+    assert launch.not_restarting(tmp_path, launch.launch_ended(tmp_path), False) == 0
+    assert capsys.readouterr().err == ""  # rank 0 alone says it
+
+
 def test_model_parts_follow_the_same_rules_and_a_half_saved_step_is_never_used(tmp_path):
     run = tmp_path / "run"
     for s in (1, 2, 100000, 1000000):  # 100000's files are a prefix of 1000000's: never confused

@@ -253,9 +253,9 @@ def test_a_torchrun_killed_while_its_workers_still_import_leaves_no_worker_behin
     workers = []
     try:
         deadline = time.time() + 120
-        while not workers:  # run.sh's pid becomes torchrun's (exec); then its worker appears
+        while not workers:  # run.sh's pid becomes the agent's (exec: experiment/agent.py); then its worker appears
             assert launch.poll() is None and time.time() < deadline, "no worker started"
-            if "torch.distributed.run" in _cmdline(launch.pid):
+            if "experiment.agent" in _cmdline(launch.pid):
                 workers = [p for p in _children(launch.pid) if "experiment.train" in _cmdline(p)]
             time.sleep(0.02)
         assert "step 0" not in ((tmp_path / "checkpoints/d2/training.log").read_text()

@@ -313,6 +313,24 @@ def test_a_users_error_under_a_2_rank_launch_exits_2_before_torchrun(tmp_path, e
     assert "config {" not in proc.stdout  # no worker ever started
 
 
+@pytest.mark.slow(seconds=25)
+@pytest.mark.parametrize("restarts", ["3", "0"])  # 0: torchrun fails at once, and the agent reads the marker
+def test_a_users_error_the_trainer_finds_ends_the_launch_once_with_exit_2(tmp_path, corpus, restarts):
+    """EVAL_METRIC whose function raises on the untrained model: only the trainer finds it (before its
+    first step). The launch ends there: the config printed once, exit 2, the error once, no
+    traceback, and torchrun's one restart sets nothing up (experiment/agent.py). Rank 0 decides it for
+    both ranks, and says it alone."""
+    metric = tmp_path / "m.py"
+    metric.write_text("def f(generate, tokenizer):\n    raise RuntimeError('a bad record')\n")
+    proc = _launch(tmp_path, DATA_DIR=str(corpus), EVAL_METRIC=f"{metric}:f", MAX_RESTARTS=restarts)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert out.count("config {") == 1  # rank 0 prints it, at the one attempt that set up
+    refused = "on the model as it starts (before its first step) it raised RuntimeError: a bad record"
+    assert proc.stderr.count(refused) == 1 and out.count("error:") == 1, out[-3000:]  # rank 0 says it
+    assert "Traceback" not in out and "ChildFailedError" not in out and "not restarting" not in out
+
+
 @pytest.mark.slow
 def test_a_resume_on_other_data_is_refused_by_the_preflight(tmp_path, corpus):
     assert _launch(tmp_path, DATA_DIR=str(corpus)).returncode == 0

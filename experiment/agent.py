@@ -1,0 +1,40 @@
+"""torchrun as experiment/run.sh starts it: torch.distributed.run's own agent, in this process, and
+one thing more. When the trainer ended the launch (launch.end_launch: the user's mistake found at the
+start, a final save the volume refused, a diverging loss), the launch ends once, with the trainer's
+exit code (2 for a mistake), instead of after MAX_RESTARTS restarts with torchrun's ChildFailedError
+traceback and exit 1.
+
+    python -m experiment.agent RUN_DIR [torchrun's flags] -m experiment.train [flags]
+
+How: its workers see AGENT_READS_ENDED, so a restart that finds this node's marker exits 0 at once
+(launch.not_restarting); torchrun then ends after that one restart, and this process exits with the
+code in the marker. Without a marker every outcome is torchrun's own, tracebacks included.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str]) -> int:
+    run_dir, args = Path(argv[0]), argv[1:]
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from experiment.launch import AGENT_READS_ENDED, ended_code
+
+    os.environ[AGENT_READS_ENDED] = "1"  # the workers inherit it
+    try:
+        torchrun.main(args)
+    except ChildFailedError:
+        if (found := ended_code(run_dir, os.getpid())) is None:
+            raise  # a crash: torchrun's own report says which rank and why
+        return found[0]
+    found = ended_code(run_dir, os.getpid())
+    return found[0] if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
