@@ -8,7 +8,9 @@ traceback and exit 1.
 
 How: its workers see AGENT_READS_ENDED, so a restart that finds this node's marker exits 0 at once
 (launch.not_restarting); torchrun then ends after that one restart, and this process exits with the
-code in the marker. Without a marker every outcome is torchrun's own, tracebacks included.
+code in the marker. With MAX_RESTARTS=0 torchrun fails at once; when its first failure is the
+marker's code, this process exits with it too. Otherwise every outcome is torchrun's own,
+tracebacks included.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ def main(argv: list[str]) -> int:
     os.environ[AGENT_READS_ENDED] = "1"  # the workers inherit it
     try:
         torchrun.main(args)
-    except ChildFailedError:
-        if (found := ended_code(run_dir, os.getpid())) is None:
-            raise  # a crash: torchrun's own report says which rank and why
+    except ChildFailedError as e:
+        found = ended_code(run_dir, os.getpid())
+        if found is None or e.get_first_failure()[1].exitcode != found[0]:
+            raise  # a crash (first, or in a restart after the marker): torchrun's own report says which rank and why
         return found[0]
     found = ended_code(run_dir, os.getpid())
     return found[0] if found else 0

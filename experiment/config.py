@@ -53,6 +53,11 @@ PLATEAU_MARGIN = 0.002
 # a noisy code run (d4, 150,000 characters) annealing to its best while the overfitting Shakespeare
 # runs still stopped within 4-5 evals of their minimum.
 WARMDOWN_WINDOW = 2
+# Of the box's hours, what a sweep of 2 or more members keeps for scoring them once they end (their
+# ensembles, or bits per character across tokenizers): it runs after the members, on the box they
+# paid for. 8 d56 members take minutes to load and score on one GPU (1M tokens each), against a
+# 31 h box: under 1%. The members train the rest; sweep.md says what the scoring took.
+SWEEP_SCORING_SHARE = 0.01
 GUARDS = ("demo", "repeat", "disk")  # the pre-flight's guards on CUDA, which ALLOW passes (preflight.py)
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import math
 import os
 import re
@@ -199,7 +198,9 @@ def on_rank_0(d: Dist, fn: Callable):
             result = {"error": str(e)}
     result = broadcast_object(result, d)
     if "error" in result:
-        raise CheckpointError(result["error"])
+        error = CheckpointError(result["error"])
+        error.every_rank = True  # rank 0's, on every rank: said once a node (train.main)
+        raise error
     return result["value"]
 
 
@@ -245,24 +246,15 @@ def run_all(cfg: TrainConfig, d: Dist, workspace: Path, top: Path, log: RunLog, 
             if code == 1:  # the trainer's own failure (train_loop): torchrun's restarts look for it here
                 launch.end_launch(top)
             if d.master:
-                end_record(top, code, f"{outcome.split(':')[0]}: generation {k} {of(cfg)}: {outcome}")
+                launch.end_record(top, code, f"{outcome.split(':')[0]}: generation {k} {of(cfg)}: {outcome}")
             return code  # a failure, or a stop signal: the same command resumes this generation
         on_rank_0(d, lambda: finish(top, k, outcome, used, log))
         release()
     if d.master:
         g = summary(top, log)
-        end_record(top, 0, f"finished: {len(read_record(top)['generations'])} generation(s)"
+        launch.end_record(top, 0, f"finished: {len(read_record(top)['generations'])} generation(s)"
                    + (f", serving gen{g['index']} (val_loss {g['best']['val_loss']:.4f})" if g else ""))
     return 0
-
-
-def end_record(top: Path, code: int, outcome: str) -> None:
-    """The launch's last words in <run_dir>/metrics.jsonl, as a one-model run leaves them."""
-    try:
-        with open(top / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"kind": "end", "outcome": outcome, "code": code, "time": time.time()}) + "\n")
-    except OSError:  # a full disk: ON_EXIT then reads the launch as failed, as for one model
-        pass
 
 
 def refresh(top: Path, log: RunLog) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import json
 import os
 import socket
 import sys
@@ -134,12 +135,13 @@ def end_launch(run_dir: Path, code: int = 1) -> None:
 def ended_code(run_dir: Path, agent_pid: int) -> tuple[int, float] | None:
     """(exit code, time) of the marker that the workers of agent `agent_pid` on this host left; None
     when they left none."""
+    found = []
     for marker in Path(run_dir).glob(_marker_name(agent_pid) + "*"):
         try:
-            return int(marker.name.rsplit(".", 1)[1]), marker.stat().st_mtime
+            found.append((int(marker.name.rsplit(".", 1)[1]), marker.stat().st_mtime))
         except (ValueError, OSError):  # not one of ours, or gone meanwhile
             continue
-    return None
+    return max(found, key=lambda f: f[0] == 2, default=None)  # a mistake's code over a failure's
 
 
 def launch_ended(run_dir: Path) -> float | None:
@@ -170,6 +172,25 @@ def not_restarting(run_dir: Path, ended: float | None, master: bool) -> int:
               f"({(ended and last_words(run_dir, ended - 60)) or 'its outcome is not on record'}; training.log "
               f"in {run_dir} says more)", file=sys.stderr, flush=True)
     return 0 if found is not None and os.environ.get(AGENT_READS_ENDED) == "1" else 1
+
+
+def end_record(run_dir: Path, code: int, outcome: str) -> None:
+    """The launch's last words in <run_dir>/metrics.jsonl, as a run that ends leaves them (ON_EXIT's outcome)."""
+    try:
+        with open(Path(run_dir) / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"kind": "end", "outcome": outcome, "code": code, "time": time.time()}) + "\n")
+    except OSError:  # a full disk: ON_EXIT then reads the launch as failed, as for a crash
+        pass
+
+
+def end_mistake(run_dir: Path, error: Exception, master: bool) -> None:
+    """A user's mistake the trainer met before the launch's first model trained (error.at_start, set
+    by train.run): a restart would meet it again, so it ends the launch, with exit 2, and rank 0
+    leaves the outcome ON_EXIT reports."""
+    if getattr(error, "at_start", False):
+        end_launch(run_dir, 2)
+        if master:
+            end_record(run_dir, 2, f"failed: {error}")
 
 
 def clear_ended(run_dir: Path) -> None:

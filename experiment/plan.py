@@ -39,7 +39,7 @@ import torch
 
 from experiment import autosize, regime, servemem
 from experiment.guards import DISK_WRITE_GBPS, EXTRA_CHECKPOINTS
-from experiment.config import CUDA_DEFAULTS, PLATEAU_EVALS, opt, parse_flags
+from experiment.config import CUDA_DEFAULTS, PLATEAU_EVALS, SWEEP_SCORING_SHARE, opt, parse_flags
 from experiment.dataloader import DataError, validate
 from experiment.files import default_workspace
 from experiment.hardware import PCIE_GBPS, NVLINK_GBPS, link_gbps, peak_flops
@@ -327,7 +327,7 @@ SWEEP_DROPOUTS = (0.2, 0.1, 0.3)
 def sweep_plan(p: dict, cfg: PlanConfig, gpus: Gpus, depths: list[int], vocab: int) -> dict | None:
     """Where one GPU trains the recommended depth's passes within the hours the budget buys the box,
     a sweep instead of one run over every GPU (docs/sweep.md): one member per GPU, each for the box's
-    whole hours on its own GPU, no gradients between GPUs. The members: the recommended depth and
+    hours (less SWEEP_SCORING_SHARE, kept for scoring them) on its own GPU, no gradients between GPUs. The members: the recommended depth and
     the depths beside it; past regime.PASSES passes (data-limited) each at SWEEP_DROPOUTS' attention
     dropouts in turn, else each with other seeds (members for an ensemble). None on one GPU, or on
     more than one box's GPUs (a sweep runs on one box)."""
@@ -335,12 +335,13 @@ def sweep_plan(p: dict, cfg: PlanConfig, gpus: Gpus, depths: list[int], vocab: i
     if cfg.hours_available is not None:
         hours = min(hours, cfg.hours_available)
     one = next(r for r in p["gpu_table"] if r["gpus"] == 1)
-    if not 2 <= count <= GPUS_PER_NODE or not one["fits"] or one["hours"] > hours:  # a sweep runs on one box
+    member = hours * (1 - SWEEP_SCORING_SHARE)  # as experiment/sweep.py gives its members
+    if not 2 <= count <= GPUS_PER_NODE or not one["fits"] or one["hours"] > member:  # a sweep runs on one box
         return None
     i = depths.index(p["depth"])
     rates = {d: tok_per_s(model_config(d, cfg, vocab), gpus, 1)  # None: does not fit one GPU
              for d in [p["depth"]] + depths[max(i - 1, 0):i] + depths[i + 1:i + 2]}  # the pick, below, above
-    passes = {d: r[0] * hours * 3600 / p["train_tokens"] for d, r in rates.items() if r is not None}
+    passes = {d: r[0] * member * 3600 / p["train_tokens"] for d, r in rates.items() if r is not None}
     near = list(passes)
     members = [_sweep_member(d, passes[d], variant, cfg.regularizers == "auto") for variant in range(count)
                for d in near][:count]
@@ -348,7 +349,7 @@ def sweep_plan(p: dict, cfg: PlanConfig, gpus: Gpus, depths: list[int], vocab: i
     ddp = next(r for r in p["gpu_table"] if r["gpus"] == count)
     usd = hours * count * cfg.gpu_hourly_usd
     launch = _shell({"SWEEP": " ".join(members), "BUDGET_USD": _cents(usd), **planned_settings(cfg)})
-    return {"members": members, "member_hours": hours, "usd": usd, "passes": passes,
+    return {"members": members, "member_hours": member, "box_hours": hours, "usd": usd, "passes": passes,
             "single_gpu_hours": one["hours"], "ddp_gpus": count, "ddp_hours": ddp["hours"], "ddp_usd": ddp["usd"],
             "launch": launch}
 
@@ -444,10 +445,10 @@ def sweep_lines(p: dict) -> list[str]:
         return []
     passes = ", ".join(f"d{d} {n:.1f}" for d, n in sw["passes"].items())
     return [f"sweep | one GPU trains d{p['depth']}'s {p['max_passes']:.1f} passes in {sw['single_gpu_hours']:.2f} h, within "
-            f"the box's {sw['member_hours']:.2f} h (the budget's, or HOURS_AVAILABLE if fewer): a sweep spends them on "
+            f"the box's {sw['box_hours']:.2f} h (the budget's, or HOURS_AVAILABLE if fewer): a sweep spends them on "
             f"{len(sw['members'])} "
-            f"configurations side by side, one per GPU, each for the whole {sw['member_hours']:.2f} h "
-            f"(${sw['usd']:,.0f} in all; passes each: {passes}, PREDICTED)",
+            f"configurations side by side, one per GPU, each for {sw['member_hours']:.2f} h, the rest kept for "
+            f"scoring them (${sw['usd']:,.0f} in all; passes each: {passes}, PREDICTED)",
             "sweep | it measures the size and the regularization on your data, serves the winner, and scores the "
             "ensembles of the best members (docs/sweep.md); no gradients cross between GPUs",
             f"sweep | one run over all {sw['ddp_gpus']} GPUs instead: d{p['depth']}'s passes in {sw['ddp_hours']:.2f} h "

@@ -56,6 +56,15 @@ def checkpoint_seconds(model: GPT, world_size: int, average: bool = False) -> fl
     return total / (DISK_WRITE_GBPS * 1e9)
 
 
+def export_share(model: GPT, world_size: int, average: bool = False) -> float:
+    """The final export's time as a share of a save's: it reads the model's parts and writes the
+    model once in bf16 (2 bytes a parameter), where a save writes the parts and the optimizer shards.
+    The stop keeps room for it, so best.pt is written inside the budget."""
+    precision = "bf16" if model.wte.weight.dtype == torch.bfloat16 else "fp32"
+    parts = checkpoint_bytes_per_rank(model.config, world_size, precision, average)
+    return (sum(a for a, _ in parts) + 2 * model.num_params()) / sum(a + b for a, b in parts)
+
+
 def save_seconds(t: Trainer) -> float:
     """What a save takes: the longest measured so far (background writes included, which share the
     machine with training and so run long: the final save's reserve errs on the safe side), else

@@ -14,6 +14,13 @@ from experiment.schedule import schedule_progress, warmup_phase
 from experiment.trainer import Loop, Trainer
 
 
+def final_reserve(t: Trainer) -> float:
+    """What the run's end takes after its last step's decision: the final eval, the final save, the
+    export of best.pt (a share of a save: saving.export_share) and one more step. The LR schedule
+    ends where they begin, and the budget holds them."""
+    return t.st.eval_seconds + save_seconds(t) * (1 + t.export_share) + t.st.step_seconds
+
+
 def decide(t: Trainer, loop: Loop, signum: int, writing: bool = False) -> tuple[int, ...]:
     """(last step, eval due, save due, signal, a rank still writing a save, the schedule's warmdown
     begins at this step, the step's context split, its halved batch: 0 or 1); sets loop.progress, the

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from experiment import checkpoint as ckpt
-from experiment.config import CPU_DEFAULTS, CUDA_DEFAULTS, ConfigError, TrainConfig
+from experiment.config import CPU_DEFAULTS, CUDA_DEFAULTS, SWEEP_SCORING_SHARE, ConfigError, TrainConfig
 from experiment.files import atomic_write_bytes, atomic_write_json, default_workspace
 from experiment.report import read_records
 from experiment.textbpc import text_key
@@ -131,10 +131,15 @@ def box_hours(env: dict, gpus: int, cuda: bool) -> float:
     return (CUDA_DEFAULTS if cuda else CPU_DEFAULTS)["training_hours"]
 
 
+def last_end(run_dir: Path, since: float = 0.0) -> dict | None:
+    """The end record of the member's newest launch since `since` (None when none left one)."""
+    ends = [r for r in read_records(run_dir / "metrics.jsonl") if r.get("kind") == "end" and r["time"] >= since]
+    return ends[-1] if ends else None
+
+
 def last_words(run_dir: Path, since: float = 0.0) -> str:
     """The member's outcome as its newest launch since `since` recorded it ("" when none did)."""
-    ends = [r for r in read_records(run_dir / "metrics.jsonl") if r.get("kind") == "end" and r["time"] >= since]
-    return ends[-1]["outcome"] if ends else ""
+    return (last_end(run_dir, since) or {}).get("outcome", "")
 
 
 def classify(outcome: str, code: int | None, stopping: bool) -> str:
@@ -213,11 +218,11 @@ def winner(rows: list[dict]) -> tuple[dict | None, str]:
 
 
 def write_table(sweep_dir: Path, rows: list[dict], member_hours: float, status: str,
-                ensembles: dict | None = None) -> None:
+                ensembles: dict | None = None, scoring: dict | None = None) -> None:
     best, why = winner(rows)
     record = {"status": status, "member_hours": member_hours, "members": rows,
               "winner": best["member"] if best else None, "no_winner": why, "updated": time.time(),
-              **({"ensembles": ensembles} if ensembles else {})}
+              **({"ensembles": ensembles} if ensembles else {}), **({"scoring": scoring} if scoring else {})}
     atomic_write_json(sweep_dir / RECORD, record)
     lines = [f"# Sweep: {sweep_dir.name}", "", f"{status} | each member's budget {member_hours:.3f} h | "
              f"updated {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}", "",
@@ -237,6 +242,10 @@ def write_table(sweep_dir: Path, rows: list[dict], member_hours: float, status: 
                   "not compare): " + ", ".join(f"{r['member']} {r['bpc']:.4f}" for r in rows if r.get("bpc")), ""]
     if ensembles:
         lines += ensemble_lines(ensembles, rows)
+    if scoring:
+        lines += [f"scoring after the members: {scoring['seconds']:,.1f} s, {_usd(scoring['usd'])} of the box "
+                  f"({scoring['seconds'] / scoring['kept']:.0%} of the {scoring['kept']:,.0f} s the members left for it)"
+                  if scoring["kept"] else f"scoring after the members: {scoring['seconds']:,.1f} s, {_usd(scoring['usd'])}", ""]
     atomic_write_bytes(sweep_dir / TABLE, "\n".join(lines).encode())
 
 
@@ -365,6 +374,8 @@ class Sweep:
     lock: object = None  # the sweep directory's flock, held while this process lives
     stopping: bool = False
     ensemble_tokens: int = ENSEMBLE_TOKENS  # SWEEP_ENSEMBLE_TOKENS; 0: no ensembles
+    box_gpus: int = 1  # the GPUs the box bills (CPU: 1), idle ones included
+    scoring_seconds: float = 0.0  # of the box's hours, kept from the members for scoring them (SWEEP_SCORING_SHARE)
 
 
 def idle_gpus(members: int, slots: int, gpus: int, box_hours: float, gpu_hourly: float) -> str | None:
@@ -416,14 +427,16 @@ def setup(env: dict, log) -> Sweep:
     sweep_dir = workspace / "checkpoints" / tag
     sweep_dir.mkdir(parents=True, exist_ok=True)
     # The box's hours over all its GPUs (an idle one is paid for too), shared by the waves.
+    # Two members or more are scored once they end (SWEEP_SCORING_SHARE): that time comes off their hours.
+    kept = SWEEP_SCORING_SHARE * hours if len(settings) >= 2 else 0.0
     sweep = Sweep(dir=sweep_dir, tag=tag, members=[Member(member_tag(s), s, sweep_dir / member_tag(s)) for s in settings],
                   env={**env, "WORKSPACE": str(workspace)}, slots=slots, devices=visible[:slots] if cuda else None,
-                  member_hours=hours / waves, gpu_hourly=gpu_hourly, lock=take_lock(sweep_dir),
-                  ensemble_tokens=ensemble_tokens)
+                  member_hours=(hours - kept) / waves, gpu_hourly=gpu_hourly, lock=take_lock(sweep_dir),
+                  ensemble_tokens=ensemble_tokens, box_gpus=gpus if cuda else 1, scoring_seconds=kept * 3600)
     if idle:
         log(f"sweep | warning: {idle.split(': give it')[0]} (SWEEP_ALLOW_IDLE=1)")
     log(f"sweep | {len(settings)} members in {sweep_dir} | {slots} at a time ({'GPUs ' + ','.join(sweep.devices) if cuda else 'CPU'}) "
-        f"| {waves} wave(s) of {sweep.member_hours:.3f} h each")
+        f"| {waves} wave(s) of {sweep.member_hours:.3f} h each" + (f" | {kept:.3f} h kept for scoring them" if kept else ""))
     for m in sweep.members:
         m.outcome = last_words(m.run_dir)
         if running_elsewhere(m.run_dir):  # still running from a killed sweep: it keeps its GPU until it ends
@@ -431,8 +444,8 @@ def setup(env: dict, log) -> Sweep:
             log(f"sweep | {m.tag} is still running from an earlier launch: waiting for it to end")
         elif m.outcome.startswith("finished"):
             m.status = "finished"
-        elif m.outcome.startswith("failed"):
-            keep_failed(sweep, m, log)
+        elif m.outcome.startswith("failed") and (last_end(m.run_dir) or {}).get("code") != 2:
+            keep_failed(sweep, m, log)  # a mistake (code 2) is checked again: its cause may be fixed since
         else:
             m.prepared = preflight_member(sweep, m, log)
     return sweep
@@ -651,6 +664,13 @@ def on_exit(sweep: Sweep, status: str, rows: list[dict], log) -> None:
         subprocess.run(command, shell=True, env=env, stdout=out, stderr=subprocess.STDOUT, check=False)
 
 
+def scoring(sweep: Sweep, started: float) -> dict:
+    """What scoring the members took, since `started`: seconds, and dollars at the box's rate (every
+    GPU it bills), against the seconds the members left for it."""
+    seconds = time.time() - started
+    return {"seconds": seconds, "usd": seconds / 3600 * sweep.box_gpus * sweep.gpu_hourly, "kept": sweep.scoring_seconds}
+
+
 def main() -> int:
     def log(line: str) -> None:
         try:
@@ -674,9 +694,12 @@ def main() -> int:
         # minutes, which the members' saves need; one during the scoring stops it), nor while an error
         # unwinds.
         if ended and status != "stopped" and not sweep.stopping:
+            started = time.time()
             ensembles = measure_ensembles(sweep, rows, log)
-            if ensembles or measure_bpc(sweep, rows, log):
-                write_table(sweep.dir, rows, sweep.member_hours, status, ensembles)
+            bpc = not ensembles and measure_bpc(sweep, rows, log)
+            cost = scoring(sweep, started)
+            if ensembles or bpc or cost["seconds"] >= 1:  # a scoring that failed late cost the box too
+                write_table(sweep.dir, rows, sweep.member_hours, status, ensembles, cost)
         log(f"sweep | {status} | {sweep.dir / TABLE}:")
         log((sweep.dir / TABLE).read_text().rstrip())
         on_exit(sweep, status, rows, log)

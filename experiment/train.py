@@ -47,9 +47,9 @@ from experiment.plateau import plateau_check
 from experiment.progress import begin_step, record_step
 from experiment.report import NullReport, RunReport, run_facts
 from experiment.runlog import NullWriter, RunLog, log_crash, record_metric, report_eval, report_sample
-from experiment.saving import (checkpoint_seconds, export_best, finish_save, make_saver, maybe_save, repair_best,
-                               restore_checkpoint, save_seconds)
-from experiment.stopping import decide, last_outcome, stop_grace, stopped_at_minimum, unspent_text
+from experiment.saving import (checkpoint_seconds, export_best, export_share, finish_save, make_saver, maybe_save,
+                               repair_best, restore_checkpoint)
+from experiment.stopping import decide, final_reserve, last_outcome, stop_grace, stopped_at_minimum, unspent_text
 from experiment.teacher import Teacher
 from experiment.trainer import Loop, Trainer
 from experiment.trainstep import train_step
@@ -197,6 +197,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         eval_prompt=launch.eval_prompt_ids(cfg, prepared), lock=lock,
         max_tokens=cfg.max_epochs * prepared.meta["split"]["train_tokens"] if cfg.max_epochs else math.inf,
         saver=make_saver(cfg, d, model, run_dir, log), first_save_seconds=checkpoint_seconds(model, d.world_size, cfg.average != "none"),
+        export_share=export_share(model, d.world_size, cfg.average != "none"),
         eval_every_tokens=cfg.eval_every_epochs * prepared.meta["split"]["train_tokens"] or math.inf,
         eval_coverage=coverage, launched=launched, lost_seconds=lost, metric=own_metric,
         best_by=metric.parse_best_by(cfg.best_by), teacher=teacher)
@@ -311,7 +312,13 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog, 
     final eval, save and export included). A stop signal that came after the loop's last decision
     (during the final eval or save) makes the outcome a stop: a run of generations must not begin
     the next one then."""
-    t = setup(cfg, d, workspace, run_dir, log, launched, teachers)
+    try:
+        t = setup(cfg, d, workspace, run_dir, log, launched, teachers)
+    except (ConfigError, DataError, CheckpointError) as e:
+        # Before the launch's first model trains: a restart would meet the same mistake (train()).
+        # Later, a later generation's setup (its teacher's load) may meet what a restart mends.
+        e.at_start = not teachers
+        raise
     try:
         code = train_loop(t)
         outcome = t.outcome
@@ -330,8 +337,7 @@ def train_loop(t: Trainer) -> int:
         loop.stop_signal = stop_signal  # an EVAL_METRIC call in progress gives way to the save
         for step in range(t.st.step, t.max_steps + 1):
             t.st.step, t.st.used_seconds = step, loop.used()
-            # The final eval, save and step (the LR schedule ends where they begin)
-            loop.reserve_seconds = t.st.eval_seconds + save_seconds(t) + t.st.step_seconds
+            loop.reserve_seconds = final_reserve(t)  # the final eval, save, export and step
             last_step, eval_due, save_due, signum, writing, warmdown, split, halve = decide(
                 t, loop, stop_signal.signum, t.saver.writing())
             loop.reshaped = (split, halve) != (loop.split, loop.halve)
@@ -444,8 +450,8 @@ def train(cfg: TrainConfig, d: Dist) -> int:
     finetune.check_dir(cfg, run_dir)
     # Every rank asks, so that all exit together even where one node's marker is missing.
     ended = launch.launch_ended(run_dir)
-    if not all_ranks_ok(ended is None, d):
-        return launch.not_restarting(run_dir, ended, d.master)
+    if not all_ranks_ok(ended is None, d):  # exit 0 only where every rank's agent reads its own node's code
+        return 0 if all_ranks_ok(launch.not_restarting(run_dir, ended, d.master) == 0, d) else 1
     log = RunLog(run_dir / "training.log" if d.master else None)
     log(f"config {json.dumps(dataclasses.asdict(cfg))}")
     try:
@@ -453,8 +459,8 @@ def train(cfg: TrainConfig, d: Dist) -> int:
         if cfg.generations != 1:
             return generations.run_all(cfg, d, workspace, run_dir, log, launched, run)
         return run(cfg, d, workspace, run_dir, log, launched)[0]
-    except (ConfigError, DataError, CheckpointError):
-        launch.end_launch(run_dir, 2)  # the same mistake again on a restart: it ends the launch, with exit 2
+    except (ConfigError, DataError, CheckpointError) as e:
+        launch.end_mistake(run_dir, e, d.master)  # one at the start ends the launch: a restart would repeat it
         raise  # reported as a one-line error by main()
     except BaseException:
         log_crash(run_dir / "training.log", d.rank)
@@ -474,7 +480,7 @@ def main(argv=None) -> int:
         d = setup_distributed(cuda, backend)
         return train(cfg, d)
     except (ConfigError, DataError, CheckpointError) as e:
-        if d is None or d.master or not getattr(e, "every_rank", False):  # one line for the launch
+        if d is None or d.local_rank == 0 or not getattr(e, "every_rank", False):  # one line a node
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     finally:

@@ -56,6 +56,7 @@ class Trainer:
     max_tokens: float  # MAX_EPOCHS passes over the training data: the run stops there; inf without a cap
     saver: Saver  # this rank's checkpoint writer (in the background when staging fits)
     first_save_seconds: float  # what a save is taken to cost until one is measured (checkpoint_seconds)
+    export_share: float  # the final export's time as a share of a save's (saving.export_share)
     eval_every_tokens: float  # EVAL_EVERY_EPOCHS passes over the training data; inf when off
     eval_coverage: tuple[int, int, bool]  # (tokens an eval predicts, tokens in the val split, all of it)
     launched: float  # time.time() when this process's trainer began: a restart's setup counts from there

@@ -121,7 +121,19 @@ def test_a_restart_of_an_ended_launch_exits_0_only_to_an_agent_that_reads_its_co
     monkeypatch.setenv(launch.AGENT_READS_ENDED, "1")
     assert launch.not_restarting(tmp_path, ended, True) == 0  # experiment/agent.py exits 2 for it
     assert capsys.readouterr().err == ""  # the mistake's own error line came once already
-    assert launch.not_restarting(tmp_path, None, True) == 1  # another node's marker: this agent has no code
+    launch.clear_ended(tmp_path)
+    (tmp_path / f".ended.another-host.{agent}.2").touch()  # another node's marker: this agent has no code
+    assert launch.ended_code(tmp_path, agent) is None and launch.launch_ended(tmp_path) is None
+    assert launch.not_restarting(tmp_path, None, True) == 1  # (its ranks told this one: all_ranks_ok)
+    assert "its outcome is not on record" in capsys.readouterr().err
+    launch.clear_ended(tmp_path)
+    launch.end_launch(tmp_path, 1)
+    launch.end_launch(tmp_path, 2)  # two ranks of one node, a failure and a mistake: the mistake's code
+    markers, real_glob = sorted(tmp_path.glob(".ended.*")), type(tmp_path).glob
+    for order in (markers, markers[::-1]):  # whichever order the directory lists them in
+        monkeypatch.setattr(type(tmp_path), "glob", lambda self, pattern, order=order: iter(order))
+        assert launch.ended_code(tmp_path, agent)[0] == 2
+    monkeypatch.setattr(type(tmp_path), "glob", real_glob)
     launch.clear_ended(tmp_path)
     launch.end_launch(tmp_path)  # a failure: code 1, and the restart says why
     assert launch.ended_code(tmp_path, agent)[0] == 1

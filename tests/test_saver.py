@@ -1045,3 +1045,20 @@ def test_an_eval_made_while_a_best_save_was_in_flight_is_compared_by_value_past_
     st.last_eval_step = int("1004")
     saving.finish_save(t, loop, wait=True)
     assert (st.best_val, st.best_step, st.best_score) == (1.8, 1004, 1.8)
+
+
+def test_the_exports_share_of_a_save_matches_the_bytes_it_reads_and_writes(workspace):
+    """saving.export_share (the stop's room for the final export, as a share of a save) against the
+    files: the export reads the best step's model file and writes best.pt; a save writes the model file
+    and the optimizer shard."""
+    from experiment.saving import export_share
+
+    run_dir = workspace / "checkpoints/d2"
+    step = ckpt.read_best(run_dir)["step"]
+    model, meta = ckpt.load_model(run_dir / "best.pt", torch.device("cpu"))
+    average = meta.get("train_config", ckpt.read_meta(run_dir, step)["train_config"])["average"] != "none"
+    model_bytes = ckpt.model_path(run_dir, step).stat().st_size
+    saved = model_bytes + ckpt.optim_path(run_dir, step, 0).stat().st_size
+    measured = (model_bytes + (run_dir / "best.pt").stat().st_size) / saved
+    share = export_share(model.float(), 1, average)
+    assert 0.85 * measured < share < 1.15 * measured, (share, measured)  # the files' headers and metadata aside

@@ -8,6 +8,7 @@ import math
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from experiment import stopping
@@ -183,3 +184,14 @@ def test_evals_and_saves_are_due_by_the_clock_from_the_minute_they_are_set_to(mo
     for ago, due in ((119.0, (0, 0)), (120.0, (1, 0)), (179.0, (1, 0)), (180.0, (1, 1))):
         loop = SimpleNamespace(last_eval_time=10_000.0 - ago, last_save_time=10_000.0 - ago, reserve_seconds=0.0)
         assert stopping.decide(t, loop, 0)[1:3] == due, ago
+
+
+def test_the_runs_end_keeps_room_for_the_final_eval_save_export_and_step():
+    """final_reserve: the measured eval, save and step, and the export as its share of a save; before
+    any save is measured, the estimate of the first one."""
+    t = trainer(RunState(eval_seconds=3.0, save_seconds=10.0, step_seconds=0.5), first_save=99.0)
+    t.export_share = 0.5
+    assert stopping.final_reserve(t) == pytest.approx(3.0 + 10.0 * 1.5 + 0.5)
+    t = trainer(RunState(eval_seconds=3.0, step_seconds=0.5), first_save=20.0)
+    t.export_share = 0.25
+    assert stopping.final_reserve(t) == pytest.approx(3.0 + 20.0 * 1.25 + 0.5)

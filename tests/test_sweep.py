@@ -97,7 +97,9 @@ def test_a_sweep_trains_its_members_side_by_side_reports_a_winner_and_a_failing_
     best = rows[record["winner"]]
     assert best["val_loss"] == ckpt.read_best(sweep_dir / record["winner"])["val_loss"] and best["passes"] > 0
     assert best["usd"] == pytest.approx(best["hours"] * 4.0) and best["hours"] > 0  # GPU_HOURLY_USD's default
-    assert "3 members in" in proc.stdout and "2 at a time (CPU) | 2 wave(s) of 0.500 h each" in proc.stdout
+    # the box's hour, less 1% kept for scoring the members once they end, over 2 waves
+    assert "3 members in" in proc.stdout and "2 at a time (CPU) | 2 wave(s) of 0.495 h each | 0.010 h kept for " \
+        "scoring them" in proc.stdout
     table = (sweep_dir / "sweep.md").read_text()
     assert f"| {record['winner']} **winner** |" in table and "| failed |" in table and table in proc.stdout + "\n"
     # The ensemble of the two finished members, on the windows the trainer evaluated (EVAL_TOKENS=512):
@@ -110,6 +112,10 @@ def test_a_sweep_trains_its_members_side_by_side_reports_a_winner_and_a_failing_
     assert pair["k"] == 2 and pair["loss"] < sum(r["val_loss"] for r in good) / 2 and pair["loss"] != e["members"][0]["loss"]
     assert pair["gain"] == pytest.approx(pair["loss"] - e["members"][0]["loss"])
     assert f"| best 2 | {record['winner']} " in table and f"| {pair['loss']:.4f} | {pair['gain']:+.4f} |" in table
+    # what the scoring took, in seconds and at the box's rate (CPU: one "GPU" at GPU_HOURLY_USD's $4)
+    scored = record["scoring"]
+    assert 0 < scored["seconds"] < 60 and scored["usd"] == pytest.approx(scored["seconds"] / 3600 * 4.0)
+    assert scored["kept"] == pytest.approx(36.0) and f"scoring after the members: {scored['seconds']:,.1f} s" in table
     # ON_EXIT once, for the sweep, with the winner's loss
     assert marker.read_text() == f"failed {best['val_loss']:.6f} {sweep_dir}\n"
     # serve and sample given the sweep directory use the winner's best
@@ -449,3 +455,18 @@ def test_bits_per_character_of_a_model_that_knows_nothing_is_the_log_of_its_voca
     assert textbpc.bits_per_char(model, CharTokenizer("abc"), docs) == pytest.approx(math.log2(64), rel=1e-5)
     tails = [{"s": "x\x00one\x00two"}, {"s": "one\x00two"}, {"s": "ne\x00two"}]
     assert textbpc.common_text(tails, 100) == ["ne", "two"] and textbpc.common_text(tails, 3) == ["ne", "t"]
+
+
+def test_the_members_leave_one_percent_of_the_box_for_scoring_them(tmp_path, monkeypatch):
+    """Two members or more are scored after they end, on the box: 1% of its hours is kept for that
+    (SWEEP_SCORING_SHARE); one member is never scored, and keeps it all. The scoring's cost is priced
+    at every GPU the box bills."""
+    monkeypatch.setattr(sweep, "preflight_member", lambda sw, m, log: None)  # the members' own checks aside
+    env = {"TRAINING_HOURS": "2", "GPU_HOURLY_USD": "3"}
+    two = sweep.setup({**env, "SWEEP": "DEPTH=1 DEPTH=2", "WORKSPACE": str(tmp_path / "a")}, lambda line: None)
+    assert two.member_hours == pytest.approx(2 * 0.99 / 2) and two.scoring_seconds == pytest.approx(72)  # 2 waves
+    one = sweep.setup({**env, "SWEEP": "DEPTH=1", "WORKSPACE": str(tmp_path / "b")}, lambda line: None)
+    assert one.member_hours == 2 and one.scoring_seconds == 0
+    cost = sweep.scoring(dataclasses.replace(two, box_gpus=8), time.time() - 36)
+    assert cost["seconds"] == pytest.approx(36, abs=1) and cost["usd"] == pytest.approx(cost["seconds"] / 3600 * 8 * 3)
+    assert cost["kept"] == pytest.approx(72)

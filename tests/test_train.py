@@ -225,7 +225,7 @@ def test_launcher_maps_env_overrides_to_flags(tmp_path, corpus):
     # experiment/launchfacts.py's three lines: no GPU here, and the pinned torch's torchrun takes the
     # pre-flight's shutdown timeout
     assert "launcher | gpus visible 0 | nproc_per_node 1 |" in proc.stdout
-    assert re.search(r"torch\.distributed\.run .*--shutdown_timeout=\d+ ", proc.stdout), proc.stdout
+    assert re.search(r"experiment\.agent \S+ .*--shutdown_timeout=\d+ ", proc.stdout), proc.stdout
 
 
 def test_launchfacts_says_gpus_settings_and_whether_torchrun_takes_a_shutdown_timeout(monkeypatch, capsys):
@@ -329,6 +329,11 @@ def test_a_users_error_the_trainer_finds_ends_the_launch_once_with_exit_2(tmp_pa
     refused = "on the model as it starts (before its first step) it raised RuntimeError: a bad record"
     assert proc.stderr.count(refused) == 1 and out.count("error:") == 1, out[-3000:]  # rank 0 says it
     assert "Traceback" not in out and "ChildFailedError" not in out and "not restarting" not in out
+    # torchrun's attempts (its --log-dir): the one that set up, and at most one restart that found the marker
+    attempts = sorted(p.name for p in (tmp_path / "ws/checkpoints/d2/workers").glob("*/attempt_*"))
+    assert attempts == (["attempt_0", "attempt_1"] if restarts == "3" else ["attempt_0"]), attempts
+    end = json.loads((tmp_path / "ws/checkpoints/d2/metrics.jsonl").read_text().splitlines()[-1])
+    assert end["kind"] == "end" and end["code"] == 2 and end["outcome"] == f"failed: EVAL_METRIC={metric}:f: {refused}"
 
 
 @pytest.mark.slow
@@ -606,3 +611,49 @@ def test_the_warmups_settings_are_checked():
         with pytest.raises(ConfigError, match=re.escape(message)):
             resolve(TrainConfig(**settings), cuda=False, world_size=1)
     resolve(TrainConfig(max_seq_len=30, total_batch_size=3840, seq_warmup_frac=0), cuda=False, world_size=1)
+
+
+def test_only_the_first_models_setup_errors_end_the_launch(monkeypatch, tmp_path):
+    """train.run marks a setup error of the launch's first model (no teachers) as one a restart would
+    repeat; a later generation's (its teacher's load, which a restart may mend) is not."""
+    from experiment import train as trainmod
+    from experiment.checkpoint import CheckpointError
+
+    def refuse(*args):
+        raise CheckpointError("cannot load the teacher")
+
+    monkeypatch.setattr(trainmod, "setup", refuse)
+    for teachers, at_start in ((None, True), ([{"file": "gen1/best.pt"}], False)):
+        with pytest.raises(CheckpointError) as e:
+            trainmod.run(TrainConfig(), None, tmp_path, tmp_path, print, 0.0, teachers)
+        assert e.value.at_start is at_start
+
+
+def test_the_agent_gives_the_markers_code_only_when_the_trainers_decision_failed_first(monkeypatch, tmp_path):
+    """experiment/agent.py around torchrun's main: its exit code is the marker's when torchrun ended
+    cleanly after the marker, or failed first with that very code (MAX_RESTARTS=0); a crash that
+    came first keeps torchrun's own error."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from experiment import agent, launch
+
+    def failing(code):
+        def main(args):
+            raise ChildFailedError("experiment.train", {0: ProcessFailure(0, 1, code, "<N/A>")})
+        return main
+
+    monkeypatch.setenv(launch.AGENT_READS_ENDED, "")  # the agent sets it for its workers: undone after the test
+    monkeypatch.setattr(launch, "ended_code", lambda run_dir, pid: (2, 0.0))
+    monkeypatch.setattr(torchrun, "main", failing(2))
+    assert agent.main([str(tmp_path)]) == 2
+    monkeypatch.setattr(torchrun, "main", failing(-9))  # a kill came first: not the trainer's decision
+    with pytest.raises(ChildFailedError):
+        agent.main([str(tmp_path)])
+    monkeypatch.setattr(torchrun, "main", lambda args: None)  # one restart found the marker and exited 0
+    assert agent.main([str(tmp_path)]) == 2
+    monkeypatch.setattr(launch, "ended_code", lambda run_dir, pid: None)
+    assert agent.main([str(tmp_path)]) == 0  # a run that ended well
+    monkeypatch.setattr(torchrun, "main", failing(1))
+    with pytest.raises(ChildFailedError):  # a crash with no marker: torchrun's report
+        agent.main([str(tmp_path)])
