@@ -53,6 +53,9 @@ PLATEAU_MARGIN = 0.002
 # a noisy code run (d4, 150,000 characters) annealing to its best while the overfitting Shakespeare
 # runs still stopped within 4-5 evals of their minimum.
 WARMDOWN_WINDOW = 2
+# GENERATIONS=auto trains at most this many: a bound on the run's files (each finished generation keeps
+# its best weights and best.pt: the plan's disk line), and a chain's gains shrink by the fourth.
+AUTO_MAX_GENERATIONS = 8
 # Of the box's hours, what a sweep of 2 or more members keeps for scoring them once they end (their
 # ensembles, or bits per character across tokenizers): it runs after the members, on the box they
 # paid for. 8 d56 members take minutes to load and score on one GPU (1M tokens each), against a

@@ -35,7 +35,7 @@ import torch
 from experiment import checkpoint as ckpt
 from experiment import launch
 from experiment.checkpoint import CheckpointError
-from experiment.config import ConfigError, TrainConfig
+from experiment.config import AUTO_MAX_GENERATIONS, ConfigError, TrainConfig
 from experiment.distributed import PHASE_TIMEOUTS, Dist, broadcast_object
 from experiment.files import atomic_write_bytes, atomic_write_json
 from experiment.runlog import RunLog
@@ -50,7 +50,6 @@ MIN_SHARE_FRACTION = 0.25
 # used. A student learns fast from its teacher: on 100,000 characters, chain generations of 150 s each
 # (under half the ~330 s one model took to its val minimum) each beat that model (docs/performance.md).
 AUTO_MIN_SHARE = 0.4
-AUTO_MAX_GENERATIONS = 8  # a bound on the run's files; a chain's gains shrink by the fourth generation
 
 
 def read_record(top: Path) -> dict:

@@ -39,11 +39,11 @@ import torch
 
 from experiment import autosize, regime, servemem
 from experiment.guards import DISK_WRITE_GBPS, EXTRA_CHECKPOINTS
-from experiment.config import CUDA_DEFAULTS, PLATEAU_EVALS, SWEEP_SCORING_SHARE, opt, parse_flags
+from experiment.config import AUTO_MAX_GENERATIONS, CUDA_DEFAULTS, PLATEAU_EVALS, SWEEP_SCORING_SHARE, opt, parse_flags
 from experiment.dataloader import DataError, validate
 from experiment.files import default_workspace
 from experiment.hardware import PCIE_GBPS, NVLINK_GBPS, link_gbps, peak_flops
-from experiment.memory import checkpoint_bytes, choose_mode
+from experiment.memory import checkpoint_bytes, checkpoint_precision, choose_mode
 from experiment.model import GPTConfig
 
 GPU_MEMORY_GIB = (("H200", 141), ("H100", 80), ("A100", 80))  # by name fragment, most specific first
@@ -205,6 +205,9 @@ def rung(depth: int, cfg: PlanConfig, gpus: Gpus, train_tokens: int, budget_s: f
             "budget_epochs": c.budget_epochs,
             "checkpoint_gb": ckpt / 1e9, "disk_peak_gb": (cfg.keep_last + EXTRA_CHECKPOINTS) * ckpt / 1e9,
             "save_minutes": ckpt / (cfg.disk_write_gbps * 1e9) / 60,
+            # what a finished generation keeps (generations.shrink): its best weights, and best.pt in bf16
+            "generation_gb": c.params * (autosize.WEIGHT_BYTES[checkpoint_precision(config, gpus.count,
+                                                                                   gpus.memory_bytes)] + 2) / 1e9,
             **servemem.serving_needs(config, c.params, CHARS_PER_TOKEN["char" if cfg.tokenizer == "char" else "tiktoken"])}, c
 
 
@@ -457,7 +460,7 @@ def sweep_lines(p: dict) -> list[str]:
 
 
 def regime_lines(p: dict) -> list[str]:
-    r = p["regime"]
+    r, row = p["regime"], next(x for x in p["rungs"] if x["depth"] == p["depth"])
     settings = regime.settings_text({k.lower(): v for k, v in r["settings"].items()})
     head = (f"recommendation | regime: the launch line's budget makes {r['budget_passes']:.1f} passes at "
             f"d{p['depth']} on {r['gpus']} GPU(s)")
@@ -478,6 +481,9 @@ def regime_lines(p: dict) -> list[str]:
             f"recommendation | GENERATIONS=auto: when the stop at the val minimum ends d{p['depth']} with budget left, "
             "the rest trains more models from scratch, each distilled from the one before; the best one is served "
             "(measured on CPU at 100,000 characters only: docs/training.md, \"Generations\")",
+            f"recommendation | GENERATIONS=auto on disk: each finished generation keeps its best weights and best.pt, "
+            f"{row['generation_gb']:,.0f} GB, beside the disk GB column: up to "
+            f"{(AUTO_MAX_GENERATIONS - 1) * row['generation_gb']:,.0f} GB more if all {AUTO_MAX_GENERATIONS} run",
             f"recommendation | d{p['depth']} and what its passes buy are EXTRAPOLATED: the rule that sized it was checked on "
             "2-core CPU grids of up to 1.1M characters and d8; the regularizers' gain also on one H200 run of d10 on 9.9M "
             "(docs/performance.md, \"DEPTH=auto for regularized training\")" + beside]

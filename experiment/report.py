@@ -44,7 +44,9 @@ class RunReport:
         failed write (a full disk) is reported, once until writes succeed again: the run goes on."""
         self.run_dir, self.facts, self.samples, self.log, self.failing = Path(run_dir), facts, [], log, False
         self.path = self.run_dir / "metrics.jsonl"
-        self.records = [r for r in read_records(self.path) if resume_step is not None and r["step"] <= resume_step]
+        # A launch the trainer refused at its start left an end record with no step: never one to resume.
+        self.records = [r for r in read_records(self.path)
+                        if resume_step is not None and r.get("step", math.inf) <= resume_step]
 
     def add(self, record: dict) -> None:
         self.records.append(record)

@@ -381,7 +381,8 @@ class Sweep:
 def idle_gpus(members: int, slots: int, gpus: int, box_hours: float, gpu_hourly: float) -> str | None:
     """What a sweep of `members` on `gpus` GPUs pays for and leaves idle, as the refusal's words;
     None when every GPU trains for the whole box (members a multiple of SWEEP_PARALLEL = the GPUs).
-    Each member trains box_hours / waves on one GPU; the box bills every GPU for box_hours."""
+    Each member trains box_hours / waves on one GPU (less the same share of it for scoring them,
+    which leaves the ratio alone); the box bills every GPU for box_hours."""
     waves = math.ceil(members / slots)
     idle = gpus * box_hours - members * box_hours / waves
     if idle <= 1e-9 * gpus * box_hours:

@@ -315,9 +315,9 @@ def run(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog, 
     try:
         t = setup(cfg, d, workspace, run_dir, log, launched, teachers)
     except (ConfigError, DataError, CheckpointError) as e:
-        # Before the launch's first model trains: a restart would meet the same mistake (train()).
-        # Later, a later generation's setup (its teacher's load) may meet what a restart mends.
-        e.at_start = not teachers
+        # The launch's first model, on its first attempt: a restart would meet the same mistake (train()).
+        # A restart's setup (after a crash) or a later generation's (its teacher's load) may meet what one mends.
+        e.at_start = not teachers and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         raise
     try:
         code = train_loop(t)
@@ -423,9 +423,9 @@ def finish(t: Trainer, loop: Loop) -> None:
         # With several ranks the step is in parts, model_<step>_rank<r>.pt: name files that exist.
         files = (ckpt.model_path(t.run_dir, best["step"]) if t.d.world_size == 1
                  else t.run_dir / f"model_{best['step']:06d}_rank{{0..{t.d.world_size - 1}}}.pt")
-        spent = loop.used()  # the final eval and save included
         if not loop.outcome.startswith("stopped"):  # a preemption's grace is for the checkpoint alone
             t.log(export_best(t.run_dir))
+        spent = loop.used()  # the final eval, save and export included
         t.log(f"serve it: bash run.sh serve   (or: python -m experiment.server --checkpoint {t.run_dir}, which "
               "serves its best)")
         left = unspent_text(t, t.budget_seconds - spent)

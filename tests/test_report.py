@@ -83,6 +83,11 @@ def test_the_report_reads_back_what_a_resume_keeps(tmp_path):
     ET.fromstring((tmp_path / "loss.svg").read_text())
     resumed = RunReport(tmp_path, dict(FACTS), resume_step=100)
     assert resumed.records and max(r["step"] for r in resumed.records) == 100
+    # A launch its trainer refused at the start (launch.end_mistake) leaves an end record with no step
+    from experiment.launch import end_record
+    end_record(tmp_path, 2, "failed: EVAL_METRIC=m.py:f: ...")
+    again = RunReport(tmp_path, dict(FACTS), resume_step=100)
+    assert [r["step"] for r in again.records] == [r["step"] for r in resumed.records]
 
 
 @pytest.mark.slow

@@ -614,8 +614,9 @@ def test_the_warmups_settings_are_checked():
 
 
 def test_only_the_first_models_setup_errors_end_the_launch(monkeypatch, tmp_path):
-    """train.run marks a setup error of the launch's first model (no teachers) as one a restart would
-    repeat; a later generation's (its teacher's load, which a restart may mend) is not."""
+    """train.run marks a setup error of the launch's first model (no teachers), on its first attempt, as
+    one a restart would repeat; a later generation's (its teacher's load) or a restart's (after a crash:
+    its setup passed once) may be mended by a restart, and is not."""
     from experiment import train as trainmod
     from experiment.checkpoint import CheckpointError
 
@@ -623,7 +624,9 @@ def test_only_the_first_models_setup_errors_end_the_launch(monkeypatch, tmp_path
         raise CheckpointError("cannot load the teacher")
 
     monkeypatch.setattr(trainmod, "setup", refuse)
-    for teachers, at_start in ((None, True), ([{"file": "gen1/best.pt"}], False)):
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    for teachers, restart, at_start in ((None, "0", True), ([{"file": "gen1/best.pt"}], "0", False), (None, "1", False)):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart)  # 1: a restart after a crash, whose setup passed once
         with pytest.raises(CheckpointError) as e:
             trainmod.run(TrainConfig(), None, tmp_path, tmp_path, print, 0.0, teachers)
         assert e.value.at_start is at_start
