@@ -459,8 +459,18 @@ def sweep_lines(p: dict) -> list[str]:
             f"sweep | launch: {sw['launch']}"]
 
 
+def generation_disk_lines(p: dict) -> list[str]:
+    """What GENERATIONS=auto keeps on disk beyond the disk GB column (generations.shrink)."""
+    row = next((x for x in p.get("rungs", []) if x["depth"] == p["depth"]), None)
+    if row is None:
+        return []
+    return [f"recommendation | GENERATIONS=auto on disk: each finished generation keeps its best weights and best.pt, "
+            f"{row['generation_gb']:,.0f} GB, beside the disk GB column: up to "
+            f"{(AUTO_MAX_GENERATIONS - 1) * row['generation_gb']:,.0f} GB more if all {AUTO_MAX_GENERATIONS} run"]
+
+
 def regime_lines(p: dict) -> list[str]:
-    r, row = p["regime"], next(x for x in p["rungs"] if x["depth"] == p["depth"])
+    r = p["regime"]
     settings = regime.settings_text({k.lower(): v for k, v in r["settings"].items()})
     head = (f"recommendation | regime: the launch line's budget makes {r['budget_passes']:.1f} passes at "
             f"d{p['depth']} on {r['gpus']} GPU(s)")
@@ -481,9 +491,7 @@ def regime_lines(p: dict) -> list[str]:
             f"recommendation | GENERATIONS=auto: when the stop at the val minimum ends d{p['depth']} with budget left, "
             "the rest trains more models from scratch, each distilled from the one before; the best one is served "
             "(measured on CPU at 100,000 characters only: docs/training.md, \"Generations\")",
-            f"recommendation | GENERATIONS=auto on disk: each finished generation keeps its best weights and best.pt, "
-            f"{row['generation_gb']:,.0f} GB, beside the disk GB column: up to "
-            f"{(AUTO_MAX_GENERATIONS - 1) * row['generation_gb']:,.0f} GB more if all {AUTO_MAX_GENERATIONS} run",
+            *generation_disk_lines(p),
             f"recommendation | d{p['depth']} and what its passes buy are EXTRAPOLATED: the rule that sized it was checked on "
             "2-core CPU grids of up to 1.1M characters and d8; the regularizers' gain also on one H200 run of d10 on 9.9M "
             "(docs/performance.md, \"DEPTH=auto for regularized training\")" + beside]

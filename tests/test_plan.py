@@ -406,3 +406,16 @@ def test_each_depth_says_what_serving_it_needs():
     assert "serve GB  CPU ch/s" in table and "MEASURED at d12 and d20" in table
     assert "      3.8      2.8*" in next(line for line in table.splitlines() if line.strip().startswith("d32 "))
     assert "      0.2     34.4 " in next(line for line in table.splitlines() if line.strip().startswith("d12 "))
+
+
+def test_the_plan_counts_what_finished_generations_keep_on_disk():
+    """GENERATIONS=auto on the launch line: each finished generation keeps its best weights (in the
+    precision the memory plan picks: bf16 for d56 on 80 GB) and best.pt in bf16; at most 8 run."""
+    p = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", budget_usd=950))
+    row = next(r for r in p["rungs"] if r["depth"] == p["depth"])
+    assert "GENERATIONS=auto" in p["launch"] and row["generation_gb"] == pytest.approx(row["params"] * 4 / 1e9)
+    text = table_of(p)
+    assert (f"each finished generation keeps its best weights and best.pt, {row['generation_gb']:,.0f} GB, beside the "
+            f"disk GB column: up to {7 * row['generation_gb']:,.0f} GB more if all 8 run") in text
+    off = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", budget_usd=950, regularizers="off"))  # no recipe
+    assert "GENERATIONS=auto" not in off["launch"] and "GENERATIONS=auto on disk" not in table_of(off)
