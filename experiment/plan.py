@@ -465,7 +465,7 @@ def generation_disk_lines(p: dict) -> list[str]:
     if row is None:
         return []
     return [f"recommendation | GENERATIONS=auto on disk: each finished generation keeps its best weights and best.pt, "
-            f"{row['generation_gb']:,.0f} GB, beside the disk GB column: up to "
+            f"{row['generation_gb']:,.1f} GB in all, beside the disk GB column: up to "
             f"{(AUTO_MAX_GENERATIONS - 1) * row['generation_gb']:,.0f} GB more if all {AUTO_MAX_GENERATIONS} run"]
 
 

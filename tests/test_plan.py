@@ -415,7 +415,7 @@ def test_the_plan_counts_what_finished_generations_keep_on_disk():
     row = next(r for r in p["rungs"] if r["depth"] == p["depth"])
     assert "GENERATIONS=auto" in p["launch"] and row["generation_gb"] == pytest.approx(row["params"] * 4 / 1e9)
     text = table_of(p)
-    assert (f"each finished generation keeps its best weights and best.pt, {row['generation_gb']:,.0f} GB, beside the "
+    assert (f"each finished generation keeps its best weights and best.pt, {row['generation_gb']:,.1f} GB in all, beside the "
             f"disk GB column: up to {7 * row['generation_gb']:,.0f} GB more if all 8 run") in text
     off = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", budget_usd=950, regularizers="off"))  # no recipe
     assert "GENERATIONS=auto" not in off["launch"] and "GENERATIONS=auto on disk" not in table_of(off)
