@@ -198,7 +198,9 @@ def rung(depth: int, cfg: PlanConfig, gpus: Gpus, train_tokens: int, budget_s: f
     # unless the plan is for a run with the regularizers off
     c = autosize.candidate(config, rate, budget_s, train_tokens, CUDA_DEFAULTS["total_batch_size"],
                            regularized=cfg.regularizers == "auto")
-    ckpt = checkpoint_bytes(config, gpus.count, gpus.memory_bytes)
+    # The weight average's copy too where the trainer may keep one (AVERAGE=auto), as the pre-flight's disk
+    # guard counts it: REGULARIZERS=off pins AVERAGE=none on the launch line
+    ckpt = checkpoint_bytes(config, gpus.count, gpus.memory_bytes, average=cfg.regularizers == "auto")
     return {"depth": depth, "params": c.params, "tok_per_s": c.tok_per_s, "fits": fits,
             "hours_per_pass": train_tokens / c.tok_per_s / 3600, "useful_hours": c.seconds / 3600,
             "tokens": c.tokens, "tokens_per_param": c.tokens_per_param, "epochs": c.epochs,

@@ -1,5 +1,6 @@
 """plan.py's parts, one condition at a time, without a whole plan (tests/test_plan.py runs it whole)."""
 
+import dataclasses
 import json
 import math
 from types import SimpleNamespace
@@ -233,7 +234,7 @@ def test_a_rungs_row_is_each_figure_by_its_definition():
     train = 90_000_000
     row, c = plan.rung(12, cfg, gpus, train, 3600.0, plan.VOCAB_CHAR)
     config = plan.model_config(12, cfg, plan.VOCAB_CHAR)
-    ckpt = checkpoint_bytes(config, 8, gpus.memory_bytes)
+    ckpt = checkpoint_bytes(config, 8, gpus.memory_bytes, average=True)  # AVERAGE=auto: as the disk guard counts it
     assert row["fits"] and row["tok_per_s"] == c.tok_per_s == plan.tok_per_s(config, gpus, 8)[0]
     assert row["hours_per_pass"] == pytest.approx(train / c.tok_per_s / 3600, rel=1e-12)
     assert 0 < c.seconds <= 3600 and row["useful_hours"] == pytest.approx(c.seconds / 3600, rel=1e-12)
@@ -241,6 +242,8 @@ def test_a_rungs_row_is_each_figure_by_its_definition():
     assert row["disk_peak_gb"] == pytest.approx((3 + EXTRA_CHECKPOINTS) * ckpt / 1e9, rel=1e-12)
     assert row["save_minutes"] == pytest.approx(ckpt / 0.4e9 / 60, rel=1e-12)
     assert (row["params"], row["tokens"], row["epochs"]) == (c.params, c.tokens, c.epochs)
+    off, _ = plan.rung(12, dataclasses.replace(cfg, regularizers="off"), gpus, train, 3600.0, plan.VOCAB_CHAR)
+    assert off["checkpoint_gb"] == pytest.approx(checkpoint_bytes(config, 8, gpus.memory_bytes) / 1e9, rel=1e-12)
 
 
 def test_a_depth_is_priced_in_the_precision_it_fits_at_device_batch_1():
