@@ -30,9 +30,11 @@ cd "$(dirname "$0")/.."
 source experiment/pyenv.sh
 setup_python
 # The budget counts the box from here (the pre-flight, data preparation, torchrun's start, the
-# trainer's setup): experiment/launch.py, launch_started.
-LAUNCH_STARTED=$(date +%s.%N)
+# trainer's setup): experiment/launch.py, launch_started. A sweep's first-wave member counts from the
+# sweep's start instead (SWEEP_MEMBER_STARTED: the members' pre-flights came before it).
+LAUNCH_STARTED=${SWEEP_MEMBER_STARTED:-$(date +%s.%N)}
 export LAUNCH_STARTED
+unset SWEEP_MEMBER_STARTED
 
 # The GPUs, the settings and torchrun's flags, from one Python process (experiment/launchfacts.py).
 facts_out=$("$PYTHON" -m experiment.launchfacts) || exit $?

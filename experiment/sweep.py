@@ -376,6 +376,7 @@ class Sweep:
     ensemble_tokens: int = ENSEMBLE_TOKENS  # SWEEP_ENSEMBLE_TOKENS; 0: no ensembles
     box_gpus: int = 1  # the GPUs the box bills (CPU: 1), idle ones included
     scoring_seconds: float = 0.0  # of the box's hours, kept from the members for scoring them (SWEEP_SCORING_SHARE)
+    freed: bool = False  # a slot has come free in this launch: a member started now is not of the first wave
 
 
 def idle_gpus(members: int, slots: int, gpus: int, box_hours: float, gpu_hourly: float) -> str | None:
@@ -534,6 +535,10 @@ def preflight_member(sweep: Sweep, m: Member, log) -> str:
 
 def start(sweep: Sweep, m: Member, slot: int, log) -> None:
     env = member_env(sweep, m)
+    if not sweep.freed and sweep.env.get("LAUNCH_STARTED"):
+        # The first wave's budgets count from the sweep's launch: the members' pre-flights before it,
+        # one after another, are on the box's bill too (experiment/run.sh reads this as its start).
+        env["SWEEP_MEMBER_STARTED"] = sweep.env["LAUNCH_STARTED"]
     if sweep.devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = sweep.devices[slot]
     else:  # members side by side on CPU share its cores
@@ -574,10 +579,12 @@ def step(sweep: Sweep, free: list[int], log) -> bool:
         if m.process is not None and m.process.poll() is not None:
             finish(sweep, m, log)
             free.append(m.slot)
+            sweep.freed = True
         elif m.status == "elsewhere" and not running_elsewhere(m.run_dir):  # a killed sweep's member ended
             ended_elsewhere(sweep, m, log)
             if m.slot >= 0:
                 free.append(m.slot)
+                sweep.freed = True
         if sweep.stopping:
             signal_member(m)
     for m in [m for m in sweep.members if m.status == "waiting"]:

@@ -470,3 +470,22 @@ def test_the_members_leave_one_percent_of_the_box_for_scoring_them(tmp_path, mon
     cost = sweep.scoring(dataclasses.replace(two, box_gpus=8), time.time() - 36)
     assert cost["seconds"] == pytest.approx(36, abs=1) and cost["usd"] == pytest.approx(cost["seconds"] / 3600 * 8 * 3)
     assert cost["kept"] == pytest.approx(72)
+
+
+def test_the_first_waves_budgets_count_from_the_sweeps_start(tmp_path, monkeypatch):
+    """The members' pre-flights run one after another before any starts, on the box's bill: a member
+    of the first wave counts its budget from the sweep's own start (experiment/run.sh reads
+    SWEEP_MEMBER_STARTED as its LAUNCH_STARTED); one that starts once a slot came free, from its own."""
+    from types import SimpleNamespace
+
+    envs = []
+    monkeypatch.setattr(sweep.subprocess, "Popen",
+                        lambda cmd, env, **kw: envs.append(env) or SimpleNamespace(pid=1, poll=lambda: 0, returncode=0))
+    sw = sweep.Sweep(dir=tmp_path, tag="t", members=[], env={"LAUNCH_STARTED": "123.5", "WORKSPACE": str(tmp_path)},
+                     slots=1, devices=None, member_hours=1.0, gpu_hourly=4.0)
+    sw.members = [sweep.Member(f"d{d}", {"DEPTH": str(d)}, tmp_path / f"d{d}") for d in (1, 2)]
+    free = [0]
+    sweep.step(sw, free, lambda line: None)  # d1 starts; d2 waits for the slot
+    assert envs[0]["SWEEP_MEMBER_STARTED"] == "123.5" and len(envs) == 1
+    sweep.step(sw, free, lambda line: None)  # d1 has ended: its slot is free, d2 starts
+    assert len(envs) == 2 and "SWEEP_MEMBER_STARTED" not in envs[1]

@@ -337,6 +337,17 @@ def test_a_users_error_the_trainer_finds_ends_the_launch_once_with_exit_2(tmp_pa
 
 
 @pytest.mark.slow
+def test_a_sweep_member_of_the_first_wave_counts_its_budget_from_the_sweeps_start(tmp_path, corpus):
+    """experiment/run.sh takes SWEEP_MEMBER_STARTED (experiment/sweep.py sets it for the first wave)
+    as the launch's start: the 200 s of the members' pre-flights before it are in the budget used."""
+    proc = _launch(tmp_path, DATA_DIR=str(corpus), MAX_STEPS="1", NPROC_PER_NODE="1", TRAINING_HOURS="1",
+                   SWEEP_MEMBER_STARTED=repr(time.time() - 200))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    used = run_meta(tmp_path / "ws", 1)["state"]["used_seconds"]
+    assert 200 <= used < 300, used
+
+
+@pytest.mark.slow
 def test_a_resume_on_other_data_is_refused_by_the_preflight(tmp_path, corpus):
     assert _launch(tmp_path, DATA_DIR=str(corpus)).returncode == 0
     (corpus / "sums.txt").write_text((corpus / "sums.txt").read_text()[: 30000])
