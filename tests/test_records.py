@@ -18,8 +18,6 @@ from experiment.dataloader import DataError, prepare
 from experiment.preflight import records_note
 
 QUIET = dict(log=lambda line: None)
-pa = pytest.importorskip("pyarrow")  # requirements.txt pins it; a bare interpreter skips these tests
-import pyarrow.parquet as pq  # noqa: E402
 
 
 def _jsonl(path, rows, gz=False):
@@ -30,6 +28,10 @@ def _jsonl(path, rows, gz=False):
 
 
 def _parquet(path, **columns):
+    """A Parquet file; a test that writes one skips where pyarrow is missing (requirements.txt pins it)."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(columns), path, row_group_size=2)  # several row groups, as big files have
     return path
