@@ -294,47 +294,17 @@ def _check_unchanged(files: list[Path], stats: list[os.stat_result]) -> None:
             raise DataError(f"{p}: changed while being prepared; prepare again once it is written")
 
 
-@dataclass
-class _Texts:
-    """What the two passes read for each file: the file itself, or a record file's text (records.py)."""
-    paths: list[Path]
-    sizes: list[int]
-    convs: list[records.Converted | None]
-
-    def plans(self) -> list[tuple[int, chunks.Chunk]]:
-        return [(i, c) for i, p in enumerate(self.paths) for c in chunks.plan(p, self.sizes[i], CHUNK_BYTES)]
-
-
 @contextmanager
 def _as_text(files: list[Path], stats, field: str, parent: Path | None, workers: int, log):
-    """_Texts of the files: each record file converted (on the workers) into a temp directory under
-    `parent` (None: the system's), removed on exit; nothing converted when there is none."""
-    todo = [i for i, p in enumerate(files) if records.is_records(p)]
-    texts = _Texts(list(files), [s.st_size for s in stats], [None] * len(files))
-    if not todo:
-        yield texts
-        return
-    if parent is not None:
-        parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".records.", dir=parent))
+    """records.as_text, its errors as DataError (naming file:line)."""
     try:
-        started = time.monotonic()
-        tasks = ((files[i], field, tmp / f"{i}.txt") for i in todo)
-        with chunks.Pool(min(workers, len(todo))) as pool:
-            try:
-                for i, conv in zip(todo, pool.ordered(records.convert_task, tasks)):
-                    texts.paths[i], texts.sizes[i], texts.convs[i] = conv.path, conv.path.stat().st_size, conv
-            except records.RecordError as e:
-                raise DataError(str(e)) from None
-        kept, empty = (sum(getattr(texts.convs[i], k) for i in todo) for k in ("records", "empty"))
-        log(f"prepare | {len(todo):,} record file(s): {kept:,} records with text, {empty:,} empty skipped | "
-            f"{time.monotonic() - started:.1f} s")
-        yield texts
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with records.as_text(files, [st.st_size for st in stats], field, parent, workers, log) as texts:
+            yield texts
+    except records.RecordError as e:
+        raise DataError(str(e)) from None
 
 
-def _scan(files: list[Path], texts: _Texts, plans, alphabet: str | None, pool: chunks.Pool, log) -> list[_FileScan]:
+def _scan(files: list[Path], texts: records.Texts, plans, alphabet: str | None, pool: chunks.Pool, log) -> list[_FileScan]:
     """Pass 1: every file validated (the first problem raises, naming the place), its characters
     collected and its sha256 taken, one chunk at a time; the workers scan while this process hashes."""
     scans = [_FileScan(p, n, conv) for p, n, conv in zip(files, texts.sizes, texts.convs)]
@@ -449,7 +419,7 @@ def _encode_chars(names: list[str], plans, chunk_chars, tok: CharTokenizer, dtyp
     return counts, parts
 
 
-def _encode_stream(texts: _Texts, plans, tok, dtype: str, out: Path, pool: chunks.Pool,
+def _encode_stream(texts: records.Texts, plans, tok, dtype: str, out: Path, pool: chunks.Pool,
                    progress: _Progress) -> list[int]:
     """Pass 2, tiktoken: BOS then each file's tokens appended to `out` in order (how many, only the
     encoder knows); returns the tokens per file."""
@@ -578,7 +548,7 @@ def validate(data_dir: Path, tokenizer: str = "char", alphabet: str | None = Non
     stats = [p.stat() for p in files]
     workers = workers or default_workers()
     with _as_text(files, stats, text_field, None, workers, log) as texts:  # record files: in a temp directory
-        plans = texts.plans()
+        plans = texts.plans(CHUNK_BYTES)
         with chunks.Pool(min(workers, len(plans))) as pool:
             scans = _scan(files, texts, plans, alphabet, pool, log)
     # prepare's counts: a BOS before every file, then its characters (or, estimated, its tokens)
@@ -606,7 +576,7 @@ def _prepare_files(files, names, relative, stats, settings: dict, max_seq_len: i
     workers = workers or default_workers()
     field = settings.get("records", {}).get("text_field")
     with _as_text(files, stats, field, root, workers, log) as texts:  # record files: converted under root
-        plans = texts.plans()
+        plans = texts.plans(CHUNK_BYTES)
         with chunks.Pool(min(workers, len(plans))) as pool:
             scans = _scan(files, texts, plans, settings["alphabet"], pool, log)  # every error surfaces before any write
             digests = [s.sha.hexdigest() for s in scans]
@@ -616,7 +586,7 @@ def _prepare_files(files, names, relative, stats, settings: dict, max_seq_len: i
             return _write(files, names, stats, texts, plans, scans, settings, max_seq_len, final, pool, where, log)
 
 
-def _tokens(tmp: Path, tok, dtype: str, names: list[str], texts: _Texts, plans, scans, val_fraction: float,
+def _tokens(tmp: Path, tok, dtype: str, names: list[str], texts: records.Texts, plans, scans, val_fraction: float,
             pool: chunks.Pool, log) -> tuple[list[int], list[dict]]:
     """Pass 2: tmp/train.bin and tmp/val.bin, each file's tail in val (file_parts; one file: the tail
     of the stream); returns the tokens and the file_parts of every file."""
@@ -634,7 +604,7 @@ def _tokens(tmp: Path, tok, dtype: str, names: list[str], texts: _Texts, plans, 
     return counts, parts
 
 
-def _write(files, names, stats, texts: _Texts, plans, scans, settings: dict, max_seq_len: int, final: Path,
+def _write(files, names, stats, texts: records.Texts, plans, scans, settings: dict, max_seq_len: int, final: Path,
            pool: chunks.Pool, where: str, log) -> Prepared:
     """Pass 2 into a temp directory next to `final`, renamed into place once complete."""
     tok = _tokenizer(settings, scans)

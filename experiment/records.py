@@ -19,10 +19,16 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
+import tempfile
+import time
 import zlib
 from array import array
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from experiment import chunks
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 TEXT_SUFFIX = ".txt"
@@ -170,3 +176,40 @@ def _parquet_texts(source: Path, field: str):
             row += 1
             yield row, text
 
+
+
+@dataclass
+class Texts:
+    """What prepare's two passes read for each file: the file itself, or a record file's text."""
+    paths: list[Path]
+    sizes: list[int]
+    convs: list[Converted | None]
+
+    def plans(self, chunk_bytes: int) -> list[tuple[int, chunks.Chunk]]:
+        return [(i, c) for i, p in enumerate(self.paths) for c in chunks.plan(p, self.sizes[i], chunk_bytes)]
+
+
+@contextmanager
+def as_text(files: list[Path], sizes: list[int], field: str, parent: Path | None, workers: int, log):
+    """Texts of the files: each record file converted (on the workers) into a temp directory under
+    `parent` (None: the system's), removed on exit; nothing converted when there is none."""
+    todo = [i for i, p in enumerate(files) if is_records(p)]
+    texts = Texts(list(files), list(sizes), [None] * len(files))
+    if not todo:
+        yield texts
+        return
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".records.", dir=parent))
+    try:
+        started = time.monotonic()
+        tasks = ((files[i], field, tmp / f"{i}.txt") for i in todo)
+        with chunks.Pool(min(workers, len(todo))) as pool:
+            for i, conv in zip(todo, pool.ordered(convert_task, tasks)):
+                texts.paths[i], texts.sizes[i], texts.convs[i] = conv.path, conv.path.stat().st_size, conv
+        kept, empty = (sum(getattr(texts.convs[i], k) for i in todo) for k in ("records", "empty"))
+        log(f"prepare | {len(todo):,} record file(s): {kept:,} records with text, {empty:,} empty skipped | "
+            f"{time.monotonic() - started:.1f} s")
+        yield texts
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
