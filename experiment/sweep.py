@@ -115,6 +115,25 @@ def member_tag(settings: dict[str, str]) -> str:
     return TAG_RE.sub("_", "-".join(parts))[:100] or "default"
 
 
+BUDGET_INPUTS = ("BUDGET_USD", "TRAINING_HOURS", "GPU_HOURLY_USD", "SWEEP")
+
+
+def begun_budget(sweep_dir: Path, budget: dict, log) -> dict:
+    """The sweep's budget (its inputs, each member's hours, the seconds kept for scoring): the one the
+    sweep began with (sweep.json) when this launch gives the same inputs, else `budget`, computed now.
+    A relaunch on another GPU count (BUDGET_USD is dollars for the box) or SWEEP_PARALLEL computes other
+    hours, which each begun member would read as an extension or a cut of its own budget."""
+    path = sweep_dir / RECORD
+    began = (ckpt.read_json(path) if path.is_file() else {}).get("budget") or {}
+    if any(began.get(k, "") != budget[k] for k in BUDGET_INPUTS):  # a first launch, or other inputs
+        return budget
+    if abs(began["member_hours"] - budget["member_hours"]) > 1e-9 * budget["member_hours"]:
+        log(f"sweep | each member keeps the {began['member_hours']:.3f} h this sweep began with, not the "
+            f"{budget['member_hours']:.3f} h of this box's GPUs and SWEEP_PARALLEL (the same "
+            f"{', '.join(BUDGET_INPUTS)} as then)")
+    return began
+
+
 def box_hours(env: dict, gpus: int, cuda: bool) -> float:
     """The box's hours: BUDGET_USD over every GPU the sweep holds, else TRAINING_HOURS, else the default."""
     if env.get("BUDGET_USD") and env.get("TRAINING_HOURS"):
@@ -218,9 +237,9 @@ def winner(rows: list[dict]) -> tuple[dict | None, str]:
 
 
 def write_table(sweep_dir: Path, rows: list[dict], member_hours: float, status: str,
-                ensembles: dict | None = None, scoring: dict | None = None) -> None:
+                ensembles: dict | None = None, scoring: dict | None = None, budget: dict | None = None) -> None:
     best, why = winner(rows)
-    record = {"status": status, "member_hours": member_hours, "members": rows,
+    record = {"status": status, "member_hours": member_hours, **({"budget": budget} if budget else {}), "members": rows,
               "winner": best["member"] if best else None, "no_winner": why, "updated": time.time(),
               **({"ensembles": ensembles} if ensembles else {}), **({"scoring": scoring} if scoring else {})}
     atomic_write_json(sweep_dir / RECORD, record)
@@ -377,6 +396,7 @@ class Sweep:
     box_gpus: int = 1  # the GPUs the box bills (CPU: 1), idle ones included
     scoring_seconds: float = 0.0  # of the box's hours, kept from the members for scoring them (SWEEP_SCORING_SHARE)
     freed: bool = False  # a slot has come free in this launch: a member started now is not of the first wave
+    budget: dict | None = None  # member_hours and scoring_seconds with what they came from (sweep.json: begun_budget)
 
 
 def idle_gpus(members: int, slots: int, gpus: int, box_hours: float, gpu_hourly: float) -> str | None:
@@ -431,14 +451,18 @@ def setup(env: dict, log) -> Sweep:
     # The box's hours over all its GPUs (an idle one is paid for too), shared by the waves.
     # Two members or more are scored once they end (SWEEP_SCORING_SHARE): that time comes off their hours.
     kept = SWEEP_SCORING_SHARE * hours if len(settings) >= 2 else 0.0
+    lock = take_lock(sweep_dir)  # before sweep.json is read: another launch of this sweep may be writing it
+    budget = begun_budget(sweep_dir, {**{k: env.get(k) or None for k in BUDGET_INPUTS},
+                                      "member_hours": (hours - kept) / waves, "scoring_seconds": kept * 3600}, log)
     sweep = Sweep(dir=sweep_dir, tag=tag, members=[Member(member_tag(s), s, sweep_dir / member_tag(s)) for s in settings],
                   env={**env, "WORKSPACE": str(workspace)}, slots=slots, devices=visible[:slots] if cuda else None,
-                  member_hours=(hours - kept) / waves, gpu_hourly=gpu_hourly, lock=take_lock(sweep_dir),
-                  ensemble_tokens=ensemble_tokens, box_gpus=gpus if cuda else 1, scoring_seconds=kept * 3600)
+                  member_hours=budget["member_hours"], gpu_hourly=gpu_hourly, lock=lock, ensemble_tokens=ensemble_tokens,
+                  box_gpus=gpus if cuda else 1, scoring_seconds=budget["scoring_seconds"], budget=budget)
     if idle:
         log(f"sweep | warning: {idle.split(': give it')[0]} (SWEEP_ALLOW_IDLE=1)")
     log(f"sweep | {len(settings)} members in {sweep_dir} | {slots} at a time ({'GPUs ' + ','.join(sweep.devices) if cuda else 'CPU'}) "
-        f"| {waves} wave(s) of {sweep.member_hours:.3f} h each" + (f" | {kept:.3f} h kept for scoring them" if kept else ""))
+        f"| {waves} wave(s) of {sweep.member_hours:.3f} h each"
+        + (f" | {sweep.scoring_seconds / 3600:.3f} h kept for scoring them" if sweep.scoring_seconds else ""))
     for m in sweep.members:
         m.outcome = last_words(m.run_dir)
         if running_elsewhere(m.run_dir):  # still running from a killed sweep: it keeps its GPU until it ends
@@ -649,7 +673,7 @@ def run(sweep: Sweep, log) -> str:
     while step(sweep, free, log):
         rows = [member_row(m, sweep.gpu_hourly) for m in sweep.members]
         if rows != shown:
-            write_table(sweep.dir, rows, sweep.member_hours, "running")
+            write_table(sweep.dir, rows, sweep.member_hours, "running", budget=sweep.budget)
             shown = rows
         time.sleep(POLL_SECONDS)
     statuses = {m.status for m in sweep.members}
@@ -697,7 +721,7 @@ def main() -> int:
         ended = True
     finally:  # whatever ends the loop, the table and ON_EXIT still come
         rows = [member_row(m, sweep.gpu_hourly) for m in sweep.members]
-        write_table(sweep.dir, rows, sweep.member_hours, status)
+        write_table(sweep.dir, rows, sweep.member_hours, status, budget=sweep.budget)
         # Only once the members have ended on their own: not after a stop signal (a preemption leaves
         # minutes, which the members' saves need; one during the scoring stops it), nor while an error
         # unwinds.
@@ -707,7 +731,7 @@ def main() -> int:
             bpc = not ensembles and measure_bpc(sweep, rows, log)
             cost = scoring(sweep, started)
             if ensembles or bpc or cost["seconds"] >= 1:  # a scoring that failed late cost the box too
-                write_table(sweep.dir, rows, sweep.member_hours, status, ensembles, cost)
+                write_table(sweep.dir, rows, sweep.member_hours, status, ensembles, cost, sweep.budget)
         log(f"sweep | {status} | {sweep.dir / TABLE}:")
         log((sweep.dir / TABLE).read_text().rstrip())
         on_exit(sweep, status, rows, log)

@@ -489,3 +489,27 @@ def test_the_first_waves_budgets_count_from_the_sweeps_start(tmp_path, monkeypat
     assert envs[0]["SWEEP_MEMBER_STARTED"] == "123.5" and len(envs) == 1
     sweep.step(sw, free, lambda line: None)  # d1 has ended: its slot is free, d2 starts
     assert len(envs) == 2 and "SWEEP_MEMBER_STARTED" not in envs[1]
+
+
+def test_a_relaunch_keeps_the_members_hours_the_sweep_began_with(tmp_path, monkeypatch):
+    """A member's hours come from the box (BUDGET_USD over its GPUs, SWEEP_PARALLEL's waves): a relaunch
+    with another SWEEP_PARALLEL (or GPU count) and the same budget gives every member the hours it began
+    with, so no begun member reads an extension; another budget is the user's, and is computed anew."""
+    monkeypatch.setattr(sweep, "preflight_member", lambda sw, m, log: None)
+    env = {"TRAINING_HOURS": "2", "SWEEP": "DEPTH=1 DEPTH=2", "WORKSPACE": str(tmp_path)}
+
+    def launch(**more):
+        lines = []
+        sw = sweep.setup({**env, **more}, lines.append)
+        sweep.write_table(sw.dir, [], sw.member_hours, "stopped", budget=sw.budget)  # as run() leaves it
+        sw.lock.close()
+        return sw, lines
+
+    first, _ = launch(SWEEP_PARALLEL="1")  # two waves of 0.99 h
+    assert first.member_hours == pytest.approx(0.99) and first.scoring_seconds == pytest.approx(72)
+    again, lines = launch(SWEEP_PARALLEL="2")  # one wave would be 1.98 h
+    assert again.member_hours == pytest.approx(0.99) and again.scoring_seconds == pytest.approx(72)
+    assert any("keeps the 0.990 h this sweep began with, not the 1.980 h" in line for line in lines)
+    assert json.loads((first.dir / sweep.RECORD).read_text())["budget"]["member_hours"] == pytest.approx(0.99)
+    more, _ = launch(SWEEP_PARALLEL="2", TRAINING_HOURS="4")  # a larger budget: the user's extension
+    assert more.member_hours == pytest.approx(3.96) and more.scoring_seconds == pytest.approx(144)
