@@ -9,6 +9,7 @@ monkeypatch in the test process does not reach them):
                            others' from its start: ranks whose clocks and measured durations disagree
     RECORD_LR=dir          every rank appends each LR multiplier it sets to dir/lr_rank<r>.txt
     HEARTBEAT_SECONDS=s    the run's heartbeat every s seconds (experiment/restarts.py), where it has one
+    FAULT_EXPORT_SECONDS=s the final export of best.pt takes s seconds longer, as a large model's does
 """
 
 import os
@@ -40,6 +41,16 @@ def skew_clock(rate: float) -> None:
     time.time = lambda: start + rate * (real() - start)
 
 
+def slow_export(seconds: float) -> None:
+    export = train.export_best
+
+    def slowly(run_dir):
+        time.sleep(seconds)
+        return export(run_dir)
+
+    train.export_best = slowly
+
+
 def record_lr(out: Path) -> None:
     set_lr = ShardedOptimizer.set_lr_multiplier
 
@@ -59,6 +70,8 @@ if __name__ == "__main__":
         skew_clock(float(os.environ.get("FAULT_CLOCK_RATE", "2")))
     if os.environ.get("RECORD_LR"):
         record_lr(Path(os.environ["RECORD_LR"]))
+    if os.environ.get("FAULT_EXPORT_SECONDS"):
+        slow_export(float(os.environ["FAULT_EXPORT_SECONDS"]))
     if os.environ.get("HEARTBEAT_SECONDS"):
         try:
             from experiment import restarts

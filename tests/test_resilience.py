@@ -469,8 +469,8 @@ def test_a_kill_9_past_the_last_save_charges_the_lost_time_to_the_budget(tmp_pat
     saved = run_meta(tmp_path, step)
     expected = killed_at - saved["saved_at"]  # wall seconds since that save began: all of them lost
     assert step == 400 and expected >= 3
-    again = subprocess.run([*cmd, "--max_steps", str(step + 3)], cwd=REPO, env={**ENV, "HEARTBEAT_SECONDS": "1"},
-                           capture_output=True, text=True, timeout=240)
+    again = subprocess.run([*cmd, "--max_steps", str(step + 3)], cwd=REPO, capture_output=True, text=True,
+                           env={**ENV, "HEARTBEAT_SECONDS": "1", "FAULT_EXPORT_SECONDS": "2"}, timeout=240)
     assert again.returncode == 0, again.stderr[-3000:]
     state = run_meta(tmp_path, step + 3)["state"]
     assert state["used_seconds"] - saved["state"]["used_seconds"] >= expected - 2.5
@@ -481,6 +481,11 @@ def test_a_kill_9_past_the_last_save_charges_the_lost_time_to_the_budget(tmp_pat
     done = next(line for line in again.stdout.splitlines() if line.startswith("done: "))
     assert f"{state['restart_seconds']:.1f}s of it lost to restarts" in done
     assert "lost to restarts" in (run_dir / "report.md").read_text()
+    # The final export (2 s longer here) is on the bill: the heartbeat after it holds the done line's
+    # seconds, so an extension of this run is charged them (its lost seconds past the final checkpoint).
+    spent = float(re.search(r"\(([\d.]+)s of [\d.]+s\)", done).group(1))
+    beat = json.loads((run_dir / "heartbeat.json").read_text())
+    assert beat["used_seconds"] >= max(spent - 0.1, state["used_seconds"] + 2)
 
 
 def test_the_lost_seconds_come_from_a_heartbeat_written_since_the_resumed_checkpoint(tmp_path):
