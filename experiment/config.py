@@ -208,6 +208,9 @@ class TrainConfig:
     distill_weight: float = opt("the teacher's share of a generation's loss, 0..1: (1 - w) x cross-entropy on the "
                                 "labels + w x T^2 x KL(teacher || student) at temperature T", 0.5)
     distill_temperature: float = opt("T, the temperature of both distributions in the distillation term", 1.0)
+    student_depth: int = opt("with GENERATIONS=N: after the N generations, a student of this depth (smaller, so "
+                             "that a laptop serves it) distilled from the ensemble of all of them, with an equal "
+                             "share of the budget; it is the model served (0: none)", 0)
     seed: int = opt("init and data-order seed (generation k adds k - 1)", 1337)
     compile: str = opt("torch.compile: auto (on with CUDA), on, off", "auto")
     ddp_graph_split: int = opt("1: a compiled DDP step is split into one graph per gradient bucket, so each bucket's "
@@ -337,6 +340,11 @@ def check_generations(cfg: TrainConfig) -> None:
         raise ConfigError(f"--distill_weight must lie in [0, 1], got {cfg.distill_weight}")
     if not (math.isfinite(cfg.distill_temperature) and cfg.distill_temperature > 0):
         raise ConfigError(f"--distill_temperature must be a finite number > 0, got {cfg.distill_temperature}")
+    if not isinstance(cfg.student_depth, int) or cfg.student_depth < 0:
+        raise ConfigError(f"--student_depth must be a depth >= 1 (0: no student), got {cfg.student_depth!r}")
+    if cfg.student_depth and not (isinstance(cfg.generations, int) and cfg.generations >= 2):
+        raise ConfigError(f"--student_depth needs GENERATIONS=N of at least 2 (the student learns from the ensemble of "
+                          f"N generations and trains after them), got --generations {cfg.generations}")
     if cfg.generations != 1 and cfg.init_from:
         raise ConfigError("--generations other than 1 with --init_from: each generation starts from scratch; "
                           "fine-tune one model (GENERATIONS=1) instead")

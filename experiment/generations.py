@@ -75,8 +75,14 @@ def check_layout(cfg: TrainConfig, top: Path) -> None:
 
 
 def count(cfg: TrainConfig) -> int:
-    """The most generations this launch may train."""
-    return AUTO_MAX_GENERATIONS if cfg.generations == "auto" else cfg.generations
+    """The most generations this launch may train (a STUDENT_DEPTH student is one more, the last)."""
+    return AUTO_MAX_GENERATIONS if cfg.generations == "auto" else cfg.generations + (1 if cfg.student_depth else 0)
+
+
+def student(cfg: TrainConfig, k: int) -> dict:
+    """Generation k's record fields when it is the STUDENT_DEPTH student (the last of count(cfg)): its
+    depth, and the ensemble of all generations before it as its teacher, whatever TEACHER says."""
+    return {"student": True, "depth": cfg.student_depth} if cfg.student_depth and k == count(cfg) else {}
 
 
 def of(cfg: TrainConfig) -> str:
@@ -95,8 +101,8 @@ def share(record: dict, k: int, cfg: TrainConfig, budget: float) -> float | None
             return left
         enough = left >= max(MIN_SHARE_SECONDS, AUTO_MIN_SHARE * gens[0]["used_seconds"])
         return left if enough and gens[-1]["outcome"] != MAX_STEPS_OUTCOME else None
-    seconds = left / (cfg.generations - k + 1)
-    return seconds if seconds >= max(MIN_SHARE_SECONDS, MIN_SHARE_FRACTION * budget / cfg.generations) else None
+    seconds = left / (count(cfg) - k + 1)
+    return seconds if seconds >= max(MIN_SHARE_SECONDS, MIN_SHARE_FRACTION * budget / count(cfg)) else None
 
 
 def teachers_for(top: Path, done: list[dict], how: str) -> list[dict]:
@@ -135,8 +141,10 @@ def begin(top: Path, record: dict, k: int, cfg: TrainConfig, budget: float, worl
     seconds = share(record, k, cfg, budget)
     if seconds is None:
         return None
-    g = {"index": k, "dir": f"gen{k}", "seed": cfg.seed + k - 1, "budget_seconds": seconds, "teacher": cfg.teacher
-         if done else None, "teachers": teachers_for(top, done, cfg.teacher) if done else [],
+    extra = student(cfg, k)
+    how = "ensemble" if extra else cfg.teacher
+    g = {"index": k, "dir": f"gen{k}", "seed": cfg.seed + k - 1, "budget_seconds": seconds, **extra,
+         "teacher": how if done else None, "teachers": teachers_for(top, done, how) if done else [],
          "distill": [cfg.distill_weight, cfg.distill_temperature] if done else None,
          "began": time.time(), "outcome": None, "used_seconds": None, "best": None}
     record["generations"].append(g)
@@ -149,13 +157,18 @@ def names(g: dict) -> str:
     return " + ".join(f"gen{t['generation']}" for t in g["teachers"])
 
 
+def title(g: dict) -> str:
+    """gen<k>, and what it is when it is the student."""
+    return f"gen{g['index']}" + (f" (the student, d{g['depth']})" if g.get("student") else "")
+
+
 def generation_config(cfg: TrainConfig, g: dict) -> TrainConfig:
     """The one-model config generation g trains with: its seed and budget; its run directory and
     TensorBoard logs under the run's (model_tag <tag>/gen<k>)."""
     distill = g["distill"] or [cfg.distill_weight, cfg.distill_temperature]
     return dataclasses.replace(cfg, seed=g["seed"], training_hours=g["budget_seconds"] / 3600, budget_usd=None,
                                model_tag=f"{cfg.model_tag}/{g['dir']}", distill_weight=distill[0],
-                               distill_temperature=distill[1])
+                               distill_temperature=distill[1], depth=g.get("depth", cfg.depth))
 
 
 def pending(cfg: TrainConfig, top: Path, world_size: int | None = None) -> tuple[TrainConfig | None, Path | None, str]:
@@ -179,9 +192,10 @@ def pending(cfg: TrainConfig, top: Path, world_size: int | None = None) -> tuple
         seconds = share(record, k, cfg, cfg.training_hours * 3600)
         if seconds is None:
             return None, None, f"preflight | no budget left for generation {k} {of(cfg)} in {top}"
-        g, how = {"index": k, "dir": f"gen{k}", "seed": cfg.seed + k - 1, "budget_seconds": seconds, "distill": None}, \
-            "starts"
-    line = (f"preflight | generation {k} {of(cfg)} {how} in {top / g['dir']}: seed {g['seed']}, "
+        g, how = {"index": k, "dir": f"gen{k}", "seed": cfg.seed + k - 1, "budget_seconds": seconds, "distill": None,
+                  **student(cfg, k)}, "starts"
+    line = (f"preflight | generation {k} {of(cfg)}{' (the student, d%d)' % g['depth'] if g.get('student') else ''} "
+            f"{how} in {top / g['dir']}: seed {g['seed']}, "
             f"{g['budget_seconds']:.0f}s of the budget" + (f", {len(done)} done" if done else ""))
     return generation_config(cfg, g), top / g["dir"], line
 
@@ -231,7 +245,8 @@ def run_all(cfg: TrainConfig, d: Dist, workspace: Path, top: Path, log: RunLog, 
             log(f"generations | no budget left for generation {k} {of(cfg)}")
             break
         d.set_timeout(PHASE_TIMEOUTS["setup"])  # the last generation's loop left the step's
-        log(f"generations | generation {k} {of(cfg)} | seed {g['seed']} | budget {g['budget_seconds']:.1f}s"
+        log(f"generations | generation {k} {of(cfg)}" + (f" | the student, d{g['depth']}" if g.get("student") else "")
+            + f" | seed {g['seed']} | budget {g['budget_seconds']:.1f}s"
             + (f" | teacher {names(g)} (distill weight {g['distill'][0]:g}, temperature {g['distill'][1]:g})"
                if g["teachers"] else " | no teacher"))
         gen_dir = top / g["dir"]
@@ -304,7 +319,12 @@ def shrink(gen_dir: Path, log: RunLog) -> None:
 
 
 def winner(record: dict) -> dict | None:
-    """The generation whose best is best (the lowest val loss, or BEST_BY's score: checkpoint.pick_winner)."""
+    """The generation served: the newest STUDENT_DEPTH student with a best step (the user named its size
+    to serve it), else the one whose best is best (the lowest val loss, or BEST_BY's score:
+    checkpoint.pick_winner)."""
+    students = [g for g in record["generations"] if g.get("student") and g.get("best")]
+    if students:
+        return students[-1]
     key = ckpt.pick_winner([(i, g["best"]) for i, g in enumerate(record["generations"]) if g.get("best")])
     return None if key is None else record["generations"][key]
 
@@ -344,10 +364,11 @@ def write_report(top: Path, record: dict) -> None:
         val = f"{best['val_loss']:.4f}" if math.isfinite(best.get("val_loss", math.nan)) else "-"
         mark = " (served)" if g_best is not None and g is g_best else ""
         used = f"{g['used_seconds']:.1f}" if g["used_seconds"] is not None else "-"
-        lines.append(f"| gen{g['index']}{mark} | {g['seed']} | {teacher} | {g['budget_seconds']:.1f} | {used} | {val} | "
+        lines.append(f"| {title(g)}{mark} | {g['seed']} | {teacher} | {g['budget_seconds']:.1f} | {used} | {val} | "
                      f"{g['outcome'] or 'running'} |")
-    lines += ["", "Each generation's own report: gen<k>/report.md. The served model is the generation with the "
-              "best val loss (best.json names it)."]
+    served = ("the student (STUDENT_DEPTH), distilled from the ensemble of the generations before it" if g_best
+              and g_best.get("student") else "the generation with the best val loss")
+    lines += ["", f"Each generation's own report: gen<k>/report.md. The served model is {served} (best.json names it)."]
     atomic_write_bytes(top / "report.md", ("\n".join(lines) + "\n").encode())
 
 
@@ -355,7 +376,7 @@ def summary(top: Path, log: RunLog) -> dict | None:
     """The last line of a run of generations; returns the served generation's record."""
     record = read_record(top)
     g = winner(record)
-    parts = [f"gen{x['index']} {x['best']['val_loss']:.4f}" for x in record["generations"] if x.get("best")]
+    parts = [f"{title(x)} {x['best']['val_loss']:.4f}" for x in record["generations"] if x.get("best")]
     log(f"generations | done: {len(record['generations'])} generation(s): {', '.join(parts) or 'none with a best'}"
-        + (f" | serving gen{g['index']} ({top / ckpt.EXPORT_NAME})" if g else ""))
+        + (f" | serving {title(g)} ({top / ckpt.EXPORT_NAME})" if g else ""))
     return g

@@ -158,6 +158,24 @@ def test_two_generations_share_the_budget_distill_the_second_from_the_first_and_
     assert all(torch.equal(a, b) for a, b in zip(_final(_gen(ws, 1)).values(), _final(_gen(tmp_path / "w0", 1)).values()))
 
 
+@pytest.mark.slow
+def test_a_student_of_another_depth_learns_from_the_ensemble_and_is_the_model_served(tmp_path, corpus):
+    """GENERATIONS=2 STUDENT_DEPTH=1: two d2 generations, then a d1 student whose teacher is both of them
+    (a teacher of another depth than its student), served by best.json, best.pt and the done line."""
+    ws = tmp_path / "ws"
+    proc = run_train([*ARGS, "--data_dir", corpus, "--workspace", ws, "--generations", 2, "--student_depth", 1])
+    top = ws / "checkpoints/d2"
+    record = _record(ws)
+    assert [g.get("depth") for g in record["generations"]] == [None, None, 1]
+    assert [t["generation"] for t in record["generations"][2]["teachers"]] == [1, 2]
+    assert all(g["outcome"].startswith("finished") for g in record["generations"]), record
+    model, _ = ckpt.load_model(ckpt.resolve_serving_checkpoint(top, ws), torch.device("cpu"))
+    assert model.config.n_layer == 1 and json.loads((top / "best.json").read_text())["generation"] == 3
+    assert os.path.samefile(top / "best.pt", _gen(ws, 3) / "best.pt")
+    assert "serving gen3 (the student, d1)" in proc.stdout
+    assert "| gen3 (the student, d1) (served) |" in (top / "report.md").read_text()
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
@@ -243,7 +261,8 @@ def test_a_directory_holds_one_model_or_generations_never_both(tmp_path, corpus,
                                              ("--teacher", "all", "--teacher must be previous or ensemble"),
                                              ("--distill_weight", "1.5", "--distill_weight must lie in [0, 1]"),
                                              ("--distill_temperature", "0", "--distill_temperature must be"),
-                                             ("--resume", "12", "each generation has its own steps")])
+                                             ("--resume", "12", "each generation has its own steps"),
+                                             ("--student_depth", "-1", "--student_depth must be a depth >= 1")])
 def test_bad_generation_settings_exit_2_before_any_step(tmp_path, corpus, flag, value, says, capsys):
     from experiment import train
     extra = ["--generations", "2"] if flag != "--generations" else []
@@ -293,6 +312,35 @@ def test_a_generation_begins_with_its_share_its_seed_and_its_teachers(tmp_path, 
     (top / "gen2/best.pt").unlink()  # the winner without its export: no best.pt of another generation's
     generations.publish_best(top, generations.read_record(top), print)
     assert not (top / "best.pt").exists() and json.loads((top / "best.json").read_text())["generation"] == 2
+
+
+def test_a_student_comes_after_the_generations_learns_from_all_of_them_at_its_depth_and_is_served(tmp_path):
+    """STUDENT_DEPTH: after GENERATIONS=N, one more model at that depth with an equal share, taught by
+    the ensemble of every generation before it (whatever TEACHER says), and served even where a larger
+    generation's val loss is lower: the user named its size to serve it."""
+    from experiment import generations
+    from experiment.config import ConfigError, TrainConfig, check_generations
+    top = tmp_path / "run"
+    done = [_fake_generation(top, 1, 10, 1.5, 100.0), _fake_generation(top, 2, 20, 1.3, 200.0)]
+    record = {"generations": [dict(g) for g in done]}
+    (top / "generations.json").write_text(json.dumps(record))
+    cfg = TrainConfig(generations=2, student_depth=1, depth=4, teacher="previous", training_hours=1000 / 3600,
+                      model_tag="run")
+    gen_cfg, gen_dir, line = generations.pending(cfg, top)
+    assert gen_dir == top / "gen3" and "generation 3 of 2 (the student, d1) starts" in line and gen_cfg.depth == 1
+    g = generations.begin(top, record, 3, cfg, 1000.0)
+    assert g["student"] and g["depth"] == 1 and g["teacher"] == "ensemble"
+    assert [t["generation"] for t in g["teachers"]] == [1, 2] and g["budget_seconds"] == pytest.approx(700)
+    assert generations.generation_config(cfg, g).depth == 1
+    assert generations.generation_config(cfg, {**done[1], "distill": None}).depth == 4  # the run's depth
+    # the first of three equal shares, the student's counted
+    assert generations.share({"generations": []}, 1, cfg, 900.0) == pytest.approx(300)
+    assert generations.winner(generations.read_record(top))["index"] == 2  # the student has no best yet
+    g.update(outcome="finished", best={"step": 5, "val_loss": 1.45, "weights": "raw"})
+    assert generations.winner({"generations": [*done, g]})["index"] == 3  # 1.45 over gen2's 1.3: still served
+    for bad in (dict(generations="auto"), dict(generations=1), dict(student_depth=-2)):
+        with pytest.raises(ConfigError, match="--student_depth"):
+            check_generations(TrainConfig(**{"generations": 2, "student_depth": 1, **bad}))
 
 
 def test_auto_gives_the_first_generation_the_whole_budget_and_another_while_enough_is_left(tmp_path):
