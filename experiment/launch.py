@@ -105,8 +105,9 @@ def _try_lock(f) -> bool:
 # ended (a user's mistake found at the start, a final save the volume refused, a diverging loss)
 # would then set up again, or resume and train up to the same failure again, each time: the hours
 # since the latest checkpoint, over and over. So its workers leave a marker for their torchrun agent
-# (named by host and the agent's pid, which restarted workers share, and the exit code the launch
-# ends with: 2 for a mistake, 1 for a failure), and a restarted worker that finds it exits at once.
+# (named by host, the agent's pid, which restarted workers share, the worker's own pid, and the exit
+# code the launch ends with: 2 for a mistake, 1 for a failure), and a restarted worker that finds it
+# exits at once.
 # experiment/agent.py, the agent experiment/run.sh starts, then ends the launch with that code. The
 # marker is an empty file: it needs an inode and a directory entry but no data block, which a volume
 # full of data still has. experiment/run.sh deletes this host's markers before each launch, and a
@@ -127,7 +128,7 @@ def end_launch(run_dir: Path, code: int = 1) -> None:
     if "TORCHELASTIC_RUN_ID" not in os.environ:  # not under torchrun: nothing restarts this process
         return
     try:
-        (Path(run_dir) / f"{_marker_name(os.getppid())}{code}").touch()
+        (Path(run_dir) / f"{_marker_name(os.getppid())}{os.getpid()}.{code}").touch()
     except OSError:  # a volume out of inodes, or gone: torchrun then restarts as before
         pass
 
@@ -142,6 +143,18 @@ def ended_code(run_dir: Path, agent_pid: int) -> tuple[int, float] | None:
         except (ValueError, OSError):  # not one of ours, or gone meanwhile
             continue
     return max(found, key=lambda f: f[0] == 2, default=None)  # a mistake's code over a failure's
+
+
+def marker_pids(run_dir: Path, agent_pid: int) -> set[int]:
+    """The workers of agent `agent_pid` on this host that left a marker: a failure of another worker
+    (a restart that crashed after the launch was ended) is no decision of the trainer's."""
+    prefix, pids = _marker_name(agent_pid), set()
+    for marker in Path(run_dir).glob(prefix + "*"):
+        try:
+            pids.add(int(marker.name[len(prefix):].split(".")[0]))
+        except ValueError:  # not one of ours
+            continue
+    return pids
 
 
 def launch_ended(run_dir: Path) -> float | None:

@@ -130,7 +130,7 @@ if [ "$NODE_RANK" = 0 ]; then
     printf 'pid %s on %s since %s\n' "$$" "$(hostname)" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" > "$run_dir/.lock"
 fi
 
-# A trainer that ends its launch with what a restart would repeat leaves .ended.<host>.<torchrun pid>.<code>
+# A trainer that ends its launch with what a restart would repeat leaves .ended.<host>.<torchrun pid>.<worker pid>.<code>
 # for torchrun's restarts (experiment/launch.py); this launch's torchrun may reuse an old pid.
 rm -f -- "$run_dir"/.ended."$(uname -n)".*
 
