@@ -105,34 +105,6 @@ def test_a_launch_the_trainer_ended_is_refused_to_torchruns_restarts_only(tmp_pa
     assert launch.launch_ended(tmp_path) is None and not list(tmp_path.iterdir())  # a first attempt: a new launch
 
 
-def test_the_agent_exits_with_the_markers_code_only_for_the_worker_that_left_it(tmp_path, monkeypatch):
-    """experiment/agent.py, when torchrun fails (MAX_RESTARTS=0, or a restart that crashed): the
-    marker's code, without torchrun's traceback, only when the failed worker left the marker with that
-    code; a crash of another worker after it (a restart's) is torchrun's own failure, raised."""
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-
-    from experiment import agent, launch
-
-    def failing(pid, code):
-        def main(args):
-            raise ChildFailedError("x", {0: ProcessFailure(0, pid, code, str(tmp_path / "none.json"))})
-        return main
-
-    monkeypatch.setenv(launch.AGENT_READS_ENDED, "0")  # agent.main sets it for its workers: undone after the test
-    me = launch.socket.gethostname(), launch.os.getpid()
-    (tmp_path / f".ended.{me[0]}.{me[1]}.4242.2").touch()  # worker 4242 ended the launch: the user's mistake
-    monkeypatch.setattr(torchrun, "main", failing(4242, 2))
-    assert agent.main([str(tmp_path)]) == 2
-    monkeypatch.setattr(torchrun, "main", failing(4343, 2))  # another worker failed with the same code
-    with pytest.raises(ChildFailedError):
-        agent.main([str(tmp_path)])
-    monkeypatch.setattr(torchrun, "main", failing(4242, 1))  # the marker's worker, another code
-    with pytest.raises(ChildFailedError):
-        agent.main([str(tmp_path)])
-    assert launch.marker_pids(tmp_path, me[1]) == {4242} and launch.marker_pids(tmp_path, 1) == set()
-
-
 def test_a_restart_of_an_ended_launch_exits_0_only_to_an_agent_that_reads_its_code(tmp_path, monkeypatch, capsys):
     from experiment import launch
 

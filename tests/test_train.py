@@ -646,21 +646,28 @@ def test_only_the_first_models_setup_errors_end_the_launch(monkeypatch, tmp_path
 def test_the_agent_gives_the_markers_code_only_when_the_trainers_decision_failed_first(monkeypatch, tmp_path):
     """experiment/agent.py around torchrun's main: its exit code is the marker's when torchrun ended
     cleanly after the marker, or failed first with that very code (MAX_RESTARTS=0); a crash that
-    came first keeps torchrun's own error."""
+    came first keeps torchrun's own error, as does one of a worker that left no marker (a restart that
+    crashed after the marker)."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     from experiment import agent, launch
 
-    def failing(code):
+    def failing(code, pid=4242):
         def main(args):
-            raise ChildFailedError("experiment.train", {0: ProcessFailure(0, 1, code, "<N/A>")})
+            raise ChildFailedError("experiment.train", {0: ProcessFailure(0, pid, code, "<N/A>")})
         return main
 
     monkeypatch.setenv(launch.AGENT_READS_ENDED, "")  # the agent sets it for its workers: undone after the test
-    monkeypatch.setattr(launch, "ended_code", lambda run_dir, pid: (2, 0.0))
+    me = launch.os.getpid()
+    (tmp_path / f".ended.{launch.socket.gethostname()}.{me}.4242.2").touch()  # worker 4242's mistake
+    assert launch.marker_pids(tmp_path, me) == {4242} and launch.marker_pids(tmp_path, 1) == set()
     monkeypatch.setattr(torchrun, "main", failing(2))
     assert agent.main([str(tmp_path)]) == 2
+    monkeypatch.setattr(torchrun, "main", failing(2, pid=4343))  # another worker, the same code: a restart's crash
+    with pytest.raises(ChildFailedError):
+        agent.main([str(tmp_path)])
+    monkeypatch.setattr(launch, "ended_code", lambda run_dir, pid: (2, 0.0))
     monkeypatch.setattr(torchrun, "main", failing(-9))  # a kill came first: not the trainer's decision
     with pytest.raises(ChildFailedError):
         agent.main([str(tmp_path)])
