@@ -145,28 +145,38 @@ def ended_code(run_dir: Path, agent_pid: int) -> tuple[int, float] | None:
     return max(found, key=lambda f: f[0] == 2, default=None)  # a mistake's code over a failure's
 
 
-def marker_pids(run_dir: Path, agent_pid: int) -> set[int]:
-    """The workers of agent `agent_pid` on this host that left a marker: a failure of another worker
-    (a restart that crashed after the launch was ended) is no decision of the trainer's."""
-    prefix, pids = _marker_name(agent_pid), set()
+def marker_codes(run_dir: Path, agent_pid: int) -> dict[int, int]:
+    """{worker pid: exit code} of the markers the workers of agent `agent_pid` on this host left: a
+    failure of a worker that left none, or another code (a restart that crashed after the launch was
+    ended), is no decision of the trainer's."""
+    prefix, codes = _marker_name(agent_pid), {}
     for marker in Path(run_dir).glob(prefix + "*"):
         try:
-            pids.add(int(marker.name[len(prefix):].split(".")[0]))
+            pid, code = map(int, marker.name[len(prefix):].split("."))
         except ValueError:  # not one of ours
             continue
-    return pids
+        codes[pid] = code
+    return codes
+
+
+def clear_markers(run_dir: Path, agent_pid: int) -> None:
+    """The markers of agent `agent_pid` on this host: an earlier launch's, when its torchrun had this pid."""
+    for marker in Path(run_dir).glob(_marker_name(agent_pid) + "*"):
+        marker.unlink(missing_ok=True)
 
 
 def launch_ended(run_dir: Path) -> float | None:
     """When this process is one of torchrun's restarts after its trainer ended the launch
-    (end_launch): the time the marker was left; else None. A first attempt removes a marker that a
-    reused pid left from an earlier launch (no rank of this launch can have written one yet)."""
+    (end_launch): the time the marker was left; else None. Under experiment/agent.py, which removed
+    its pid's markers before it started any worker, every attempt reads them: a restart for a
+    membership change (another node re-joined while this node's worker, marker left, still ran) keeps
+    TORCHELASTIC_RESTART_COUNT at 0. Under a bare torchrun a first attempt removes a marker that a
+    reused pid left from an earlier launch."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
     try:
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
-            for marker in Path(run_dir).glob(_marker_name(os.getppid()) + "*"):
-                marker.unlink(missing_ok=True)
+        if os.environ.get(AGENT_READS_ENDED) != "1" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+            clear_markers(run_dir, os.getppid())
             return None
         found = ended_code(run_dir, os.getppid())
         return found[1] if found else None

@@ -102,6 +102,9 @@ def test_a_launch_the_trainer_ended_is_refused_to_torchruns_restarts_only(tmp_pa
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     launch.end_launch(tmp_path)  # left by an earlier launch whose torchrun had this pid
+    monkeypatch.setenv(launch.AGENT_READS_ENDED, "1")  # the agent cleared such markers before its workers started:
+    assert launch.launch_ended(tmp_path) is not None  # a restart for another node's re-join (count 0) reads them
+    monkeypatch.delenv(launch.AGENT_READS_ENDED)
     assert launch.launch_ended(tmp_path) is None and not list(tmp_path.iterdir())  # a first attempt: a new launch
 
 

@@ -659,14 +659,28 @@ def test_the_agent_gives_the_markers_code_only_when_the_trainers_decision_failed
         return main
 
     monkeypatch.setenv(launch.AGENT_READS_ENDED, "")  # the agent sets it for its workers: undone after the test
-    me = launch.os.getpid()
-    (tmp_path / f".ended.{launch.socket.gethostname()}.{me}.4242.2").touch()  # worker 4242's mistake
-    assert launch.marker_pids(tmp_path, me) == {4242} and launch.marker_pids(tmp_path, 1) == set()
-    monkeypatch.setattr(torchrun, "main", failing(2))
+    me, host = launch.os.getpid(), launch.socket.gethostname()
+    stale = tmp_path / f".ended.{host}.{me}.77.2"
+    monkeypatch.setattr(torchrun, "main", lambda args: stale.exists() and 1)  # what a first worker would read
+    stale.touch()  # an earlier launch's, whose torchrun had this pid: gone before any worker starts
+    assert agent.main([str(tmp_path)]) == 0 and not stale.exists()
+
+    def ended(pid, code, failed=None):  # worker `pid` leaves its marker; then torchrun fails with `failed`, or not
+        def main(args):
+            (tmp_path / f".ended.{host}.{me}.{pid}.{code}").touch()
+            if failed:
+                failing(failed[1], failed[0])(args)
+        return main
+
+    monkeypatch.setattr(torchrun, "main", ended(4242, 2, (4242, 2)))  # MAX_RESTARTS=0: the marker's worker failed
     assert agent.main([str(tmp_path)]) == 2
-    monkeypatch.setattr(torchrun, "main", failing(2, pid=4343))  # another worker, the same code: a restart's crash
-    with pytest.raises(ChildFailedError):
-        agent.main([str(tmp_path)])
+    assert launch.marker_codes(tmp_path, me) == {4242: 2} and launch.marker_codes(tmp_path, 1) == {}
+    monkeypatch.setattr(torchrun, "main", ended(4242, 2))  # one restart found the marker and exited 0
+    assert agent.main([str(tmp_path)]) == 2
+    for failed in ((4343, 2), (4242, 1)):  # another worker with that code, the marker's with another: a crash
+        monkeypatch.setattr(torchrun, "main", ended(4242, 2, failed))
+        with pytest.raises(ChildFailedError):  # torchrun's own report
+            agent.main([str(tmp_path)])
     monkeypatch.setattr(launch, "ended_code", lambda run_dir, pid: (2, 0.0))
     monkeypatch.setattr(torchrun, "main", failing(-9))  # a kill came first: not the trainer's decision
     with pytest.raises(ChildFailedError):
