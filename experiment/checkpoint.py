@@ -237,16 +237,19 @@ def sweep_winner(path: Path) -> Path | None:
 
 def generation_winner(path: Path) -> Path | None:
     """A run directory of generations -> the directory of the generation it serves: the one its
-    best.json names (the best finished generation: experiment/generations.py), or while none has
-    finished, the best of those begun; None for any other directory."""
+    best.json names (experiment/generations.py's winner), or while none has finished, the
+    STUDENT_DEPTH student with a best, else the best of those begun; None for any other directory."""
     record_path = Path(path) / GENERATIONS_RECORD
     if not record_path.is_file():
         return None
     top_best = read_best(path)
     if top_best is not None and "dir" in top_best:
         return Path(path) / top_best["dir"]
-    dirs = [Path(path) / g["dir"] for g in read_json(record_path).get("generations", [])]
-    best = pick_winner([(x, _best_or_none(x)) for x in dirs])
+    gens = read_json(record_path).get("generations", [])
+    students = [Path(path) / g["dir"] for g in gens if g.get("student") and _best_or_none(Path(path) / g["dir"])]
+    if students:  # served once it has a best, as generations.winner says
+        return students[-1]
+    best = pick_winner([(x, _best_or_none(x)) for x in (Path(path) / g["dir"] for g in gens)])
     if best is None:
         raise CheckpointError(f"{path}: no generation has a best checkpoint yet")
     return best

@@ -6,7 +6,8 @@ val minimum, or the data's passes are done) buys the next generation instead.
     <run_dir>/generations.json   the record: each generation's seed, budget, teachers and outcome
     <run_dir>/gen<k>/            generation k: an ordinary run directory (checkpoints, best.json,
                                  best.pt, report.md, training.log); TensorBoard <MODEL_TAG>/gen<k>
-    <run_dir>/best.json          the best generation's best (with "generation" and "dir")
+    <run_dir>/best.json          the served generation's best (with "generation" and "dir"): the
+                                 STUDENT_DEPTH student's once it has one, else the best generation's
     <run_dir>/best.pt            its export (a hard link to gen<k>/best.pt)
     <run_dir>/report.md          the generations side by side
 
@@ -69,7 +70,7 @@ def check_layout(cfg: TrainConfig, top: Path) -> None:
         raise ConfigError(f"{top} is a generation of the run in {top.parent}: relaunch that run (its MODEL_TAG and "
                           "GENERATIONS), which resumes this generation with its teacher")
     if cfg.generations == 1 and (top / RECORD).is_file():
-        n = len(read_record(top)["generations"])
+        n = sum(not g.get("student") for g in read_record(top)["generations"])
         raise ConfigError(f"{top} is a run of generations ({n} begun, {RECORD}): relaunch it with GENERATIONS "
                           f"of at least {n}, or set another MODEL_TAG for one model")
 
@@ -86,7 +87,18 @@ def student(cfg: TrainConfig, k: int) -> dict:
 
 
 def of(cfg: TrainConfig) -> str:
-    return "(GENERATIONS=auto)" if cfg.generations == "auto" else f"of {cfg.generations}"
+    return "(GENERATIONS=auto)" if cfg.generations == "auto" else f"of {count(cfg)}"
+
+
+def check_student(record: dict, cfg: TrainConfig) -> None:
+    """A begun student is the run's last model: a relaunch names the run as it began (GENERATIONS and
+    STUDENT_DEPTH); another count would take the student for a generation and train more after it."""
+    begun = [g for g in record["generations"] if g.get("student")]
+    if begun and (count(cfg) != begun[-1]["index"] or cfg.student_depth != begun[-1]["depth"]):
+        g = begun[-1]
+        raise ConfigError(f"this run's student (gen{g['index']}, d{g['depth']}) has begun, after {g['index'] - 1} "
+                          f"generations: relaunch it with GENERATIONS={g['index'] - 1} STUDENT_DEPTH={g['depth']}, "
+                          "or set another MODEL_TAG")
 
 
 def share(record: dict, k: int, cfg: TrainConfig, budget: float) -> float | None:
@@ -179,6 +191,7 @@ def pending(cfg: TrainConfig, top: Path, world_size: int | None = None) -> tuple
     check_layout(cfg, top)
     record = read_record(top)
     check_world(record, cfg, world_size)
+    check_student(record, cfg)
     gens = record["generations"]
     done = [g for g in gens if g["outcome"] is not None]
     if len(done) >= count(cfg):
@@ -239,7 +252,7 @@ def run_all(cfg: TrainConfig, d: Dist, workspace: Path, top: Path, log: RunLog, 
         gens = record["generations"]
         if k <= len(gens) and gens[k - 1]["outcome"] is not None:
             continue  # done in an earlier launch
-        on_rank_0(d, lambda: check_world(record, cfg, d.world_size))
+        on_rank_0(d, lambda: (check_world(record, cfg, d.world_size), check_student(record, cfg)))
         g = gens[k - 1] if k <= len(gens) else on_rank_0(d, lambda: begin(top, record, k, cfg, budget, d.world_size))
         if g is None:
             log(f"generations | no budget left for generation {k} {of(cfg)}")

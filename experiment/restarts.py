@@ -92,6 +92,13 @@ def charge(t: Trainer, loop: Loop) -> None:
     beat(t, loop, force=True)
 
 
+def after_export(t: Trainer, loop: Loop) -> None:
+    """The final export of best.pt is on the bill: the heartbeat after it, so that an extension of the
+    run is charged it; not after a relaunch of a finished run, which trained no step (charge)."""
+    if t.resume_step is None or t.st.step > t.resume_step:
+        beat(t, loop, force=True)
+
+
 def beat(t: Trainer, loop: Loop, force: bool = False) -> None:
     """Rank 0: heartbeat.json, when HEARTBEAT_SECONDS have passed since the last (or `force`). Renamed
     into place but not fsynced: an fsync on a network volume can wait behind a background save's

@@ -124,9 +124,13 @@ def begun_budget(sweep_dir: Path, budget: dict, log) -> dict:
     A relaunch on another GPU count (BUDGET_USD is dollars for the box) or SWEEP_PARALLEL computes other
     hours, which each begun member would read as an extension or a cut of its own budget."""
     path = sweep_dir / RECORD
-    began = (ckpt.read_json(path) if path.is_file() else {}).get("budget") or {}
-    if any(began.get(k, "") != budget[k] for k in BUDGET_INPUTS):  # a first launch, or other inputs
-        return budget
+    try:
+        began = (ckpt.read_json(path) if path.is_file() else {}).get("budget") or {}
+    except (ckpt.CheckpointError, OSError) as e:  # the table is rewritten as the members run
+        log(f"sweep | warning: {path} unreadable ({e}): the members' hours are computed anew")
+        began = {}
+    if any(began.get(k, "") != budget[k] for k in BUDGET_INPUTS) or not {"member_hours", "scoring_seconds"} <= set(began):
+        return budget  # a first launch, or other inputs
     if abs(began["member_hours"] - budget["member_hours"]) > 1e-9 * budget["member_hours"]:
         log(f"sweep | each member keeps the {began['member_hours']:.3f} h this sweep began with, not the "
             f"{budget['member_hours']:.3f} h of this box's GPUs and SWEEP_PARALLEL (the same "
@@ -452,8 +456,9 @@ def setup(env: dict, log) -> Sweep:
     # Two members or more are scored once they end (SWEEP_SCORING_SHARE): that time comes off their hours.
     kept = SWEEP_SCORING_SHARE * hours if len(settings) >= 2 else 0.0
     lock = take_lock(sweep_dir)  # before sweep.json is read: another launch of this sweep may be writing it
-    budget = begun_budget(sweep_dir, {**{k: env.get(k) or None for k in BUDGET_INPUTS},
-                                      "member_hours": (hours - kept) / waves, "scoring_seconds": kept * 3600}, log)
+    inputs = {**{k: env.get(k) or None for k in BUDGET_INPUTS}, "SWEEP": sorted(map(member_tag, settings))}
+    budget = begun_budget(sweep_dir, {**inputs, "member_hours": (hours - kept) / waves, "scoring_seconds": kept * 3600},
+                          log)
     sweep = Sweep(dir=sweep_dir, tag=tag, members=[Member(member_tag(s), s, sweep_dir / member_tag(s)) for s in settings],
                   env={**env, "WORKSPACE": str(workspace)}, slots=slots, devices=visible[:slots] if cuda else None,
                   member_hours=budget["member_hours"], gpu_hourly=gpu_hourly, lock=lock, ensemble_tokens=ensemble_tokens,

@@ -425,7 +425,7 @@ def finish(t: Trainer, loop: Loop) -> None:
                  else t.run_dir / f"model_{best['step']:06d}_rank{{0..{t.d.world_size - 1}}}.pt")
         if not loop.outcome.startswith("stopped"):  # a preemption's grace is for the checkpoint alone
             t.log(export_best(t.run_dir))
-            restarts.beat(t, loop, force=True)  # the export is on the bill: an extension is charged it
+            restarts.after_export(t, loop)
         spent = loop.used()  # the final eval, save and export included
         t.log(f"serve it: bash run.sh serve   (or: python -m experiment.server --checkpoint {t.run_dir}, which "
               "serves its best)")

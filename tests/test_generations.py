@@ -1,6 +1,7 @@
 """GENERATIONS: models trained one after another, each distilled from a frozen teacher; the best served."""
 
 import hashlib
+import dataclasses
 import json
 import os
 import re
@@ -327,7 +328,7 @@ def test_a_student_comes_after_the_generations_learns_from_all_of_them_at_its_de
     cfg = TrainConfig(generations=2, student_depth=1, depth=4, teacher="previous", training_hours=1000 / 3600,
                       model_tag="run")
     gen_cfg, gen_dir, line = generations.pending(cfg, top)
-    assert gen_dir == top / "gen3" and "generation 3 of 2 (the student, d1) starts" in line and gen_cfg.depth == 1
+    assert gen_dir == top / "gen3" and "generation 3 of 3 (the student, d1) starts" in line and gen_cfg.depth == 1
     g = generations.begin(top, record, 3, cfg, 1000.0)
     assert g["student"] and g["depth"] == 1 and g["teacher"] == "ensemble"
     assert [t["generation"] for t in g["teachers"]] == [1, 2] and g["budget_seconds"] == pytest.approx(700)
@@ -338,6 +339,15 @@ def test_a_student_comes_after_the_generations_learns_from_all_of_them_at_its_de
     assert generations.winner(generations.read_record(top))["index"] == 2  # the student has no best yet
     g.update(outcome="finished", best={"step": 5, "val_loss": 1.45, "weights": "raw"})
     assert generations.winner({"generations": [*done, g]})["index"] == 3  # 1.45 over gen2's 1.3: still served
+    assert ckpt.generation_winner(top) == top / "gen2"  # no best.json yet: the student has no best either
+    (top / "gen3").mkdir()
+    (top / "gen3/best.json").write_text(json.dumps(g["best"]))
+    assert ckpt.generation_winner(top) == top / "gen3"  # the student with a best, as winner() says
+    # The begun student is the run's last model: a relaunch with another count or depth is refused.
+    for other in (dict(generations=3), dict(student_depth=2), dict(generations="auto", student_depth=0)):
+        with pytest.raises(ConfigError, match=r"student \(gen3, d1\) has begun.*GENERATIONS=2 STUDENT_DEPTH=1"):
+            generations.pending(dataclasses.replace(cfg, **other), top)
+    generations.pending(cfg, top)  # the same settings resume it
     for bad in (dict(generations="auto"), dict(generations=1), dict(student_depth=-2)):
         with pytest.raises(ConfigError, match="--student_depth"):
             check_generations(TrainConfig(**{"generations": 2, "student_depth": 1, **bad}))

@@ -447,7 +447,7 @@ def test_torchrun_restarts_a_dead_worker_and_the_run_resumes(tmp_path, corpus):
     assert all(torch.equal(ref[n], got[n]) for n in ref)
 
 
-@pytest.mark.slow(seconds=23)
+@pytest.mark.slow(seconds=35)
 def test_a_kill_9_past_the_last_save_charges_the_lost_time_to_the_budget(tmp_path, corpus):
     """kill -9 a few seconds past the newest complete checkpoint, then the same command (to a near end).
     The budget used counts the training the kill threw away (the heartbeat's, at most
@@ -486,6 +486,12 @@ def test_a_kill_9_past_the_last_save_charges_the_lost_time_to_the_budget(tmp_pat
     spent = float(re.search(r"\(([\d.]+)s of [\d.]+s\)", done).group(1))
     beat = json.loads((run_dir / "heartbeat.json").read_text())
     assert beat["used_seconds"] >= max(spent - 0.1, state["used_seconds"] + 2)
+    # The same command again on the finished run trains no step and is charged nothing: its own
+    # export (4 s here) is not added to what a later extension is charged.
+    done_again = subprocess.run([*cmd, "--max_steps", str(step + 3)], cwd=REPO, capture_output=True, text=True,
+                                env={**ENV, "HEARTBEAT_SECONDS": "1", "FAULT_EXPORT_SECONDS": "4"}, timeout=240)
+    assert done_again.returncode == 0, done_again.stderr[-3000:]
+    assert json.loads((run_dir / "heartbeat.json").read_text())["used_seconds"] <= beat["used_seconds"]
 
 
 def test_the_lost_seconds_come_from_a_heartbeat_written_since_the_resumed_checkpoint(tmp_path):
@@ -828,6 +834,31 @@ def test_two_nodes_of_one_process_equal_one_node_of_two(tmp_path, corpus):
     one, two = _state(tmp_path / "one_node", 4), _state(tmp_path / "two_nodes", 4)
     assert all(torch.equal(one[n], two[n]) for n in one)
     assert run_meta(tmp_path / "two_nodes", 4)["world_size"] == 2
+
+
+@pytest.mark.slow(seconds=20)
+def test_a_users_error_on_two_nodes_ends_each_nodes_launch_once_with_exit_2(tmp_path, corpus):
+    """Two loopback nodes of one process each, through the launcher's agent (experiment/agent.py), and
+    EVAL_METRIC whose function raises: rank 0 decides it for both ranks. Each node's launch ends after
+    its one restart found its own node's marker: exit 2 on both, the error once a node (local rank 0
+    says it), no traceback, no ChildFailedError."""
+    metric = tmp_path / "m.py"
+    metric.write_text("def f(generate, tokenizer):\n    raise RuntimeError('a bad record')\n")
+    run_dir, port = tmp_path / "ws/checkpoints/d2", _free_port()
+    args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path / "ws", "--max_steps", 4, "--total_batch_size", 256,
+            "--eval_metric", f"{metric}:f"]
+    nodes = [subprocess.Popen([sys.executable, "-m", "experiment.agent", str(run_dir), "--nnodes=2",
+                               f"--node_rank={rank}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                               "--rdzv_id=test-mistake", "--nproc_per_node=1", "--max-restarts=3", "-m",
+                               "experiment.train", *map(str, args)],
+                              cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    for node in nodes:
+        out, err = node.communicate(timeout=300)
+        assert node.returncode == 2, (out + err)[-3000:]
+        assert err.count("raised RuntimeError: a bad record") == 1 and (out + err).count("error:") == 1, err[-3000:]
+        assert "Traceback" not in out + err and "ChildFailedError" not in out + err
+    assert not ckpt.complete_steps(run_dir)
 
 
 # ---------------------------------------------------------------- faults in the run itself

@@ -511,5 +511,10 @@ def test_a_relaunch_keeps_the_members_hours_the_sweep_began_with(tmp_path, monke
     assert again.member_hours == pytest.approx(0.99) and again.scoring_seconds == pytest.approx(72)
     assert any("keeps the 0.990 h this sweep began with, not the 1.980 h" in line for line in lines)
     assert json.loads((first.dir / sweep.RECORD).read_text())["budget"]["member_hours"] == pytest.approx(0.99)
+    same, _ = launch(SWEEP_PARALLEL="2", SWEEP="DEPTH=2  DEPTH=1")  # the same members, in another order
+    assert same.member_hours == pytest.approx(0.99)
     more, _ = launch(SWEEP_PARALLEL="2", TRAINING_HOURS="4")  # a larger budget: the user's extension
     assert more.member_hours == pytest.approx(3.96) and more.scoring_seconds == pytest.approx(144)
+    (more.dir / sweep.RECORD).write_text("{torn")  # unreadable: computed anew, and said
+    torn, lines = launch(SWEEP_PARALLEL="1", TRAINING_HOURS="4")
+    assert torn.member_hours == pytest.approx(1.98) and any("unreadable" in line for line in lines)
