@@ -84,11 +84,15 @@ def activation_bytes(config: GPTConfig, batch: int, seq: int, activation_checkpo
 
 def plan_memory(config: GPTConfig, world_size: int, batch: int, seq: int, precision: str,
                 activation_checkpointing: bool, cuda: bool = True, collectives: bool | None = None,
-                average: bool = False) -> MemoryPlan:
+                average: bool = False, teacher_params: int = 0) -> MemoryPlan:
     """Bytes per GPU of the most loaded rank. The gradients are DDP's all-reduce buckets themselves
     (wrap_ddp makes them views), so DDP adds no copy; `collectives` (default: CUDA with more than
     one rank) adds NCCL's buffers. A simulated world (the fit probe) makes no collectives. `average`
-    (AVERAGE=ema) adds the fp32 weight average of the owned parameters."""
+    (AVERAGE=ema) adds the fp32 weight average of the owned parameters. `teacher_params`: a later
+    generation's frozen teacher (experiment/teacher.py), whole on every rank, its weights taken in the
+    student's dtype (a chain of one mode), and its fp32 probabilities, which the distillation term
+    keeps through the student's backward; its own forward (no grad) comes before the student's
+    activations exist and needs less than they do."""
     if collectives is None:
         collectives = cuda and world_size > 1
     shapes = param_shapes(config)
@@ -114,6 +118,8 @@ def plan_memory(config: GPTConfig, world_size: int, batch: int, seq: int, precis
     }
     if average:  # fp32, and its cast to the weights' dtype while a save copies it out
         rows["weight average"] = 4 * n_owned + (2 * n_owned if precision == "bf16" else 0)
+    if teacher_params:
+        rows["teacher"] = teacher_params * weight_bytes + 4 * batch * seq * config.vocab_size
     rows["overhead"] = (OVERHEAD_FIXED_BYTES if cuda else 0) + int(OVERHEAD_FRACTION * sum(rows.values()))
     return MemoryPlan(precision, activation_checkpointing, rows)
 
@@ -175,13 +181,14 @@ def checkpoint_precision(config: GPTConfig, world: int, gpu_bytes: int, precisio
 
 
 def choose_mode(config: GPTConfig, world_size: int, batch: int, seq: int, gpu_bytes: int,
-                precision: str = "auto", activation_checkpointing: str = "auto") -> MemoryPlan | None:
+                precision: str = "auto", activation_checkpointing: str = "auto",
+                teacher_params: int = 0) -> MemoryPlan | None:
     """The cheapest mode (fp32 before bf16, no recompute before recompute) that fits, honouring
     any setting that is not "auto"; None if nothing fits."""
     for p, c in MODES:
         if precision not in ("auto", p) or activation_checkpointing not in ("auto", "on" if c else "off"):
             continue
-        plan = plan_memory(config, world_size, batch, seq, p, c)
+        plan = plan_memory(config, world_size, batch, seq, p, c, teacher_params=teacher_params)
         if plan.fits(gpu_bytes):
             return plan
     return None
@@ -264,19 +271,34 @@ def find_device_batch(model: GPT, seq_len: int, per_rank: int, d: Dist, reserve_
 
 
 def choose_memory_mode(model_config: GPTConfig, batch: int, precision: str, activation_checkpointing: str,
-                       d: Dist) -> MemoryPlan | None:
+                       d: Dist, teacher_params: int = 0) -> MemoryPlan | None:
     """On CUDA, "auto" settings take the cheapest mode the memory plan says fits this GPU at device
-    batch `batch`; on CPU, "auto" is fp32 without recompute (returns None: no plan)."""
+    batch `batch` (with a generation's teacher beside the model); on CPU, "auto" is fp32 without
+    recompute (returns None: no plan)."""
     if d.device.type != "cuda":
         return None
     gpu_bytes = torch.cuda.get_device_properties(d.device).total_memory
     seq = model_config.max_seq_len
-    plan = choose_mode(model_config, d.world_size, batch, seq, gpu_bytes, precision, activation_checkpointing)
+    plan = choose_mode(model_config, d.world_size, batch, seq, gpu_bytes, precision, activation_checkpointing,
+                       teacher_params)
     if plan is None:
-        plans = [plan_memory(model_config, d.world_size, batch, seq, p, c) for p, c in MODES]
-        raise ConfigError(f"d{model_config.depth} with device batch {batch} does not fit {gpu_bytes / 2**30:.0f} GiB "
-                          f"per GPU on {d.world_size} ranks in any mode allowed:\n{format_plan(plans, gpu_bytes)}")
+        plans = [plan_memory(model_config, d.world_size, batch, seq, p, c, teacher_params=teacher_params)
+                 for p, c in MODES]
+        raise ConfigError(f"d{model_config.depth} with device batch {batch}"
+                          + (f" and its teacher ({teacher_params:,} params)" if teacher_params else "")
+                          + f" does not fit {gpu_bytes / 2**30:.0f} GiB per GPU on {d.world_size} ranks in any mode "
+                          f"allowed:\n{format_plan(plans, gpu_bytes)}")
     return plan
+
+
+def memory_line(plan: MemoryPlan | None, precision: str, activation_checkpointing: bool, batch: int, d: Dist) -> str:
+    """The trainer's memory line: the mode, and on CUDA what the plan counted."""
+    gpu_gib = torch.cuda.get_device_properties(d.device).total_memory / 2**30 if plan else 0
+    return (f"memory | weights {precision}" + (" with fp32 master shards" if precision == "bf16" else "")
+            + f" | activation checkpointing {'on' if activation_checkpointing else 'off'}"
+            + (f" | planned {plan.total / 2**30:.1f} GiB of {gpu_gib:.1f} GiB per GPU at device batch {batch}"
+               + (f" (its teacher {plan.rows['teacher'] / 2**30:.1f} GiB)" if "teacher" in plan.rows else "")
+               if plan else ""))
 
 
 HOST_AVERAGE_EVERY = 10  # steps between folds of a weight average kept in host memory (place_average)

@@ -43,7 +43,7 @@ from experiment.config import AUTO_MAX_GENERATIONS, CUDA_DEFAULTS, PLATEAU_EVALS
 from experiment.dataloader import DataError, validate
 from experiment.files import default_workspace
 from experiment.hardware import PCIE_GBPS, NVLINK_GBPS, link_gbps, peak_flops
-from experiment.memory import checkpoint_bytes, checkpoint_precision, choose_mode
+from experiment.memory import checkpoint_bytes, checkpoint_precision, choose_mode, count_params
 from experiment.model import GPTConfig
 
 GPU_MEMORY_GIB = (("H200", 141), ("H100", 80), ("A100", 80))  # by name fragment, most specific first
@@ -241,10 +241,11 @@ def launch_line(p: dict, cfg: PlanConfig, count: int) -> tuple[str, str]:
     (NPROC_PER_NODE; past 8, nodes of 8), the plan's depth, explicit, with the default pass cap, the
     budget in dollars (BUDGET_USD: the trainer turns it into hours on the GPUs it starts on),
     GENERATIONS=auto where the data-limited recipe trains (what one model leaves unspent buys more
-    models), and every planned setting that is not the trainer's default, quoted for the shell."""
+    models) and a generation fits beside its teacher, and every planned setting that is not the
+    trainer's default, quoted for the shell."""
     usd = launch_budget(p, cfg, count)[1]
     nodes = {"NNODES": count // GPUS_PER_NODE} if count > GPUS_PER_NODE else {}  # and NODE_RANK, MASTER_ADDR
-    generations = {"GENERATIONS": "auto"} if p["regime"]["regularized"] else {}
+    generations = {"GENERATIONS": "auto"} if p["regime"]["regularized"] and p.get("teacher_fits", True) else {}
     settings = {**nodes, "NPROC_PER_NODE": min(count, GPUS_PER_NODE), "DEPTH": p["depth"],
                 "BUDGET_USD": _cents(usd), **generations, **planned_settings(cfg)}
     return _shell(settings), f"$WORKSPACE/checkpoints/d{p['depth']}"
@@ -319,6 +320,10 @@ def plan(cfg: PlanConfig) -> dict:
          "recommended_gpus": min(in_time) if cfg.hours_available is not None and in_time else gpus.count}
     recommend_on(p, cfg, rows)
     p["regime"] = regime_plan(p, cfg, rows, best.tok_per_s)
+    # A generation after the first holds its teacher beside it: another model of this depth on each GPU
+    config = model_config(best.depth, cfg, vocab)
+    p["teacher_fits"] = choose_mode(config, p["recommended_gpus"], 1, config.max_seq_len, gpus.memory_bytes,
+                                    teacher_params=count_params(config)) is not None
     p["launch"], p["run_dir"] = launch_line(p, cfg, p["recommended_gpus"])
     p["sweep"] = sweep_plan(p, cfg, gpus, [r["depth"] for r in rungs if r["fits"]], vocab)
     return p
@@ -461,6 +466,13 @@ def sweep_lines(p: dict) -> list[str]:
             f"sweep | launch: {sw['launch']}"]
 
 
+def generation_lines(p: dict) -> list[str]:
+    return [f"recommendation | GENERATIONS=auto: when the stop at the val minimum ends d{p['depth']} with budget left, "
+            "the rest trains more models from scratch, each distilled from the one before; the best one is served "
+            "(measured on CPU at 100,000 characters only: docs/training.md, \"Generations\")",
+            *generation_disk_lines(p)]
+
+
 def generation_disk_lines(p: dict) -> list[str]:
     """What GENERATIONS=auto keeps on disk beyond the disk GB column (generations.shrink)."""
     row = next((x for x in p.get("rungs", []) if x["depth"] == p["depth"]), None)
@@ -490,10 +502,10 @@ def regime_lines(p: dict) -> list[str]:
               f"passes, {plain['hours']:.2f} h on these GPUs, and leaves the rest unspent" if plain else "")
     return [f"{head}, more than {regime.PASSES}: data-limited, so the trainer's defaults are {settings}: regularized, "
             + spends,
-            f"recommendation | GENERATIONS=auto: when the stop at the val minimum ends d{p['depth']} with budget left, "
-            "the rest trains more models from scratch, each distilled from the one before; the best one is served "
-            "(measured on CPU at 100,000 characters only: docs/training.md, \"Generations\")",
-            *generation_disk_lines(p),
+            *(generation_lines(p) if p.get("teacher_fits", True) else [
+                f"recommendation | no GENERATIONS: a generation after the first holds d{p['depth']} and its teacher, "
+                f"another d{p['depth']}, on each GPU, which the memory plan says do not fit: with budget left at the "
+                "val minimum, a smaller DEPTH (or more GPUs' memory) lets later generations spend it"]),
             f"recommendation | d{p['depth']} and what its passes buy are EXTRAPOLATED: the rule that sized it was checked on "
             "2-core CPU grids of up to 1.1M characters and d8; the regularizers' gain also on one H200 run of d10 on 9.9M "
             "(docs/performance.md, \"DEPTH=auto for regularized training\")" + beside]

@@ -39,7 +39,7 @@ from experiment.distributed import (Dist, ParentWatch, StopSignal, all_ranks_ok,
 from experiment.evaluation import eval_coverage, evaluate
 from experiment.files import default_workspace
 from experiment.hardware import link_gbps
-from experiment.memory import choose_memory_mode, find_device_batch, place_average, probe_reserve_bytes
+from experiment.memory import choose_memory_mode, find_device_batch, memory_line, place_average, probe_reserve_bytes
 from experiment.mixture import MixedBatches, source_weights
 from experiment.model import DTYPES, GPT, GPTConfig, build_model
 from experiment.optim import ShardedOptimizer
@@ -94,11 +94,12 @@ def prepare_data(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path,
 
 def build_model_and_optimizer(cfg: TrainConfig, d: Dist, model_config: GPTConfig, log: RunLog,
                               init: dict | None = None, teacher: Teacher | None = None) -> tuple[GPT, ShardedOptimizer]:
-    """In the precision and activation-checkpointing mode that fits (CUDA: the memory plan), and on
-    CUDA without --device_batch_size the largest micro-batch that fits (sets cfg.device_batch_size;
-    with a teacher, its probabilities and the distillation loss in the probe's step).
-    `init`: the weights to start from (INIT_FROM), else the seed's initialization."""
-    plan = choose_memory_mode(model_config, cfg.device_batch_size or 1, cfg.precision, cfg.activation_checkpointing, d)
+    """In the precision and activation-checkpointing mode that fits (CUDA: the memory plan, a teacher
+    counted), and on CUDA without --device_batch_size the largest micro-batch that fits (sets
+    cfg.device_batch_size; with a teacher, its probabilities and the distillation loss in the probe's
+    step). `init`: the weights to start from (INIT_FROM), else the seed's initialization."""
+    plan = choose_memory_mode(model_config, cfg.device_batch_size or 1, cfg.precision, cfg.activation_checkpointing, d,
+                              teacher.num_params() if teacher else 0)
     precision = plan.precision if plan else ("fp32" if cfg.precision == "auto" else cfg.precision)
     activation_checkpointing = plan.activation_checkpointing if plan else cfg.activation_checkpointing == "on"
     model = build_model(model_config, d.device, DTYPES[precision], init, seed=cfg.seed,
@@ -109,11 +110,7 @@ def build_model_and_optimizer(cfg: TrainConfig, d: Dist, model_config: GPTConfig
     model.set_dropout(cfg.dropout, cfg.attn_dropout)
     if cfg.average == "ema":
         opt.average = place_average(cfg.average_width, cfg.device_batch_size or 1, model_config, plan, d, opt, log)
-    gpu_gib = torch.cuda.get_device_properties(d.device).total_memory / 2**30 if plan else 0
-    log(f"memory | weights {precision}" + (" with fp32 master shards" if precision == "bf16" else "")
-        + f" | activation checkpointing {'on' if activation_checkpointing else 'off'}"
-        + (f" | planned {plan.total / 2**30:.1f} GiB of {gpu_gib:.1f} GiB per GPU at device batch "
-           f"{cfg.device_batch_size or 1}" if plan else ""))
+    log(memory_line(plan, precision, activation_checkpointing, cfg.device_batch_size or 1, d))
     if cfg.device_batch_size is None:
         reserve_bytes = probe_reserve_bytes(plan) if plan else 0
         per_rank = cfg.total_batch_size // (cfg.max_seq_len * d.world_size)

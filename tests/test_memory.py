@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from experiment.memory import activation_bytes, choose_mode, largest_fitting_batch, plan_memory
+from experiment.memory import activation_bytes, choose_mode, count_params, largest_fitting_batch, plan_memory
 from experiment.model import GPT, GPTConfig
 from experiment.optim import LRS, ShardedOptimizer, partition
 
@@ -86,6 +86,23 @@ def test_mode_choice_prefers_cheap_compute_and_honours_settings():
     plan = choose_mode(d12, 8, 8, 2048, 80 * gib)
     assert (plan.precision, plan.activation_checkpointing) == ("fp32", False)
     assert choose_mode(d12, 8, 8, 2048, 80 * gib, activation_checkpointing="on").activation_checkpointing
+
+
+def test_a_generations_teacher_is_counted_and_d64_with_one_does_not_fit_80_gb():
+    """A later generation holds its frozen teacher whole on every GPU (its weights in the student's
+    dtype) and the teacher's fp32 probabilities for the step: d56 and its teacher fit 8 x 80 GB; d64
+    alone fits, but not beside a teacher of its size, in any mode."""
+    gib = 2**30
+    d64 = GPTConfig(vocab_size=128, depth=64, max_seq_len=2048)
+    alone = plan_memory(d64, 8, 2, 2048, "bf16", True)
+    taught = plan_memory(d64, 8, 2, 2048, "bf16", True, teacher_params=1000)
+    assert taught.rows["teacher"] == 1000 * 2 + 4 * 2 * 2048 * 128 and "teacher" not in alone.rows
+    assert plan_memory(d64, 8, 2, 2048, "fp32", False, teacher_params=1000).rows["teacher"] == 1000 * 4 + 4 * 2 * 2048 * 128
+    n = count_params(d64)
+    assert choose_mode(d64, 8, 1, 2048, 80 * gib) is not None
+    assert choose_mode(d64, 8, 1, 2048, 80 * gib, teacher_params=n) is None
+    d56 = GPTConfig(vocab_size=128, depth=56, max_seq_len=2048)
+    assert choose_mode(d56, 8, 1, 2048, 80 * gib, teacher_params=count_params(d56)) is not None
 
 
 def test_device_batch_halves_until_it_fits():

@@ -53,6 +53,8 @@ def test_a_launch_line_carries_nodes_the_depth_the_dollars_and_every_setting_not
     limited = {**p, "regime": {"regularized": True}}
     assert plan.launch_line(limited, PlanConfig(), 8)[0] == ("NPROC_PER_NODE=8 DEPTH=24 BUDGET_USD=992 GENERATIONS=auto "
                                                              "bash experiment/run.sh")
+    # unless a generation and its teacher do not fit the GPUs' memory together
+    assert "GENERATIONS" not in plan.launch_line({**limited, "teacher_fits": False}, PlanConfig(), 8)[0]
     line, _ = plan.launch_line(p, PlanConfig(), 16)
     assert line.startswith("NNODES=2 NPROC_PER_NODE=8 DEPTH=24 BUDGET_USD=992 ")
     line, _ = plan.launch_line(p, PlanConfig(), 1)
@@ -190,6 +192,9 @@ def test_the_regime_lines_say_whether_the_run_is_data_limited():
     assert limited[1].startswith("recommendation | GENERATIONS=auto: when the stop at the val minimum ends d12")
     assert limited[2].startswith("recommendation | d12 and what its passes buy are EXTRAPOLATED")
     assert limited[2].endswith("the plain rule trains d8 for 8.0 passes, 2.50 h on these GPUs, and leaves the rest unspent")
+    no_room = plan.regime_lines({**p, "teacher_fits": False})
+    assert len(no_room) == 3 and no_room[1].startswith("recommendation | no GENERATIONS: a generation after the first "
+                                                       "holds d12 and its teacher")
     p["hours"] = 31.0  # the regularized rule's pick: the whole budget
     assert plan.regime_lines(p)[0].endswith("it trains the whole 31.00 h ($992) unless the stop at the val minimum "
                                             "ends it first")
