@@ -324,6 +324,7 @@ def plan(cfg: PlanConfig) -> dict:
     config = model_config(best.depth, cfg, vocab)
     p["teacher_fits"] = choose_mode(config, p["recommended_gpus"], 1, config.max_seq_len, gpus.memory_bytes,
                                     teacher_params=count_params(config)) is not None
+    p["student"] = student_plan(p, cfg, gpus, vocab) if p["regime"]["regularized"] and p["teacher_fits"] else None
     p["launch"], p["run_dir"] = launch_line(p, cfg, p["recommended_gpus"])
     p["sweep"] = sweep_plan(p, cfg, gpus, [r["depth"] for r in rungs if r["fits"]], vocab)
     return p
@@ -466,11 +467,43 @@ def sweep_lines(p: dict) -> list[str]:
             f"sweep | launch: {sw['launch']}"]
 
 
+# A model a laptop serves: one request decodes at least this many characters a second on the reference
+# 2-core CPU (servemem.CPU_DECODE_MACHINE), faster than people read (15-25).
+LAPTOP_CHARS_PER_S = 30.0
+
+
+def student_plan(p: dict, cfg: PlanConfig, gpus: Gpus, vocab: int) -> dict | None:
+    """When a laptop cannot serve the plan's depth: the largest depth that it serves, as a STUDENT_DEPTH
+    after two generations of the plan's depth (taught by both, which sit beside it on each GPU)."""
+    rows = {r["depth"]: r for r in p["rungs"]}
+    fast = [r for r in p["rungs"] if r["cpu_chars_per_s"] >= LAPTOP_CHARS_PER_S and r["depth"] < p["depth"]]
+    if rows[p["depth"]]["cpu_chars_per_s"] >= LAPTOP_CHARS_PER_S or not fast:
+        return None
+    r = max(fast, key=lambda r: r["depth"])
+    config = model_config(r["depth"], cfg, vocab)
+    if choose_mode(config, p["recommended_gpus"], 1, config.max_seq_len, gpus.memory_bytes,
+                   teacher_params=2 * rows[p["depth"]]["params"]) is None:
+        return None
+    return {"depth": r["depth"], "serve_gb": r["serve_gb"], "cpu_chars_per_s": r["cpu_chars_per_s"],
+            "cpu_measured": r["cpu_measured"], "serve_gb_of_depth": rows[p["depth"]]["serve_gb"],
+            "cpu_chars_per_s_of_depth": rows[p["depth"]]["cpu_chars_per_s"]}
+
+
 def generation_lines(p: dict) -> list[str]:
-    return [f"recommendation | GENERATIONS=auto: when the stop at the val minimum ends d{p['depth']} with budget left, "
-            "the rest trains more models from scratch, each distilled from the one before; the best one is served "
-            "(measured on CPU at 100,000 characters only: docs/training.md, \"Generations\")",
-            *generation_disk_lines(p)]
+    lines = [f"recommendation | GENERATIONS=auto: when the stop at the val minimum ends d{p['depth']} with budget left, "
+             "the rest trains more models from scratch, each distilled from the one before; the best one is served "
+             "(measured on CPU at 100,000 characters only: docs/training.md, \"Generations\")",
+             *generation_disk_lines(p)]
+    st = p.get("student")
+    if st:
+        lines.append(f"recommendation | to serve on a laptop: d{p['depth']} needs {st['serve_gb_of_depth']:.1f} GB and decodes "
+                     f"{st['cpu_chars_per_s_of_depth']:.1f} ch/s on the 2-core CPU above; GENERATIONS=2 "
+                     f"STUDENT_DEPTH={st['depth']} instead of GENERATIONS=auto trains two d{p['depth']}, then a "
+                     f"d{st['depth']} student taught by both, a third of the budget each, and serves the student: "
+                     f"{st['serve_gb']:.2f} GB, {st['cpu_chars_per_s']:.0f} ch/s"
+                     + ("" if st["cpu_measured"] else " (scaled)") + ". NOT MEASURED: how much of their quality a student "
+                     "keeps (Kim et al. 2025: 83% of an ensemble's gain at 8x smaller)")
+    return lines
 
 
 def generation_disk_lines(p: dict) -> list[str]:

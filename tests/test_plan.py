@@ -12,7 +12,7 @@ from test_guards import run_preflight
 from experiment import autosize, servemem
 from experiment.dataloader import DataError
 from experiment.memory import count_params
-from experiment.plan import PlanConfig, count_tokens, model_config, parse_gpus, plan, regime_lines, table as table_of
+from experiment.plan import LAPTOP_CHARS_PER_S, PlanConfig, count_tokens, model_config, parse_gpus, plan, regime_lines, table as table_of
 
 
 def run_plan(*args, env=None, cwd=REPO):
@@ -74,6 +74,10 @@ def test_the_issue_example_with_the_trainers_defaults_trains_the_largest_regular
     assert "the largest depth the regime regularizes" in text and "$0 unspent" in text
     assert "d56 and what its passes buy are EXTRAPOLATED" in text
     assert "GENERATIONS=auto: when the stop at the val minimum ends d56 with budget left" in text
+    # d56 decodes under a character a second on a 2-core CPU: a student a laptop serves, the largest fast enough
+    assert p["student"]["depth"] == 12 and p["student"]["cpu_chars_per_s"] >= LAPTOP_CHARS_PER_S
+    assert rungs[16]["cpu_chars_per_s"] < LAPTOP_CHARS_PER_S and p["teacher_fits"]
+    assert "GENERATIONS=2 STUDENT_DEPTH=12 instead of GENERATIONS=auto trains two d56, then a d12 student" in text
     assert "launch | to stop paying when it ends, add ON_EXIT='[ \"$RUN_STATUS\" != stopped ] && runpodctl" in text
     assert f"the plain rule trains d32 for 8.0 passes, {p['plain']['hours']:.2f} h on these GPUs" in text
     assert p["sweep"] is None  # one GPU cannot hold d56: no sweep of single-GPU members
