@@ -487,11 +487,11 @@ def test_a_kill_9_past_the_last_save_charges_the_lost_time_to_the_budget(tmp_pat
     beat = json.loads((run_dir / "heartbeat.json").read_text())
     assert beat["used_seconds"] >= max(spent - 0.1, state["used_seconds"] + 2)
     # The same command again on the finished run trains no step and is charged nothing: its own
-    # export (4 s here) is not added to what a later extension is charged.
+    # export (4 s here) is not added to what a later extension is charged (its loop's milliseconds are).
     done_again = subprocess.run([*cmd, "--max_steps", str(step + 3)], cwd=REPO, capture_output=True, text=True,
                                 env={**ENV, "HEARTBEAT_SECONDS": "1", "FAULT_EXPORT_SECONDS": "4"}, timeout=240)
     assert done_again.returncode == 0, done_again.stderr[-3000:]
-    assert json.loads((run_dir / "heartbeat.json").read_text())["used_seconds"] <= beat["used_seconds"]
+    assert json.loads((run_dir / "heartbeat.json").read_text())["used_seconds"] < beat["used_seconds"] + 1
 
 
 def test_the_lost_seconds_come_from_a_heartbeat_written_since_the_resumed_checkpoint(tmp_path):
