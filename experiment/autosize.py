@@ -182,6 +182,16 @@ def flops_per_token(config: GPTConfig) -> float:
         return GPT(config).estimate_flops()
 
 
+def with_teacher(rate: float, config: GPTConfig, teacher_flops: float) -> float:
+    """The tok/s of a step that also runs a generation's teacher forward (`teacher_flops` per token:
+    experiment/teacher.py), from the step's own tok/s at the same FLOP rate. On CPU (d6 student and
+    teacher) the measured cost was 27% of the tok/s, this model's 25% (docs/performance.md)."""
+    if not teacher_flops:
+        return rate
+    step = flops_per_token(config)
+    return rate * step / (step + teacher_flops)
+
+
 def predicted_tok_per_s(config: GPTConfig, peak: float, gpus: int, link_gbps: float, weight_bytes: int = 4,
                         tokens_per_step: int = config.CUDA_DEFAULTS["total_batch_size"], *, gpu_name: str,
                         mfu_by_depth: dict[int, float] | None = None) -> float:
@@ -289,32 +299,35 @@ def choose(candidates: list[Candidate]) -> Candidate:
 
 
 def predict_and_choose(make_config, peak: float, gpus: int, gpu_bytes: int, budget_s: float, train_tokens: int,
-                       link_gbps: float, gpu_name: str, tokens_per_step: int,
-                       regularized: bool = False) -> tuple[Candidate, list[Candidate]]:
+                       link_gbps: float, gpu_name: str, tokens_per_step: int, regularized: bool = False,
+                       teacher: tuple[int, float] = (0, 0.0)) -> tuple[Candidate, list[Candidate]]:
     """CUDA: every ladder depth that the memory plan fits on these GPUs (at one sequence per
-    micro-batch), at its predicted tok/s; then choose."""
+    micro-batch, beside a generation's teacher: `teacher` is its (parameters, forward FLOPs per
+    token)), at its predicted tok/s with the teacher's forward; then choose."""
     candidates = []
     for depth in ladder(make_config(2).aspect_ratio, make_config(2).head_dim):
         config = make_config(depth)
-        if (fit := choose_mode(config, gpus, 1, config.max_seq_len, gpu_bytes)) is None:
+        if (fit := choose_mode(config, gpus, 1, config.max_seq_len, gpu_bytes, teacher_params=teacher[0])) is None:
             break
-        rate = predicted_tok_per_s(config, peak, gpus, link_gbps, WEIGHT_BYTES[fit.precision], tokens_per_step,
-                                   gpu_name=gpu_name)
+        rate = with_teacher(predicted_tok_per_s(config, peak, gpus, link_gbps, WEIGHT_BYTES[fit.precision],
+                                                tokens_per_step, gpu_name=gpu_name), config, teacher[1])
         candidates.append(candidate(config, rate, budget_s, train_tokens, tokens_per_step, regularized))
     return choose(candidates), candidates
 
 
 def probe_and_choose(make_config, batch: int, device: torch.device, world_size: int, budget_s: float,
-                     train_tokens: int, tokens_per_step: int, regularized: bool = False) -> tuple[Candidate, list[Candidate]]:
+                     train_tokens: int, tokens_per_step: int, regularized: bool = False,
+                     teacher_flops: float = 0.0) -> tuple[Candidate, list[Candidate]]:
     """Measure the ladder from the smallest depth up until no larger depth can be chosen (larger ones
     only get fewer tokens per parameter and fewer passes: one below the data's floor, one that neither
     completes its passes nor reaches MIN_TOKENS_PER_PARAM, or one eligible below half the target),
-    then choose. make_config(depth) -> GPTConfig."""
+    then choose. make_config(depth) -> GPTConfig. A generation's teacher forward (`teacher_flops`
+    per token) is priced into each measured rate (with_teacher)."""
     candidates = []
     for depth in ladder(make_config(2).aspect_ratio, make_config(2).head_dim):
         config = make_config(depth)
         try:
-            rate = measure_tok_per_s(config, batch, device) * world_size
+            rate = with_teacher(measure_tok_per_s(config, batch, device) * world_size, config, teacher_flops)
         except torch.OutOfMemoryError:
             break
         finally:
@@ -334,10 +347,11 @@ def larger_cannot_win(c: Candidate) -> bool:
             or (eligible(c) and c.tokens_per_param < TOKENS_PER_PARAM / 2))
 
 
-def reason(c: Candidate, candidates: list[Candidate], how: str = "measured") -> str:
+def reason(c: Candidate, candidates: list[Candidate], how: str = "measured", teacher: bool = False) -> str:
     rates = ", ".join(f"d{x.depth} {x.tok_per_s:,.0f}" for x in candidates)
     return (f"auto: d{c.depth} w{c.width}, {c.tokens / 1e6:.1f}M tokens in {c.seconds / 3600:.3f}h, "
-            f"{c.tokens / c.params:.1f} tokens/param, {c.epochs:.1f} epochs ({rule(c)}; {how} tok/s: {rates})")
+            f"{c.tokens / c.params:.1f} tokens/param, {c.epochs:.1f} epochs ({rule(c)}; {how} tok/s"
+            + (" with the teacher's forward" if teacher else "") + f": {rates})")
 
 
 def rule(c: Candidate) -> str:

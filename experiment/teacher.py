@@ -96,3 +96,7 @@ class Teacher:
 
     def num_params(self) -> int:
         return sum(m.num_params() for m in self.models)
+
+    def flops_per_token(self) -> float:
+        """The members' forward passes: a third of each one's training FLOPs (GPT.estimate_flops)."""
+        return sum(m.estimate_flops() for m in self.models) / 3

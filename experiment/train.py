@@ -142,7 +142,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     prepared, resume_step, rewind_step, lock, (lost, gpu_fix) = prepare_data(cfg, d, workspace, run_dir, log)
     assert cfg.max_epochs is not None, "the pass cap is set with the data (launch.fill_pass_cap)"
     teacher = Teacher.for_run(cfg, d.device, prepared, teachers, log) if teachers else None
-    auto, probe_seconds = (choose_depth(cfg, d, gpu, prepared, run_dir, resume_step, unset, log)
+    auto, probe_seconds = (choose_depth(cfg, d, gpu, prepared, run_dir, resume_step, unset, log, teacher)
                            if cfg.depth == "auto" else (None, 0))
     fill_lrs(cfg, cuda)
     model_config = launch.model_config(cfg, prepared)
@@ -236,13 +236,13 @@ def start_state(cfg: TrainConfig, d: Dist, run_dir: Path, model_config: GPTConfi
 
 
 def choose_depth(cfg: TrainConfig, d: Dist, gpu: guards.Gpu | None, prepared: Prepared, run_dir: Path,
-                 resume_step: int | None, unset: list[str], log: RunLog) -> tuple[dict, float]:
+                 resume_step: int | None, unset: list[str], log: RunLog, teacher: Teacher | None) -> tuple[dict, float]:
     """DEPTH=auto: sets cfg.depth (sized for the regime's recipe where the run leaves it to the
     regime: regime.regularizes). A resume keeps its checkpoint's depth. A fresh run on a GPU whose
     peak is known predicts each depth's tok/s (autosize.predict_and_choose: no compile per depth);
     otherwise every rank measures the ladder at once (so each sees the load training will put on the
-    machine). Rank 0's choice is taken. Returns (what the checkpoint meta records, seconds the
-    choice took)."""
+    machine). A generation's teacher: its memory and forward FLOPs priced in. Rank 0's choice is
+    taken. Returns (what the checkpoint meta records, seconds the choice took)."""
     if resume_step is not None:
         meta = ckpt.read_meta(run_dir, resume_step)
         cfg.depth, auto = meta["model_config"]["depth"], meta.get("auto") or {}
@@ -251,17 +251,19 @@ def choose_depth(cfg: TrainConfig, d: Dist, gpu: guards.Gpu | None, prepared: Pr
     t0 = time.time()
     make_config, train_tokens = launch.make_config(cfg, prepared), prepared.meta["split"]["train_tokens"]
     regularized = regime.regularizes(cfg, unset, train_tokens)
-    predicted = gpu is not None and gpu.peak is not None
+    predicted, taught = gpu is not None and gpu.peak is not None, (teacher.num_params(), teacher.flops_per_token()) \
+        if teacher else (0, 0.0)
     if predicted:
         chosen, candidates = autosize.predict_and_choose(make_config, gpu.peak, d.world_size, gpu.memory_bytes,
                                                          cfg.training_hours * 3600, train_tokens, link_gbps(gpu.name),
-                                                         gpu.name, cfg.total_batch_size, regularized)
+                                                         gpu.name, cfg.total_batch_size, regularized, taught)
     else:
         chosen, candidates = autosize.probe_and_choose(make_config, cfg.device_batch_size or 1, d.device,
                                                        d.world_size, cfg.training_hours * 3600, train_tokens,
-                                                       cfg.total_batch_size, regularized)
+                                                       cfg.total_batch_size, regularized, taught[1])
     how = "predicted" if predicted else "measured"
-    auto = broadcast_object({"depth": chosen.depth, "reason": autosize.reason(chosen, candidates, how), "how": how,
+    auto = broadcast_object({"depth": chosen.depth, "reason": autosize.reason(chosen, candidates, how, bool(teacher)),
+                             "how": how,
                              "candidates": [dataclasses.asdict(c) for c in candidates]}, d)
     cfg.depth = auto["depth"]
     log(f"{auto['reason']} | took {time.time() - t0:.1f}s, counted in the budget")

@@ -236,6 +236,55 @@ def test_probe_measures_the_ladder_and_stops_below_half_the_target(monkeypatch):
     assert cands[1].tokens_per_param == pytest.approx(0.5, rel=1e-3) and cands[2].tokens_per_param < floor < 0.5
 
 
+def test_a_generations_teacher_is_priced_into_each_depths_rate_and_memory(monkeypatch):
+    """DEPTH=auto for a generation with a teacher: each depth's rate is its step's with the teacher's
+    forward at the same FLOP rate (a teacher of the student's size: a third more FLOPs, 0.75 of the
+    rate), measured or predicted, and on CUDA a depth that fits alone but not beside the teacher is
+    not a candidate."""
+    cfg = lambda d: GPTConfig(vocab_size=64, depth=d, aspect_ratio=64, head_dim=64, max_seq_len=32)
+    same = autosize.flops_per_token(cfg(4)) / 3  # a d4 teacher's forward
+    assert autosize.with_teacher(1000.0, cfg(4), same) == pytest.approx(750.0)
+    assert autosize.with_teacher(1000.0, cfg(4), 0.0) == 1000.0
+    monkeypatch.setattr(autosize, "measure_tok_per_s", lambda config, batch, device: 1e4 / config.depth)
+    _, alone = autosize.probe_and_choose(cfg, 2, torch.device("cpu"), 1, 100.0, 10**12, 64)
+    _, taught = autosize.probe_and_choose(cfg, 2, torch.device("cpu"), 1, 100.0, 10**12, 64, teacher_flops=same)
+    for a, t in zip(alone, taught):
+        assert t.tok_per_s == pytest.approx(autosize.with_teacher(a.tok_per_s, cfg(a.depth), same))
+        assert t.tok_per_s < a.tok_per_s
+    gpu = lambda d: GPTConfig(vocab_size=256, depth=d, aspect_ratio=64, head_dim=128, max_seq_len=2048)
+    _, fits = autosize.predict_and_choose(gpu, 989e12, 8, 80 * 2**30, 31 * 3600, 332_500_000, 350.0, H100, 524288)
+    d64 = gpu(64)
+    teacher = (autosize.count_params(d64), autosize.flops_per_token(d64) / 3)
+    _, beside = autosize.predict_and_choose(gpu, 989e12, 8, 80 * 2**30, 31 * 3600, 332_500_000, 350.0, H100, 524288,
+                                            teacher=teacher)
+    assert 64 in [c.depth for c in fits] and 0 < len(beside) < len(fits)  # d64 fits alone, not beside a d64 teacher
+    assert beside[0].tok_per_s == pytest.approx(autosize.with_teacher(fits[0].tok_per_s, gpu(2), teacher[1]))
+
+
+def test_the_trainers_depth_probe_gets_the_generations_teacher(monkeypatch):
+    """train.choose_depth hands a generation's teacher (parameters, forward FLOPs) to the prediction
+    and its forward FLOPs to the probe, and says so in the auto line."""
+    from types import SimpleNamespace
+
+    from experiment import train
+    seen, lines = {}, []
+    cand = autosize.candidate(GPTConfig(vocab_size=64, depth=2, aspect_ratio=64, head_dim=64, max_seq_len=32), 1e4,
+                              100.0, 10**6, 64)
+    monkeypatch.setattr(train.launch, "make_config", lambda cfg, prepared: None)
+    monkeypatch.setattr(train.regime, "regularizes", lambda cfg, unset, tokens: True)
+    monkeypatch.setattr(autosize, "probe_and_choose", lambda *a: seen.update(probe=a[-1]) or (cand, [cand]))
+    monkeypatch.setattr(autosize, "predict_and_choose", lambda *a: seen.update(predict=a[-1]) or (cand, [cand]))
+    teacher = SimpleNamespace(num_params=lambda: 123, flops_per_token=lambda: 4.5e6)
+    cfg = SimpleNamespace(device_batch_size=2, training_hours=1.0, total_batch_size=64, depth="auto")
+    d = SimpleNamespace(device=torch.device("cpu"), world_size=1, rank=0)
+    prepared = SimpleNamespace(meta={"split": {"train_tokens": 10**6}})
+    train.choose_depth(cfg, d, None, prepared, None, None, [], lines.append, teacher)
+    gpu = SimpleNamespace(peak=989e12, memory_bytes=80 * 2**30, name=H100)
+    train.choose_depth(cfg, d, gpu, prepared, None, None, [], lines.append, teacher)
+    assert seen == {"probe": 4.5e6, "predict": (123, 4.5e6)} and cfg.depth == 2
+    assert all("tok/s with the teacher's forward" in line for line in lines), lines
+
+
 def test_depth_flag_takes_auto_or_a_positive_number():
     assert parse_args(["--depth", "auto"]).depth == "auto"
     assert parse_args(["--depth", "6"]).depth == 6
