@@ -185,7 +185,8 @@ def flops_per_token(config: GPTConfig) -> float:
 def with_teacher(rate: float, config: GPTConfig, teacher_flops: float) -> float:
     """The tok/s of a step that also runs a generation's teacher forward (`teacher_flops` per token:
     experiment/teacher.py), from the step's own tok/s at the same FLOP rate. On CPU (d6 student and
-    teacher) the measured cost was 27% of the tok/s, this model's 25% (docs/performance.md)."""
+    teacher) the measured cost was 27% of the tok/s, this model's 25%
+    (reports/generations-3600-cpu-2026-11-29.md)."""
     if not teacher_flops:
         return rate
     step = flops_per_token(config)
@@ -194,11 +195,13 @@ def with_teacher(rate: float, config: GPTConfig, teacher_flops: float) -> float:
 
 def predicted_tok_per_s(config: GPTConfig, peak: float, gpus: int, link_gbps: float, weight_bytes: int = 4,
                         tokens_per_step: int = config.CUDA_DEFAULTS["total_batch_size"], *, gpu_name: str,
-                        mfu_by_depth: dict[int, float] | None = None) -> float:
+                        mfu_by_depth: dict[int, float] | None = None, teacher_flops: float = 0.0) -> float:
     """A prediction, not a measurement: a step's compute at the nearest measured MFU (of this GPU's
     kind, mfu_table, or `mfu_by_depth`: measured on the box itself) x the GPUs' dense bf16 peak (the
-    model's training FLOPs per token), plus its communication (comm_seconds)."""
-    compute = tokens_per_step * flops_per_token(config) / (mfu(config.depth, gpu_name, mfu_by_depth) * peak * gpus)
+    model's training FLOPs per token, and a generation's teacher forward), plus its communication
+    (comm_seconds)."""
+    flops = flops_per_token(config) + teacher_flops
+    compute = tokens_per_step * flops / (mfu(config.depth, gpu_name, mfu_by_depth) * peak * gpus)
     return tokens_per_step / (compute + comm_seconds(config, gpus, link_gbps, weight_bytes))
 
 
@@ -309,8 +312,8 @@ def predict_and_choose(make_config, peak: float, gpus: int, gpu_bytes: int, budg
         config = make_config(depth)
         if (fit := choose_mode(config, gpus, 1, config.max_seq_len, gpu_bytes, teacher_params=teacher[0])) is None:
             break
-        rate = with_teacher(predicted_tok_per_s(config, peak, gpus, link_gbps, WEIGHT_BYTES[fit.precision],
-                                                tokens_per_step, gpu_name=gpu_name), config, teacher[1])
+        rate = predicted_tok_per_s(config, peak, gpus, link_gbps, WEIGHT_BYTES[fit.precision], tokens_per_step,
+                                   gpu_name=gpu_name, teacher_flops=teacher[1])
         candidates.append(candidate(config, rate, budget_s, train_tokens, tokens_per_step, regularized))
     return choose(candidates), candidates
 

@@ -45,6 +45,7 @@ class MemoryPlan:
     precision: str  # "fp32": fp32 weights and grads; "bf16": bf16 weights and grads + fp32 masters
     activation_checkpointing: bool
     rows: dict[str, int]  # bytes per GPU: weights, grads, fp32 masters, optimizer state, activations, overhead
+    teacher_params: int = 0  # a generation's teacher, counted in rows["teacher"]
 
     @property
     def total(self) -> int:
@@ -89,10 +90,11 @@ def plan_memory(config: GPTConfig, world_size: int, batch: int, seq: int, precis
     (wrap_ddp makes them views), so DDP adds no copy; `collectives` (default: CUDA with more than
     one rank) adds NCCL's buffers. A simulated world (the fit probe) makes no collectives. `average`
     (AVERAGE=ema) adds the fp32 weight average of the owned parameters. `teacher_params`: a later
-    generation's frozen teacher (experiment/teacher.py), whole on every rank, its weights taken in the
-    student's dtype (a chain of one mode), and its fp32 probabilities, which the distillation term
-    keeps through the student's backward; its own forward (no grad) comes before the student's
-    activations exist and needs less than they do."""
+    generation's frozen teacher (experiment/teacher.py), whole on every rank, in bf16 on CUDA (as
+    Teacher.load loads it) and fp32 on CPU, and three fp32 tensors of the logits' size: the teacher's
+    probabilities and the student's log-probabilities at the temperature, which the distillation term
+    (model.distillation_loss) keeps through the backward, and its one product. The teacher's own
+    forward (no grad) comes before the student's activations exist and needs less than they do."""
     if collectives is None:
         collectives = cuda and world_size > 1
     shapes = param_shapes(config)
@@ -119,9 +121,9 @@ def plan_memory(config: GPTConfig, world_size: int, batch: int, seq: int, precis
     if average:  # fp32, and its cast to the weights' dtype while a save copies it out
         rows["weight average"] = 4 * n_owned + (2 * n_owned if precision == "bf16" else 0)
     if teacher_params:
-        rows["teacher"] = teacher_params * weight_bytes + 4 * batch * seq * config.vocab_size
+        rows["teacher"] = teacher_params * (2 if cuda else 4) + 3 * 4 * batch * seq * config.vocab_size
     rows["overhead"] = (OVERHEAD_FIXED_BYTES if cuda else 0) + int(OVERHEAD_FRACTION * sum(rows.values()))
-    return MemoryPlan(precision, activation_checkpointing, rows)
+    return MemoryPlan(precision, activation_checkpointing, rows, teacher_params)
 
 
 def share_tensors(config: GPTConfig, world: int, precision: str, average: bool = False):
@@ -312,7 +314,7 @@ def place_average(width: float, batch: int, model_config: GPTConfig, plan: Memor
     the mode training takes. `plan` None (CPU): beside the weights."""
     on_device = plan is None or plan_memory(
         model_config, d.world_size, batch, model_config.max_seq_len, plan.precision, plan.activation_checkpointing,
-        average=True).fits(torch.cuda.get_device_properties(d.device).total_memory)
+        average=True, teacher_params=plan.teacher_params).fits(torch.cuda.get_device_properties(d.device).total_memory)
     where = "beside the weights" if on_device else f"in host memory, folded in every {HOST_AVERAGE_EVERY} steps"
     owned = 4 * sum(t.numel() for t in opt.target.values())
     log(f"average | ema of the last {width:g} of the steps, {where} ({owned / 1e9:.2f} GB on this rank)")

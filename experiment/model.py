@@ -380,7 +380,9 @@ def distillation_loss(logits: torch.Tensor, targets: torch.Tensor, teacher: torc
     hard = F.cross_entropy(flat, y, ignore_index=-1)
     log_q = F.log_softmax(flat / temperature, dim=-1)
     p = teacher.reshape(-1, teacher.size(-1)).float()
-    kl = (p * (torch.log(p.clamp_min(1e-30)) - log_q)).sum(-1)  # 0 log 0 = 0: the clamp keeps it finite
+    with torch.no_grad():  # sum p log p needs no gradient: its temporaries go at once (memory.plan_memory)
+        plogp = (p * torch.log(p.clamp_min(1e-30))).sum(-1)  # 0 log 0 = 0: the clamp keeps it finite
+    kl = plogp - (p * log_q).sum(-1)
     mask = (y != -1).float()
     soft = (kl * mask).sum() / mask.sum().clamp_min(1)
     return (1 - weight) * hard + weight * temperature**2 * soft

@@ -481,8 +481,9 @@ def student_plan(p: dict, cfg: PlanConfig, gpus: Gpus, vocab: int) -> dict | Non
         return None
     r = max(fast, key=lambda r: r["depth"])
     config = model_config(r["depth"], cfg, vocab)
+    teachers = 2 * count_params(model_config(p["depth"], cfg, vocab))  # the ensemble of both generations
     if choose_mode(config, p["recommended_gpus"], 1, config.max_seq_len, gpus.memory_bytes,
-                   teacher_params=2 * rows[p["depth"]]["params"]) is None:
+                   teacher_params=teachers) is None:
         return None
     return {"depth": r["depth"], "serve_gb": r["serve_gb"], "cpu_chars_per_s": r["cpu_chars_per_s"],
             "cpu_measured": r["cpu_measured"], "serve_gb_of_depth": rows[p["depth"]]["serve_gb"],

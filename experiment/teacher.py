@@ -59,7 +59,9 @@ class Teacher:
             if meta_digest(path) != member["meta_sha256"]:
                 raise CheckpointError(f"{name}: its meta is not the one recorded when this generation began "
                                       "(the step was replaced or damaged); restore it, or start the run afresh")
-            model, meta = ckpt.load_model(path, device)
+            # bf16 on CUDA, where autocast runs its matmuls in bf16 anyway: half the memory of an fp32
+            # generation's weights beside the student (memory.plan_memory counts 2 bytes a parameter)
+            model, meta = ckpt.load_model(path, device, torch.bfloat16 if device.type == "cuda" else None)
             if meta["prepared"]["hash"] != prepared.meta["hash"]:
                 raise CheckpointError(f"{name}: trained on other data (prepared hash {meta['prepared']['hash'][:12]}, "
                                       f"this run's {prepared.meta['hash'][:12]})")

@@ -258,7 +258,13 @@ def test_a_generations_teacher_is_priced_into_each_depths_rate_and_memory(monkey
     _, beside = autosize.predict_and_choose(gpu, 989e12, 8, 80 * 2**30, 31 * 3600, 332_500_000, 350.0, H100, 524288,
                                             teacher=teacher)
     assert 64 in [c.depth for c in fits] and 0 < len(beside) < len(fits)  # d64 fits alone, not beside a d64 teacher
-    assert beside[0].tok_per_s == pytest.approx(autosize.with_teacher(fits[0].tok_per_s, gpu(2), teacher[1]))
+    # the teacher's forward adds to the compute, not to the gradient traffic: on one GPU (none) the
+    # rate is the step's own scaled by FLOPs, on 8 a little more than that
+    _, one = autosize.predict_and_choose(gpu, 989e12, 1, 80 * 2**30, 31 * 3600, 332_500_000, 350.0, H100, 524288)
+    _, one_taught = autosize.predict_and_choose(gpu, 989e12, 1, 80 * 2**30, 31 * 3600, 332_500_000, 350.0, H100,
+                                                524288, teacher=teacher)
+    assert one_taught[0].tok_per_s == pytest.approx(autosize.with_teacher(one[0].tok_per_s, gpu(2), teacher[1]))
+    assert autosize.with_teacher(fits[0].tok_per_s, gpu(2), teacher[1]) < beside[0].tok_per_s < fits[0].tok_per_s
 
 
 def test_the_trainers_depth_probe_gets_the_generations_teacher(monkeypatch):

@@ -89,15 +89,18 @@ def test_mode_choice_prefers_cheap_compute_and_honours_settings():
 
 
 def test_a_generations_teacher_is_counted_and_d64_with_one_does_not_fit_80_gb():
-    """A later generation holds its frozen teacher whole on every GPU (its weights in the student's
-    dtype) and the teacher's fp32 probabilities for the step: d56 and its teacher fit 8 x 80 GB; d64
-    alone fits, but not beside a teacher of its size, in any mode."""
+    """A later generation holds its frozen teacher whole on every GPU (bf16 on CUDA, fp32 on CPU) and
+    three fp32 tensors of the logits' size for the distillation term: d56 and its teacher fit 8 x 80
+    GB; d64 alone fits, but not beside a teacher of its size, in any mode."""
     gib = 2**30
     d64 = GPTConfig(vocab_size=128, depth=64, max_seq_len=2048)
     alone = plan_memory(d64, 8, 2, 2048, "bf16", True)
     taught = plan_memory(d64, 8, 2, 2048, "bf16", True, teacher_params=1000)
-    assert taught.rows["teacher"] == 1000 * 2 + 4 * 2 * 2048 * 128 and "teacher" not in alone.rows
-    assert plan_memory(d64, 8, 2, 2048, "fp32", False, teacher_params=1000).rows["teacher"] == 1000 * 4 + 4 * 2 * 2048 * 128
+    logits = 4 * 2 * 2048 * 128  # fp32, batch 2 x 2048 positions x the vocabulary
+    assert taught.rows["teacher"] == 1000 * 2 + 3 * logits and "teacher" not in alone.rows
+    assert plan_memory(d64, 8, 2, 2048, "fp32", False, teacher_params=1000).rows["teacher"] == 1000 * 2 + 3 * logits
+    assert plan_memory(d64, 8, 2, 2048, "fp32", False, cuda=False, teacher_params=1000).rows["teacher"] == \
+        1000 * 4 + 3 * logits
     n = count_params(d64)
     assert choose_mode(d64, 8, 1, 2048, 80 * gib) is not None
     assert choose_mode(d64, 8, 1, 2048, 80 * gib, teacher_params=n) is None
