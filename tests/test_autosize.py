@@ -565,7 +565,7 @@ def test_the_prediction_fits_each_depth_at_one_sequence_and_stops_at_the_first_t
     gpu = lambda d: GPTConfig(vocab_size=256, depth=d, aspect_ratio=64, head_dim=128, max_seq_len=2048)
     asked = []
 
-    def fit(config, gpus, batch, seq, gpu_bytes):
+    def fit(config, gpus, batch, seq, gpu_bytes, teacher_params=0):
         asked.append((config.depth, batch, seq))
         return None if config.depth == 6 else SimpleNamespace(precision="bf16" if config.depth == 4 else "fp32")
 
