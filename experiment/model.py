@@ -100,8 +100,10 @@ def relu_squared(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)  # (T, D/2)
+    # On the CPU whatever device is the default (the meta device while build_model builds, where
+    # torch would run Python reference kernels: see Embedding); the caller moves them.
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device="cpu"), inv_freq)  # (T, D/2)
     return angles.cos(), angles.sin()
 
 
@@ -135,6 +137,18 @@ class KVCache:
         cache = cls.__new__(cls)
         cache.k, cache.v, cache.pos, cache.last = k, v, 0, None
         return cache
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding initializes its table as it is built. On the meta device, where build_model
+    builds every model (and the memory planner counts its parameters), that init has no values to
+    set and runs torch's Python reference kernel for normal_, whose first call imports
+    torch._dynamo: about 3 s of a small CPU in every pre-flight, server and plan. Off the meta
+    device it initializes as nn.Embedding does."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
 
 
 class Attention(nn.Module):
@@ -202,11 +216,11 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wte = Embedding(config.vocab_size, config.n_embd)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.bigram_vocab:
-            self.bigram = nn.Embedding(config.bigram_rows, config.n_embd)
+            self.bigram = Embedding(config.bigram_rows, config.n_embd)
         self._set_rope()
         # Recompute each block in backward instead of keeping its activations (set by the trainer
         # when the memory plan needs it): about a third more compute, a fraction of the memory.

@@ -148,3 +148,24 @@ def test_relu_squared_matches_autograd_of_the_plain_ops():
     torch.testing.assert_close(relu_squared(x), torch.nn.functional.relu(x2).square())
     torch.testing.assert_close(x.grad, x2.grad)
     assert torch.autograd.gradcheck(relu_squared, (torch.randn(3, 5, dtype=torch.float64, requires_grad=True),))
+
+
+@pytest.mark.slow
+def test_building_and_counting_a_model_never_imports_dynamo_and_a_cpu_embedding_keeps_torchs_init():
+    """build_model builds on the meta device, and the memory planner counts parameters there; torch's
+    normal_ and arange on a meta tensor would import torch._dynamo, seconds of every pre-flight,
+    server and plan on a small CPU. Off the meta device the embedding initializes as torch's does."""
+    import subprocess
+    import sys
+
+    from conftest import ENV, REPO
+    code = ("import sys\nfrom experiment.model import GPTConfig, build_model\nfrom experiment.memory import count_params\n"
+            "c = GPTConfig(vocab_size=64, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=32, bigram_vocab=64)\n"
+            "count_params(c)\nbuild_model(c, seed=1)\nprint('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
+    from experiment.model import Embedding
+    torch.manual_seed(3)
+    ours = Embedding(8, 4)
+    torch.manual_seed(3)
+    assert torch.equal(ours.weight, torch.nn.Embedding(8, 4).weight)
