@@ -2,6 +2,7 @@
 
 import fcntl
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -95,7 +96,26 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
-# Fixtures shared by several tests that launch processes (each worker of a parallel run builds its own).
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """A directory that build(dir) fills once per test run, whichever worker of a parallel run asks
+    first; a worker that asks while another builds waits for it. Its users only read it. A build that
+    failed part-way is removed and done again by the next to ask."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # pytest-N/: every worker's basetemp's parent
+    done = root / "built-once" / name
+    done.parent.mkdir(exist_ok=True)
+    with open(done.parent / f"{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (done / ".built").exists():
+            shutil.rmtree(done, ignore_errors=True)
+            done.mkdir()
+            build(done)
+            (done / ".built").touch()
+    return done
+
+
+# Fixtures shared by several tests that launch processes (each worker of a parallel run builds its own,
+# unless built_once).
 SHARED_RUNS = {"workspace", "zero1_world2", "elastic_runs"}
 
 

@@ -14,11 +14,12 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ENV, REPO, TINY, run_meta, run_train, train_cmd, write_corpus
+from conftest import ENV, REPO, TINY, built_once, run_meta, run_train, train_cmd, write_corpus
 from experiment import checkpoint as ckpt
 from experiment import onexit
 from experiment.model import GPT, GPTConfig
@@ -757,29 +758,31 @@ def test_a_budget_usd_run_moved_from_2_ranks_to_1_spends_its_dollars_once(tmp_pa
     assert 0.9 * budget_usd < spent <= budget_usd * 1.01, (spent, budget_usd)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def elastic_runs(tmp_path_factory):
-    """Uninterrupted 6-step runs that also save step 3, on 1, 2 and 3 ranks."""
-    root = tmp_path_factory.mktemp("elastic")
-    corpus = write_corpus(root)
+    """Uninterrupted 6-step runs that also save step 3, on 1, 2 and 3 ranks: run(batch, world) -> its
+    workspace, trained on first use in the whole test run (a parallel run's workers share them), so
+    each is trained once and only when a test needs it; args(batch): their flags."""
+    corpus = built_once(tmp_path_factory, "elastic-corpus", write_corpus) / "corpus"
+
     # 256 tokens: 1 rank x 2 micro-steps or 2 ranks x 1, bit-identical sums (the 1/2 scale is exact).
     # 768 tokens: also divisible by 3 ranks, but 1/3 and 1/6 round differently (compared loosely).
-    runs = {}
-    for batch, worlds in ((256, (1, 2)), (768, (2, 3))):
-        args = [*TINY, "--data_dir", corpus, "--max_steps", 6, "--save_every_steps", 3, "--total_batch_size", batch]
-        for world in worlds:
-            run_train([*args, "--workspace", root / f"b{batch}_w{world}"], nproc=world)
-        runs[batch] = args
-    return root, runs
+    def args(batch: int) -> list:
+        return [*TINY, "--data_dir", corpus, "--max_steps", 6, "--save_every_steps", 3, "--total_batch_size", batch]
+
+    def run(batch: int, world: int) -> Path:
+        return built_once(tmp_path_factory, f"elastic-b{batch}-w{world}",
+                          lambda ws: run_train([*args(batch), "--workspace", ws], nproc=world))
+    return run, args
 
 
 @pytest.mark.slow(seconds=40)
 @pytest.mark.parametrize("world_from,world_to,batch", [(2, 1, 256), (1, 2, 256), (2, 3, 768)])
-def test_resume_on_another_world_size(elastic_runs, world_from, world_to, batch):
-    root, runs = elastic_runs
-    args = runs[batch]
-    src = root / f"b{batch}_w{world_from}" / "checkpoints/d2"
-    ws = root / f"from{world_from}to{world_to}"
+def test_resume_on_another_world_size(elastic_runs, tmp_path, world_from, world_to, batch):
+    run, flags = elastic_runs
+    args = flags(batch)
+    src = run(batch, world_from) / "checkpoints/d2"
+    ws = tmp_path / f"from{world_from}to{world_to}"
     run_dir = ws / "checkpoints/d2"
     run_dir.mkdir(parents=True)
     for p in src.iterdir():
@@ -802,7 +805,7 @@ def test_resume_on_another_world_size(elastic_runs, world_from, world_to, batch)
     assert all(torch.equal(restored[n][k], saved[n][k]) for n in saved for k in saved[n])
 
     run_train([*args, "--workspace", ws], nproc=world_to)
-    reference = root / f"b{batch}_w{world_to}"  # the same world size, never interrupted
+    reference = run(batch, world_to)  # the same world size, never interrupted
     ref, got = _state(reference, 6), _state(ws, 6)
     # The same windows were read, none skipped or repeated: the global data position matches.
     assert run_meta(ws, 6)["data_positions"] == run_meta(reference, 6)["data_positions"]
