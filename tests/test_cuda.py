@@ -260,7 +260,7 @@ def _train_losses(ws, tag="d2") -> dict[int, float]:
 def test_two_ranks_on_one_device_match_one_rank_and_resume_after_sigterm(tmp_path, device, compiled):
     """The 8-GPU path as far as one GPU allows: two ranks on one device (DIST_BACKEND=gloo; NCCL
     refuses two ranks on one GPU), DDP with 2 micro-batches accumulated per rank, activation
-    checkpointing, background saves every 20 steps, a SIGTERM to one worker after two of them
+    checkpointing, background saves every 20 steps (10 on a CPU), a SIGTERM to one worker after two of them
     completed, and a resume. Against one rank (4 micro-batches of the same sequences): losses within
     bf16 tolerance. Against the same two ranks uninterrupted: eager, the same final weights bit for
     bit, the proof that the resume is exact; compiled (CUDA only), within the spread of two
@@ -269,8 +269,9 @@ def test_two_ranks_on_one_device_match_one_rank_and_resume_after_sigterm(tmp_pat
     resume run and agree to bf16 noise, not that the resume is exact. On a CPU (gpucheck without
     CUDA), the eager variant only."""
     cuda = device.type == "cuda"
-    steps = 120
-    args = _args(tmp_path, device, "--total_batch_size", 512, "--max_steps", steps, "--save_every_steps", 20,
+    # Half the steps on a CPU, where the test proves the code paths, not the agreement's spread.
+    steps, every = (120, 20) if cuda else (60, 10)
+    args = _args(tmp_path, device, "--total_batch_size", 512, "--max_steps", steps, "--save_every_steps", every,
                  "--keep_last", 2, "--plateau_evals", 0, "--async_save", 1, "--activation_checkpointing", "on",
                  "--compile", "on" if compiled else "off")
     two = [*args, "--dist_backend", "gloo"]
@@ -282,8 +283,8 @@ def test_two_ranks_on_one_device_match_one_rank_and_resume_after_sigterm(tmp_pat
         agent = subprocess.Popen(train_cmd([*two, "--workspace", ws], 2), cwd=REPO, env=ENV, stdout=out,
                                  stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait(lambda: max(ckpt.complete_steps(run_dir), default=0) >= 40 or agent.poll() is not None, 600,
-              "the background saves of steps 20 and 40")
+        _wait(lambda: max(ckpt.complete_steps(run_dir), default=0) >= 2 * every or agent.poll() is not None, 600,
+              "the first two background saves")
         workers = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
         for pid in workers[:1]:  # a preemption signal reaching one worker: the trainer stops them all
             os.kill(int(pid), signal.SIGTERM)
@@ -294,7 +295,7 @@ def test_two_ranks_on_one_device_match_one_rank_and_resume_after_sigterm(tmp_pat
     assert agent.returncode == 0, (tmp_path / "cut.log").read_text()[-2000:]
     cut = ckpt.complete_steps(run_dir)[-1]
     log = (run_dir / "training.log").read_text()
-    assert "received SIGTERM" in log and 40 <= cut < steps, (cut, log[-1000:])
+    assert "received SIGTERM" in log and 2 * every <= cut < steps, (cut, log[-1000:])
     again = _run([*two, "--workspace", ws], 2)
     assert f"resumed from {ckpt.model_path(run_dir, cut)}" in again.stdout
     one, ref, resumed = (_train_losses(tmp_path / name) for name in ("one", "two", "cut"))
@@ -305,9 +306,9 @@ def test_two_ranks_on_one_device_match_one_rank_and_resume_after_sigterm(tmp_pat
     after = {s: abs(resumed[s] - ref[s]) / ref[s] for s in resumed if s > cut}
     a, b = _weights(tmp_path / "two", steps), _weights(ws, steps)
     diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-    early = max(rel[s] for s in rel if s <= 40)
+    early = max(rel[s] for s in rel if s <= 2 * every)
     print(f"ranks2 ({'compiled' if compiled else 'eager'}): world 2 vs 1 loss rel diff max {early:.2e} over steps "
-          f"1-40, {max(rel.values()):.2e} over all {len(rel)}; SIGTERM saved step {cut}; resumed vs uninterrupted: "
+          f"1-{2 * every}, {max(rel.values()):.2e} over all {len(rel)}; SIGTERM saved step {cut}; resumed vs uninterrupted: "
           f"loss rel diff max {max(after.values()):.2e}, final weights max abs diff {diff:.1e}")
     assert early < tol, rel
     if compiled:
