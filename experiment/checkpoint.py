@@ -237,8 +237,8 @@ def sweep_winner(path: Path) -> Path | None:
 
 def generation_winner(path: Path) -> Path | None:
     """A run directory of generations -> the directory of the generation it serves: the one its
-    best.json names (experiment/generations.py's winner), or while none has finished, the
-    STUDENT_DEPTH student with a best, else the best of those begun; None for any other directory."""
+    best.json names (experiment/generations.py's winner), or while none has finished, the one
+    served_generation picks of those begun; None for any other directory."""
     record_path = Path(path) / GENERATIONS_RECORD
     if not record_path.is_file():
         return None
@@ -246,13 +246,22 @@ def generation_winner(path: Path) -> Path | None:
     if top_best is not None and "dir" in top_best:
         return Path(path) / top_best["dir"]
     gens = read_json(record_path).get("generations", [])
-    students = [Path(path) / g["dir"] for g in gens if g.get("student") and _best_or_none(Path(path) / g["dir"])]
-    if students:  # served once it has a best, as generations.winner says
-        return students[-1]
-    best = pick_winner([(x, _best_or_none(x)) for x in (Path(path) / g["dir"] for g in gens)])
+    best = served_generation([(Path(path) / g["dir"], bool(g.get("student")), _best_or_none(Path(path) / g["dir"]))
+                              for g in gens])
     if best is None:
         raise CheckpointError(f"{path}: no generation has a best checkpoint yet")
     return best
+
+
+def served_generation(gens: list[tuple[object, bool, dict | None]]) -> object | None:
+    """The key of the generation a run of generations serves, from (key, is a STUDENT_DEPTH student,
+    best.json) in the order they trained: the newest student with a best (the user named its size to
+    serve it), else the best of those with one (pick_winner); None while none has a best. The rule of
+    experiment/generations.py's winner and of generation_winner's fallback alike."""
+    students = [k for k, student, best in gens if student and best]
+    if students:
+        return students[-1]
+    return pick_winner([(k, best) for k, _, best in gens if best])
 
 
 def pick_winner(bests: list[tuple]) -> object | None:

@@ -332,14 +332,11 @@ def shrink(gen_dir: Path, log: RunLog) -> None:
 
 
 def winner(record: dict) -> dict | None:
-    """The generation served: the newest STUDENT_DEPTH student with a best step (the user named its size
-    to serve it), else the one whose best is best (the lowest val loss, or BEST_BY's score:
-    checkpoint.pick_winner)."""
-    students = [g for g in record["generations"] if g.get("student") and g.get("best")]
-    if students:
-        return students[-1]
-    key = ckpt.pick_winner([(i, g["best"]) for i, g in enumerate(record["generations"]) if g.get("best")])
-    return None if key is None else record["generations"][key]
+    """The generation served (checkpoint.served_generation: the newest STUDENT_DEPTH student with a
+    best step, else the one whose best is best)."""
+    gens = record["generations"]
+    key = ckpt.served_generation([(i, bool(g.get("student")), g.get("best")) for i, g in enumerate(gens)])
+    return None if key is None else gens[key]
 
 
 def publish_best(top: Path, record: dict, log: RunLog) -> None:

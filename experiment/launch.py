@@ -133,14 +133,26 @@ def end_launch(run_dir: Path, code: int = 1) -> None:
         pass
 
 
+def _markers(run_dir: Path, agent_pid: int) -> list[tuple[int, int, Path]]:
+    """(worker pid, exit code, path) of each marker the workers of agent `agent_pid` on this host left."""
+    prefix, found = _marker_name(agent_pid), []
+    for marker in Path(run_dir).glob(prefix + "*"):
+        try:
+            pid, code = map(int, marker.name[len(prefix):].split("."))
+        except ValueError:  # not one of ours
+            continue
+        found.append((pid, code, marker))
+    return found
+
+
 def ended_code(run_dir: Path, agent_pid: int) -> tuple[int, float] | None:
     """(exit code, time) of the marker that the workers of agent `agent_pid` on this host left; None
     when they left none."""
     found = []
-    for marker in Path(run_dir).glob(_marker_name(agent_pid) + "*"):
+    for _, code, marker in _markers(run_dir, agent_pid):
         try:
-            found.append((int(marker.name.rsplit(".", 1)[1]), marker.stat().st_mtime))
-        except (ValueError, OSError):  # not one of ours, or gone meanwhile
+            found.append((code, marker.stat().st_mtime))
+        except OSError:  # gone meanwhile
             continue
     return max(found, key=lambda f: f[0] == 2, default=None)  # a mistake's code over a failure's
 
@@ -149,14 +161,7 @@ def marker_codes(run_dir: Path, agent_pid: int) -> dict[int, int]:
     """{worker pid: exit code} of the markers the workers of agent `agent_pid` on this host left: a
     failure of a worker that left none, or another code (a restart that crashed after the launch was
     ended), is no decision of the trainer's."""
-    prefix, codes = _marker_name(agent_pid), {}
-    for marker in Path(run_dir).glob(prefix + "*"):
-        try:
-            pid, code = map(int, marker.name[len(prefix):].split("."))
-        except ValueError:  # not one of ours
-            continue
-        codes[pid] = code
-    return codes
+    return {pid: code for pid, code, _ in _markers(run_dir, agent_pid)}
 
 
 def clear_markers(run_dir: Path, agent_pid: int) -> None:
