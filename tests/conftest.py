@@ -96,20 +96,27 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
-def built_once(tmp_path_factory, name: str, build) -> Path:
+def built_once(request, name: str, build) -> Path:
     """A directory that build(dir) fills once per test run, whichever worker of a parallel run asks
     first; a worker that asks while another builds waits for it. Its users only read it. A build that
-    failed part-way is removed and done again by the next to ask."""
-    base = tmp_path_factory.getbasetemp()
-    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # pytest-N/: every worker's basetemp's parent
+    failed fails every later test that asks for it at once (each would wait for it again)."""
+    base = request.getfixturevalue("tmp_path_factory").getbasetemp()
+    # An xdist worker's own config only (not a pytest a test started): pytest-N/ holds every worker's basetemp
+    root = base.parent if hasattr(request.config, "workerinput") else base
     done = root / "built-once" / name
     done.parent.mkdir(exist_ok=True)
     with open(done.parent / f"{name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        if (done.parent / f"{name}.failed").exists():
+            pytest.fail(f"built_once({name!r}) failed in an earlier test")
         if not (done / ".built").exists():
-            shutil.rmtree(done, ignore_errors=True)
+            shutil.rmtree(done, ignore_errors=True)  # a worker that died building it left a part
             done.mkdir()
-            build(done)
+            try:
+                build(done)
+            except BaseException:
+                (done.parent / f"{name}.failed").touch()
+                raise
             (done / ".built").touch()
     return done
 

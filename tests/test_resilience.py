@@ -759,11 +759,11 @@ def test_a_budget_usd_run_moved_from_2_ranks_to_1_spends_its_dollars_once(tmp_pa
 
 
 @pytest.fixture
-def elastic_runs(tmp_path_factory):
+def elastic_runs(request):
     """Uninterrupted 6-step runs that also save step 3, on 1, 2 and 3 ranks: run(batch, world) -> its
     workspace, trained on first use in the whole test run (a parallel run's workers share them), so
     each is trained once and only when a test needs it; args(batch): their flags."""
-    corpus = built_once(tmp_path_factory, "elastic-corpus", write_corpus) / "corpus"
+    corpus = built_once(request, "elastic-corpus", write_corpus) / "corpus"
 
     # 256 tokens: 1 rank x 2 micro-steps or 2 ranks x 1, bit-identical sums (the 1/2 scale is exact).
     # 768 tokens: also divisible by 3 ranks, but 1/3 and 1/6 round differently (compared loosely).
@@ -771,7 +771,7 @@ def elastic_runs(tmp_path_factory):
         return [*TINY, "--data_dir", corpus, "--max_steps", 6, "--save_every_steps", 3, "--total_batch_size", batch]
 
     def run(batch: int, world: int) -> Path:
-        return built_once(tmp_path_factory, f"elastic-b{batch}-w{world}",
+        return built_once(request, f"elastic-b{batch}-w{world}",
                           lambda ws: run_train([*args(batch), "--workspace", ws], nproc=world))
     return run, args
 

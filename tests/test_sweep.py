@@ -16,6 +16,7 @@ from conftest import ENV, REPO, TINY, run_train, write_corpus
 
 from experiment import checkpoint as ckpt
 from experiment import sweep
+from experiment.distributed import process_alive
 
 # The trainer's tiny shape (conftest.TINY) as settings every member shares.
 TINY_ENV = {"ASPECT_RATIO": "32", "HEAD_DIM": "32", "MAX_SEQ_LEN": "32", "DEVICE_BATCH_SIZE": "4",
@@ -169,13 +170,17 @@ def test_the_same_command_after_a_kill_minus_9_resumes_every_member(tmp_path):
         pid = todo.pop()
         tree.append(pid)
         todo += [int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+    # Stopped first, all of them: a worker that saw its agent die before its own SIGKILL came would
+    # save and stop (ParentWatch), which is no kill -9.
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
     os.killpg(first.pid, signal.SIGKILL)
-    for pid in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
     first.wait()
     deadline = time.time() + 60
-    while any(Path(f"/proc/{pid}").exists() for pid in tree) and time.time() < deadline:
+    while any(process_alive(pid) for pid in tree):
+        assert time.time() < deadline, [pid for pid in tree if process_alive(pid)]
         time.sleep(0.1)
     log = (run_dir / "training.log").read_text()
     assert "received SIGTERM" not in log and "done:" not in log, log[-2000:]  # killed, not stopped
