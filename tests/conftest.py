@@ -3,6 +3,7 @@
 import fcntl
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -76,6 +77,25 @@ def run_train(args, nproc: int = 1, check: bool = True, timeout: int = 300) -> s
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+def kill_tree(pid: int) -> list[int]:
+    """kill -9 of pid and every process under it, as a reboot would end them; returns their pids.
+    torchrun gives each worker a session of its own, so a killpg of the launch misses them, and a
+    worker that saw its agent die before its own SIGKILL came would save and stop (ParentWatch):
+    every process of the tree, found before any dies, is stopped first, then killed."""
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += [int(c) for c in subprocess.run(["pgrep", "-P", str(p)], capture_output=True, text=True).stdout.split()]
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for p in tree:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+    return tree
 
 
 def pytest_addoption(parser):

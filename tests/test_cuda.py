@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from conftest import ENV, REPO, TINY, train_cmd, write_corpus
+from conftest import ENV, REPO, TINY, kill_tree, train_cmd, write_corpus
 from experiment import checkpoint as ckpt
 from experiment.model import GPT, GPTConfig
 
@@ -214,7 +214,7 @@ def test_kill9_during_a_save_then_resume_equals_the_uninterrupted_run(tmp_path, 
     while not _save_in_progress(run_dir) and proc.poll() is None and time.time() < deadline:
         pass  # poll as fast as we can: a tiny model's save lasts milliseconds
     hit = proc.poll() is None and _save_in_progress(run_dir)
-    os.killpg(proc.pid, signal.SIGKILL)
+    kill_tree(proc.pid)  # torchrun's workers too (sessions of their own): killpg would miss them
     proc.wait()
     assert hit, "the run ended before a save could be caught in progress"
     killed_at = ckpt.complete_steps(run_dir)

@@ -1,7 +1,6 @@
 """SWEEP: several runs side by side from one launcher command, their table and winner, a failing
 member, a second sweep refused, and the same command after a kill."""
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ENV, REPO, TINY, run_train, write_corpus
+from conftest import ENV, REPO, TINY, kill_tree, run_train, write_corpus
 
 from experiment import checkpoint as ckpt
 from experiment import sweep
@@ -163,19 +162,7 @@ def test_the_same_command_after_a_kill_minus_9_resumes_every_member(tmp_path):
         assert time.time() < deadline and first.poll() is None, first.stdout.read() if first.poll() is not None else ""
         time.sleep(0.5)
     member_pid = int((run_dir / ".lock").read_text().split()[1])  # its launcher, now torchrun's agent
-    # The member has a session of its own, and torchrun's workers each another: every process of the
-    # member's tree, found before any dies, gets its SIGKILL, as a reboot would give it.
-    tree, todo = [], [member_pid]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += [int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
-    # Stopped first, all of them: a worker that saw its agent die before its own SIGKILL came would
-    # save and stop (ParentWatch), which is no kill -9.
-    for sig in (signal.SIGSTOP, signal.SIGKILL):
-        for pid in tree:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
+    tree = kill_tree(member_pid)  # the member has a session of its own, its workers each another
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
     deadline = time.time() + 60
