@@ -13,6 +13,9 @@ a ConfigError (exit 2, after the plan line) unless ALLOW names it:
             retention replaces) is below the planned peak: KEEP_LAST + EXTRA_CHECKPOINTS (the
             best, the newest one from before the warmdown, the one being written)
 
+And with GENERATIONS=N and a DEPTH set, generations_fit: every later generation fits beside its
+teachers (no ALLOW: the trainer would refuse it at that generation's start).
+
 They only decide, from what they are handed: the tests give them a CUDA-shaped config on a CPU.
 """
 
@@ -27,7 +30,8 @@ from experiment import autosize
 from experiment.config import ConfigError, TrainConfig
 from experiment.files import volume
 from experiment.hardware import link_gbps, peak_flops
-from experiment.memory import checkpoint_bytes, checkpoint_precision, host_average_bytes, staged_bytes_per_rank
+from experiment.memory import (checkpoint_bytes, checkpoint_precision, choose_mode, count_params, host_average_bytes,
+                               staged_bytes_per_rank)
 from experiment.saver import HOST_STAGING_FRACTION
 
 # Checkpoints on disk beside the newest KEEP_LAST at the peak: the best, the newest one from before the
@@ -104,6 +108,26 @@ def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: 
     return GpuPlan(config.depth, rate, budget_epochs, epochs, default_cap,
                    epochs * train_tokens / rate / 3600, ckpt, staged,
                    (cfg.keep_last + EXTRA_CHECKPOINTS) * ckpt, ckpt / (DISK_WRITE_GBPS * 1e9), host_average)
+
+
+def generations_fit(cfg: TrainConfig, config, student_config, gpu: Gpu, world_size: int) -> None:
+    """GENERATIONS=N with an explicit DEPTH: every later generation holds its teachers beside it (the one
+    before it, or with TEACHER=ensemble all before it; a STUDENT_DEPTH student all N). One that fits
+    these GPUs in no memory mode is refused now, before the first generation spends its share (the
+    trainer would find it only at that generation's start). DEPTH=auto picks a depth that fits beside
+    its teacher itself."""
+    n, params = cfg.generations, count_params(config)
+    later = [(f"generation {k}", config, params * (k - 1 if cfg.teacher == "ensemble" else 1)) for k in range(2, n + 1)]
+    if student_config is not None:
+        later.append((f"the student (d{student_config.depth})", student_config, n * params))
+    for name, model, teachers in later:
+        if choose_mode(model, world_size, cfg.device_batch_size or 1, model.max_seq_len, gpu.memory_bytes,
+                       cfg.precision, cfg.activation_checkpointing, teachers) is None:
+            raise ConfigError(f"GENERATIONS={n}: {name} holds d{model.depth} and {teachers:,} parameters of teachers "
+                              f"on each GPU, which fit {gpu.memory_bytes / 2**30:.0f} GiB on {world_size} ranks in no "
+                              "memory mode: set a smaller DEPTH (or DEPTH=auto), "
+                              + ("TEACHER=previous, " if cfg.teacher == "ensemble" else "")
+                              + "fewer GENERATIONS, or more GPUs (docs/training.md, generations)")
 
 
 def shutdown_timeout(given: int, p: GpuPlan | None, log) -> int:

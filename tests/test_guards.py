@@ -162,3 +162,64 @@ def test_the_plan_says_whether_host_memory_holds_the_staged_checkpoint_shares(tm
     assert "does not fit in the 20.0 GB of host memory" in guards.staging_line(cfg, held, 8, 8, 20 * 10**9)
     cfg.async_save = 0
     assert "saves block training (ASYNC_SAVE=0)" in guards.staging_line(cfg, p, 8, 8, 1000 * 10**9)
+
+
+@pytest.mark.slow
+def test_generations_whose_teachers_fit_no_gpu_are_refused_before_the_first_trains(tmp_path, corpus):
+    """GENERATIONS=N with an explicit DEPTH: a later generation holds its teachers beside it. Where the
+    memory plan says none of its modes fits, the pre-flight refuses the launch, naming the generation,
+    instead of the trainer finding it at that generation's start, its share of the budget after the
+    first's. The depths come from the memory plan the trainer uses (memory.choose_mode)."""
+    import dataclasses
+
+    from experiment.config import resolve
+    from experiment.dataloader import Prepared
+    from experiment.launch import model_config
+    from experiment.memory import choose_mode, count_params
+
+    flags = ["--data_dir", corpus, "--allow", "disk", "--max_epochs", 8]
+    plan, _ = run_preflight(tmp_path, *flags, "--depth", 8)
+    prepared = Prepared.load(plan["prepared"])
+    cfg = resolve(parse_args(["--max_seq_len", "64", "--attn_dropout", "0", "--average", "none"]), True, 8)
+
+    def fits(depth: int, teachers: int) -> bool:
+        c = model_config(dataclasses.replace(cfg, depth=depth), prepared)
+        return choose_mode(c, 8, cfg.device_batch_size or 1, c.max_seq_len, H100.memory_bytes, cfg.precision,
+                           cfg.activation_checkpointing, teachers * count_params(c)) is not None
+
+    one = next(d for d in range(8, 512, 2) if fits(d, 0) and not fits(d, 1))  # fits alone, not beside a teacher
+    two = next(d for d in range(8, 512, 2) if fits(d, 1) and not fits(d, 2))  # beside one teacher, not two
+    assert not isinstance(run_preflight(tmp_path, *flags, "--depth", one)[0], ConfigError)  # one model
+    for depth, more, named in ((one, ["--generations", 2], "generation 2 holds d%d" % one),
+                               (two, ["--generations", 3, "--teacher", "ensemble"], "generation 3 holds d%d" % two)):
+        error, _ = run_preflight(tmp_path, *flags, "--depth", depth, *more)
+        assert isinstance(error, ConfigError) and named in str(error) and "GENERATIONS=" in str(error), error
+    for depth, more in ((two, ["--generations", 2]), (two, ["--generations", 3])):  # one teacher at a time
+        plan, _ = run_preflight(tmp_path, *flags, "--depth", depth, *more)
+        assert not isinstance(plan, ConfigError), plan
+
+
+def test_a_student_larger_than_its_teachers_is_checked_with_all_of_them():
+    """STUDENT_DEPTH may be deeper than DEPTH: the student holds every generation beside it."""
+    import dataclasses
+
+    from experiment.guards import generations_fit
+    from experiment.memory import choose_mode, count_params
+    from experiment.model import GPTConfig
+
+    cfg = dataclasses.replace(parse_args([]), generations=2, precision="bf16", activation_checkpointing="on",
+                              device_batch_size=1)
+
+    def config(depth):
+        return GPTConfig(vocab_size=64, depth=depth, aspect_ratio=64, head_dim=128, max_seq_len=64)
+
+    def fits(c, teachers):
+        return choose_mode(c, 8, 1, 64, H100.memory_bytes, "bf16", "on", teachers) is not None
+
+    gen = config(32)
+    student = next(config(s) for s in range(34, 400, 2) if fits(config(s), 0)
+                   and not fits(config(s), 2 * count_params(gen)))
+    generations_fit(cfg, gen, None, H100, 8)  # the generations alone fit
+    with pytest.raises(ConfigError, match=f"the student \\(d{student.depth}\\) holds d{student.depth} and "
+                                          f"{2 * count_params(gen):,} parameters of teachers"):
+        generations_fit(cfg, gen, student, H100, 8)
