@@ -236,6 +236,7 @@ def test_probe_measures_the_ladder_and_stops_below_half_the_target(monkeypatch):
     assert cands[1].tokens_per_param == pytest.approx(0.5, rel=1e-3) and cands[2].tokens_per_param < floor < 0.5
 
 
+@pytest.mark.slow
 def test_a_generations_teacher_is_priced_into_each_depths_rate_and_memory(monkeypatch):
     """DEPTH=auto for a generation with a teacher: each depth's rate is its step's with the teacher's
     forward at the same FLOP rate (a teacher of the student's size: a third more FLOPs, 0.75 of the
@@ -431,6 +432,7 @@ def test_the_rules_parameters_leave_out_the_bigram_table():
     assert count_params(with_table) > autosize.rule_params(with_table)
 
 
+@pytest.mark.slow
 def test_the_probe_times_the_trainers_step_on_tokens_of_the_vocabulary_after_one_warm_up(monkeypatch):
     timed, seen = [], []
     real = autosize.forward_backward
@@ -453,6 +455,7 @@ def test_the_probe_times_the_trainers_step_on_tokens_of_the_vocabulary_after_one
     assert x.shape == (6, 16) and x.min() == 0 and x.max() == 3  # 96 draws of 4 tokens: each end drawn
 
 
+@pytest.mark.slow
 def test_every_rank_probes_on_its_own_without_collectives(monkeypatch):
     made = []
     real = autosize.ShardedOptimizer

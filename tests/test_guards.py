@@ -120,6 +120,7 @@ def test_the_shutdown_timeout_covers_the_predicted_preemption_save(tmp_path, cor
     assert big["shutdown_timeout"] > 300
 
 
+@pytest.mark.slow
 def test_a_gpu_launch_on_the_default_budget_is_warned_of_its_dollars(tmp_path, corpus):
     """CUDA's default budget is a day on the box (31 h): one GPU rented for an afternoon would spend
     it, so a launch without TRAINING_HOURS or BUDGET_USD says what the default costs."""

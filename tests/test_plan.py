@@ -412,6 +412,7 @@ def test_each_depth_says_what_serving_it_needs():
     assert "      0.2     34.4 " in next(line for line in table.splitlines() if line.strip().startswith("d12 "))
 
 
+@pytest.mark.slow
 def test_the_plan_counts_what_finished_generations_keep_on_disk():
     """GENERATIONS=auto on the launch line: each finished generation keeps its best weights (in the
     precision the memory plan picks: bf16 for d56 on 80 GB) and best.pt in bf16; at most 8 run."""

@@ -398,6 +398,7 @@ def _one_text_two_prepared(tmp_path, corpus, *second):
     return members, [sweep.member_row(m, 4.0) for m in members]
 
 
+@pytest.mark.slow
 def test_members_of_one_text_prepared_two_ways_are_ranked_by_bits_per_character(tmp_path, corpus):
     """Two prepared directories of one corpus (here ALPHABET differs: another directory, the same
     text): their val losses are not compared, so the winner is the lowest bits per character on the
