@@ -205,14 +205,16 @@ def test_kill9_during_a_save_then_resume_equals_the_uninterrupted_run(tmp_path, 
     _run([*_args(tmp_path, device, *steps), "--workspace", tmp_path / "a"], nproc)
     ws = tmp_path / "b"
     run_dir = ws / "checkpoints/d2"
-    cmd = train_cmd([*_args(tmp_path, device, *steps), "--workspace", ws], nproc,
+    # Its saves written at 2 MB/s (a fraction of a second each, a tiny model's saves otherwise last
+    # milliseconds), so a loaded machine's poll still finds one in progress; the rate changes no weight.
+    cmd = train_cmd([*_args(tmp_path, device, *steps), "--workspace", ws, "--save_write_mbps", 2], nproc,
                     torchrun=("--standalone",) if nproc > 1 else ())
     proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait(lambda: len(ckpt.complete_steps(run_dir)) >= 2 or proc.poll() is not None, 240, "two saves")
     deadline = time.time() + 60
     while not _save_in_progress(run_dir) and proc.poll() is None and time.time() < deadline:
-        pass  # poll as fast as we can: a tiny model's save lasts milliseconds
+        time.sleep(0.005)
     hit = proc.poll() is None and _save_in_progress(run_dir)
     kill_tree(proc.pid)  # torchrun's workers too (sessions of their own): killpg would miss them
     proc.wait()
