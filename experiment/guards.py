@@ -110,16 +110,21 @@ def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: 
                    (cfg.keep_last + EXTRA_CHECKPOINTS) * ckpt, ckpt / (DISK_WRITE_GBPS * 1e9), host_average)
 
 
-def generations_fit(cfg: TrainConfig, config, student_config, gpu: Gpu, world_size: int) -> None:
+def generations_fit(cfg: TrainConfig, make_config, gpu: Gpu, world_size: int) -> None:
     """GENERATIONS=N with an explicit DEPTH: every later generation holds its teachers beside it (the one
     before it, or with TEACHER=ensemble all before it; a STUDENT_DEPTH student all N). One that fits
     these GPUs in no memory mode is refused now, before the first generation spends its share (the
     trainer would find it only at that generation's start). DEPTH=auto picks a depth that fits beside
-    its teacher itself."""
-    n, params = cfg.generations, count_params(config)
+    its teacher itself. make_config(depth): the model config of that depth."""
+    n = cfg.generations
+    if not (isinstance(n, int) and n > 1 and isinstance(cfg.depth, int)):
+        return
+    config = make_config(cfg.depth)
+    params = count_params(config)
     later = [(f"generation {k}", config, params * (k - 1 if cfg.teacher == "ensemble" else 1)) for k in range(2, n + 1)]
-    if student_config is not None:
-        later.append((f"the student (d{student_config.depth})", student_config, n * params))
+    if cfg.student_depth:
+        student = make_config(cfg.student_depth)
+        later.append((f"the student (d{student.depth})", student, n * params))
     for name, model, teachers in later:
         if choose_mode(model, world_size, cfg.device_batch_size or 1, model.max_seq_len, gpu.memory_bytes,
                        cfg.precision, cfg.activation_checkpointing, teachers) is None:

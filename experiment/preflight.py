@@ -211,10 +211,8 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
         log(guards.staging_line(cfg, gpu_plan, world_size, nproc_per_node or world_size, host_available_bytes()))
     if gpu is not None:
         guards.check(cfg, gpu_plan, demo, workspace, run_dir, resume=resume_step is not None)
-        if isinstance(launch_cfg.generations, int) and launch_cfg.generations > 1 and isinstance(launch_cfg.depth, int):
-            student = launch_cfg.student_depth and model_config(
-                dataclasses.replace(launch_cfg, depth=launch_cfg.student_depth), prepared)
-            guards.generations_fit(launch_cfg, model_config(launch_cfg, prepared), student or None, gpu, world_size)
+        guards.generations_fit(launch_cfg, lambda d: model_config(dataclasses.replace(launch_cfg, depth=d), prepared),
+                               gpu, world_size)
     if config is not None and (gpu_plan is None or resume_step is not None):
         ckpt_bytes = (gpu_plan.checkpoint_bytes if gpu_plan
                       else checkpoint_bytes(config, world_size, 1 << 62, cfg.precision, cfg.average != "none"))

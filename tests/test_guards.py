@@ -209,7 +209,7 @@ def test_a_student_larger_than_its_teachers_is_checked_with_all_of_them():
     from experiment.model import GPTConfig
 
     cfg = dataclasses.replace(parse_args([]), generations=2, precision="bf16", activation_checkpointing="on",
-                              device_batch_size=1)
+                              device_batch_size=1, depth=32)
 
     def config(depth):
         return GPTConfig(vocab_size=64, depth=depth, aspect_ratio=64, head_dim=128, max_seq_len=64)
@@ -220,7 +220,7 @@ def test_a_student_larger_than_its_teachers_is_checked_with_all_of_them():
     gen = config(32)
     student = next(config(s) for s in range(34, 400, 2) if fits(config(s), 0)
                    and not fits(config(s), 2 * count_params(gen)))
-    generations_fit(cfg, gen, None, H100, 8)  # the generations alone fit
+    generations_fit(cfg, config, H100, 8)  # the generations alone fit
     with pytest.raises(ConfigError, match=f"the student \\(d{student.depth}\\) holds d{student.depth} and "
                                           f"{2 * count_params(gen):,} parameters of teachers"):
-        generations_fit(cfg, gen, student, H100, 8)
+        generations_fit(dataclasses.replace(cfg, student_depth=student.depth), config, H100, 8)
