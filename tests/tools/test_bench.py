@@ -137,7 +137,19 @@ def test_versus_runs_both_sides_and_compares_them(tmp_path):
     nano, iters, loop, ours, used = (float(g) for g in m.groups())
     assert 2.0 < nano < 4.5 and 1.0 < ours < 4.5 and iters > 20
     ours_steps = int(re.search(r"\| ours [\d.]+ \(d\d+ w\d+ seq 256, (\d+) steps", proc.stdout).group(1))
-    assert loop < 8 * 1.5 and used <= 8 + 2 * used / ours_steps  # the budget, give or take one of its steps
+    assert used <= 8 + 2 * used / ours_steps  # ours: the budget, give or take one of its steps
+    # nanoGPT: sized from a calibration, run, and re-sized from its own timing while its loop misses the
+    # budget by more than 5%, at most three runs; a machine whose speed swings between runs (a busy CI
+    # box) can miss three times, and the tool says so
+    runs = re.findall(r"nanoGPT run (\d): loop ([\d.]+)s against 8s: (within|missed by more than) 5%", proc.stdout)
+    assert [int(r[0]) for r in runs] == list(range(1, len(runs) + 1)) and 1 <= len(runs) <= 3, proc.stdout[-3000:]
+    assert all(r[2] == "missed by more than" and abs(float(r[1]) - 8) > 0.35 for r in runs[:-1])
+    assert float(runs[-1][1]) == loop
+    warned = "nanoGPT's loop missed its 8s budget three times" in proc.stdout
+    if runs[-1][2] == "within":
+        assert abs(loop - 8) <= 0.45 and not warned
+    else:
+        assert len(runs) == 3 and warned
     assert re.search(r"median of 1 \| nanoGPT [\d.]+ \| ours [\d.]+ \| ours - nanoGPT [-+][\d.]+ \| reach", proc.stdout)
     # ours' in-run evals cover the whole val split, the text of both final losses: the last eval (the
     # final step's) reads the final loss
