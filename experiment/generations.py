@@ -86,6 +86,19 @@ def student(cfg: TrainConfig, k: int) -> dict:
     return {"student": True, "depth": cfg.student_depth} if cfg.student_depth and k == count(cfg) else {}
 
 
+def teacher_kind(cfg: TrainConfig, k: int) -> str | None:
+    """What teaches generation k: none (the first), the ensemble of all before it (the STUDENT_DEPTH
+    student, whatever TEACHER says), else TEACHER (previous or ensemble)."""
+    return None if k == 1 else "ensemble" if student(cfg, k) else cfg.teacher
+
+
+def teachers_held(k: int, kind: str | None) -> int:
+    """How many models teach generation k of this kind: the one rule the trainer's teachers
+    (teachers_for), the pre-flight's memory check (guards.generations_fit) and the plan's student
+    line (plan.student_plan) count by."""
+    return 0 if kind is None else k - 1 if kind == "ensemble" else 1
+
+
 def of(cfg: TrainConfig) -> str:
     return "(GENERATIONS=auto)" if cfg.generations == "auto" else f"of {count(cfg)}"
 
@@ -120,7 +133,7 @@ def share(record: dict, k: int, cfg: TrainConfig, budget: float) -> float | None
 def teachers_for(top: Path, done: list[dict], how: str) -> list[dict]:
     """The generation record's teachers: the best step of the generation before (previous) or of
     every one before (ensemble), each with the digest of its meta."""
-    chosen = done[-1:] if how == "previous" else done
+    chosen = done[len(done) - teachers_held(len(done) + 1, how):]
     out = []
     for g in chosen:
         file = ckpt.resolve_serving_checkpoint(top / g["dir"], top)
@@ -153,10 +166,9 @@ def begin(top: Path, record: dict, k: int, cfg: TrainConfig, budget: float, worl
     seconds = share(record, k, cfg, budget)
     if seconds is None:
         return None
-    extra = student(cfg, k)
-    how = "ensemble" if extra else cfg.teacher
-    g = {"index": k, "dir": f"gen{k}", "seed": cfg.seed + k - 1, "budget_seconds": seconds, **extra,
-         "teacher": how if done else None, "teachers": teachers_for(top, done, how) if done else [],
+    how = teacher_kind(cfg, k)
+    g = {"index": k, "dir": f"gen{k}", "seed": cfg.seed + k - 1, "budget_seconds": seconds, **student(cfg, k),
+         "teacher": how, "teachers": teachers_for(top, done, how) if done else [],
          "distill": [cfg.distill_weight, cfg.distill_temperature] if done else None,
          "began": time.time(), "outcome": None, "used_seconds": None, "best": None}
     record["generations"].append(g)

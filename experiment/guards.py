@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from experiment import autosize
+from experiment import autosize, generations
 from experiment.config import ConfigError, TrainConfig
 from experiment.files import volume
-from experiment.hardware import link_gbps, peak_flops
+from experiment.hardware import DISK_WRITE_GBPS, link_gbps, peak_flops
 from experiment.memory import (checkpoint_bytes, checkpoint_precision, choose_mode, count_params, host_average_bytes,
                                staged_bytes_per_rank)
 from experiment.saver import HOST_STAGING_FRACTION
@@ -61,8 +61,6 @@ class GpuPlan:
     host_average_bytes: int = 0  # the largest rank's weight average in host memory (too large for its GPU)
 
 
-# Network volumes of GPU clouds write about 200-400 MB/s (RunPod's documentation); the low end.
-DISK_WRITE_GBPS = 0.3
 DEFAULT_SHUTDOWN_SECONDS = 300
 
 
@@ -119,13 +117,11 @@ def generations_fit(cfg: TrainConfig, make_config, gpu: Gpu, world_size: int) ->
     n = cfg.generations
     if not (isinstance(n, int) and n > 1 and isinstance(cfg.depth, int)):
         return
-    config = make_config(cfg.depth)
-    params = count_params(config)
-    later = [(f"generation {k}", config, params * (k - 1 if cfg.teacher == "ensemble" else 1)) for k in range(2, n + 1)]
-    if cfg.student_depth:
-        student = make_config(cfg.student_depth)
-        later.append((f"the student (d{student.depth})", student, n * params))
-    for name, model, teachers in later:
+    params = count_params(make_config(cfg.depth))
+    for k in range(2, generations.count(cfg) + 1):
+        model = make_config(cfg.student_depth if generations.student(cfg, k) else cfg.depth)
+        name = f"the student (d{model.depth})" if generations.student(cfg, k) else f"generation {k}"
+        teachers = params * generations.teachers_held(k, generations.teacher_kind(cfg, k))
         if choose_mode(model, world_size, cfg.device_batch_size or 1, model.max_seq_len, gpu.memory_bytes,
                        cfg.precision, cfg.activation_checkpointing, teachers) is None:
             raise ConfigError(f"GENERATIONS={n}: {name} holds d{model.depth} and {teachers:,} parameters of teachers "

@@ -13,6 +13,9 @@ import torch
 
 from experiment.distributed import sync
 
+# Network volumes of GPU clouds write about 200-400 MB/s (RunPod's documentation); the low end.
+DISK_WRITE_GBPS = 0.3
+
 # Dense bf16 peak FLOP/s by device-name fragment, most specific first. An unknown device reports no
 # MFU rather than a wrong one.
 PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 SXM", 989e12), ("H100 80GB HBM3", 989e12),

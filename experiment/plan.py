@@ -37,12 +37,12 @@ from pathlib import Path
 
 import torch
 
-from experiment import autosize, regime, servemem
-from experiment.guards import DISK_WRITE_GBPS, EXTRA_CHECKPOINTS
+from experiment import autosize, generations, regime, servemem
+from experiment.guards import EXTRA_CHECKPOINTS
 from experiment.config import AUTO_MAX_GENERATIONS, CUDA_DEFAULTS, PLATEAU_EVALS, SWEEP_SCORING_SHARE, opt, parse_flags
 from experiment.dataloader import DataError, validate
 from experiment.files import default_workspace
-from experiment.hardware import PCIE_GBPS, NVLINK_GBPS, link_gbps, peak_flops
+from experiment.hardware import DISK_WRITE_GBPS, PCIE_GBPS, NVLINK_GBPS, link_gbps, peak_flops
 from experiment.memory import checkpoint_bytes, checkpoint_precision, choose_mode, count_params
 from experiment.model import GPTConfig
 
@@ -481,7 +481,8 @@ def student_plan(p: dict, cfg: PlanConfig, gpus: Gpus, vocab: int) -> dict | Non
         return None
     r = max(fast, key=lambda r: r["depth"])
     config = model_config(r["depth"], cfg, vocab)
-    teachers = 2 * count_params(model_config(p["depth"], cfg, vocab))  # the ensemble of both generations
+    # the student of GENERATIONS=2 (the third model) is taught by the ensemble of both generations
+    teachers = generations.teachers_held(3, "ensemble") * count_params(model_config(p["depth"], cfg, vocab))
     if choose_mode(config, p["recommended_gpus"], 1, config.max_seq_len, gpus.memory_bytes,
                    teacher_params=teachers) is None:
         return None

@@ -17,8 +17,7 @@ from experiment.checkpoint import CheckpointError, Retention, RunState
 from experiment.config import TrainConfig
 from experiment.distributed import Dist, all_ranks_ok, gather_objects
 from experiment.files import volume
-from experiment.guards import DISK_WRITE_GBPS
-from experiment.hardware import host_available_bytes
+from experiment.hardware import DISK_WRITE_GBPS, host_available_bytes
 from experiment.memory import checkpoint_bytes_per_rank, staged_bytes_per_rank
 from experiment.model import GPT
 from experiment.optim import ShardedOptimizer

@@ -26,7 +26,7 @@ from experiment.dataloader import Prepared
 from experiment.distributed import Dist
 from experiment.evaluation import evaluate
 from experiment.memory import checkpoint_bytes_per_rank, count_params, plan_memory, staged_bytes_per_rank
-from experiment.guards import DISK_WRITE_GBPS
+from experiment.hardware import DISK_WRITE_GBPS
 from experiment.metric import BestBy
 from experiment.model import GPT, GPTConfig, build_model
 from experiment.saver import HOST_STAGING_FRACTION

@@ -300,6 +300,8 @@ def test_a_generation_begins_with_its_share_its_seed_and_its_teachers(tmp_path, 
     assert g["seed"] == gen_cfg.seed == 10 and gen_dir == top / "gen4" and "generation 4 of 5 starts" in line
     assert gen_cfg.model_tag == "run/gen4" and gen_cfg.budget_usd is None
     assert [t["generation"] for t in g["teachers"]] == expected
+    # the count the pre-flight's memory check holds beside generation 4 (guards.generations_fit)
+    assert generations.teachers_held(4, generations.teacher_kind(cfg, 4)) == len(expected)
     assert g["teachers"][-1]["file"] == "gen3/model_000030.pt"
     assert g["teachers"][-1]["meta_sha256"] == hashlib.sha256(ckpt.meta_path(top / "gen3", 30).read_bytes()).hexdigest()
     assert generations.read_record(top)["generations"][3] == g  # written before the generation trains
@@ -332,6 +334,8 @@ def test_a_student_comes_after_the_generations_learns_from_all_of_them_at_its_de
     g = generations.begin(top, record, 3, cfg, 1000.0)
     assert g["student"] and g["depth"] == 1 and g["teacher"] == "ensemble"
     assert [t["generation"] for t in g["teachers"]] == [1, 2] and g["budget_seconds"] == pytest.approx(700)
+    # the count the pre-flight's check and the plan's student line hold beside it
+    assert generations.teachers_held(3, generations.teacher_kind(cfg, 3)) == 2
     assert generations.generation_config(cfg, g).depth == 1
     assert generations.generation_config(cfg, {**done[1], "distill": None}).depth == 4  # the run's depth
     # the first of three equal shares, the student's counted

@@ -701,7 +701,7 @@ def test_staging_must_fit_every_local_ranks_share_within_the_fraction_at_its_bou
 def test_a_save_before_one_is_measured_is_the_checkpoints_bytes_at_the_planned_disk_rate():
     from conftest import tiny_config
     from experiment import saving
-    from experiment.guards import DISK_WRITE_GBPS
+    from experiment.hardware import DISK_WRITE_GBPS
     from experiment.memory import checkpoint_bytes_per_rank
     from experiment.model import build_model
 
