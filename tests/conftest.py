@@ -83,18 +83,22 @@ def kill_tree(pid: int) -> list[int]:
     """kill -9 of pid and every process under it, as a reboot would end them; returns their pids.
     torchrun gives each worker a session of its own, so a killpg of the launch misses them, and a
     worker that saw its agent die before its own SIGKILL came would save and stop (ParentWatch):
-    every process of the tree, found before any dies, is stopped first, then killed."""
+    every process of the tree is stopped first, then killed. Each is stopped before its children are
+    listed: a stopped process forks no child the walk could miss."""
     tree, todo = [], [pid]
     while todo:
         p = todo.pop()
+        try:
+            os.kill(p, signal.SIGSTOP)
+        except ProcessLookupError:
+            continue
         tree.append(p)
         todo += [int(c) for c in subprocess.run(["pgrep", "-P", str(p)], capture_output=True, text=True).stdout.split()]
-    for sig in (signal.SIGSTOP, signal.SIGKILL):
-        for p in tree:
-            try:
-                os.kill(p, sig)
-            except ProcessLookupError:
-                pass
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     return tree
 
 

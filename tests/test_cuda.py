@@ -19,6 +19,7 @@ import torch
 
 from conftest import ENV, REPO, TINY, kill_tree, train_cmd, write_corpus
 from experiment import checkpoint as ckpt
+from experiment.distributed import process_alive
 from experiment.model import GPT, GPTConfig
 
 pytestmark = pytest.mark.cuda
@@ -192,10 +193,13 @@ def _wait(predicate, timeout, what):
 
 
 def _save_in_progress(run_dir) -> bool:
-    """A temp file, or a step's files without its meta: rank files are down, the meta is not."""
+    """A checkpoint's temp file, or files of a step newer than the newest complete one (no meta yet).
+    An older step's files without a meta are a prune's (it removes the meta first), not a save's."""
     names = [p.name for p in run_dir.iterdir()] if run_dir.is_dir() else []
-    metas = {n[5:11] for n in names if n.startswith("meta_")}
-    return any(n.endswith(".tmp") or (n.endswith(".pt") and n.split("_")[1][:6] not in metas) for n in names)
+    newest = max(ckpt.complete_steps(run_dir), default=-1)
+    steps = [int(m.group(1)) for n in names if n.endswith(".pt") and (m := re.search(r"_(\d{6})", n))]
+    temps = [n for n in names if n.endswith(".tmp") and n.startswith((".model_", ".optim_", ".meta_"))]
+    return bool(temps) or any(step > newest for step in steps)
 
 
 @pytest.mark.parametrize("nproc", _nprocs())
@@ -215,10 +219,15 @@ def test_kill9_during_a_save_then_resume_equals_the_uninterrupted_run(tmp_path, 
     deadline = time.time() + 60
     while not _save_in_progress(run_dir) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.005)
-    hit = proc.poll() is None and _save_in_progress(run_dir)
-    kill_tree(proc.pid)  # torchrun's workers too (sessions of their own): killpg would miss them
+    assert proc.poll() is None and _save_in_progress(run_dir), "the run ended before a save could be caught"
+    tree = kill_tree(proc.pid)  # torchrun's workers too (sessions of their own): killpg would miss them
     proc.wait()
-    assert hit, "the run ended before a save could be caught in progress"
+    _wait(lambda: not any(process_alive(pid) for pid in tree), 60, "the killed processes to be gone")
+    # what the kill left: a save in progress (the poll's find and the kill are milliseconds apart; a
+    # save lasts a fraction of a second), and no worker that stopped on its own, as a SIGTERM or a dead
+    # agent would stop it
+    assert _save_in_progress(run_dir), sorted(p.name for p in run_dir.iterdir())
+    assert "received SIGTERM" not in (run_dir / "training.log").read_text()
     killed_at = ckpt.complete_steps(run_dir)
     _run([*_args(tmp_path, device, *steps), "--workspace", ws], nproc)
     assert ckpt.complete_steps(run_dir)[-1] == 30, killed_at

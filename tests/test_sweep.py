@@ -4,7 +4,6 @@ member, a second sweep refused, and the same command after a kill."""
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -162,8 +161,10 @@ def test_the_same_command_after_a_kill_minus_9_resumes_every_member(tmp_path):
         assert time.time() < deadline and first.poll() is None, first.stdout.read() if first.poll() is not None else ""
         time.sleep(0.5)
     member_pid = int((run_dir / ".lock").read_text().split()[1])  # its launcher, now torchrun's agent
-    tree = kill_tree(member_pid)  # the member has a session of its own, its workers each another
-    os.killpg(first.pid, signal.SIGKILL)
+    # the sweep, its member (a session of its own) and the member's workers (each another), all at
+    # once: none sees another die first
+    tree = kill_tree(first.pid)
+    assert member_pid in tree
     first.wait()
     deadline = time.time() + 60
     while any(process_alive(pid) for pid in tree):

@@ -128,8 +128,16 @@ NANOGPT = REPO.parent / "shared" / "anchors" / "nanogpt"
 @pytest.mark.skipif(not (NANOGPT / "train.py").exists() or not SHAKESPEARE.exists(),
                     reason="../shared/anchors/nanogpt or ../shared/data/tinyshakespeare.txt not present")
 def test_versus_runs_both_sides_and_compares_them(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "versus", "--seconds", "8", "--ladder", "2",
-                           "--workspace", tmp_path], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    def versus(workspace):
+        return subprocess.run([sys.executable, "-m", "experiment.tools.bench", "versus", "--seconds", "8", "--ladder",
+                               "2", "--workspace", workspace], cwd=REPO, env=ENV, capture_output=True, text=True,
+                              timeout=600)
+
+    proc = versus(tmp_path / "first")
+    # nanoGPT's loop missed its budget three times: a busy machine's speed swings between runs (the
+    # tool warns), or the sizing is wrong (it would miss again): once more, and then it must not
+    if "WARNING: nanoGPT's loop missed" in proc.stdout:
+        proc = versus(tmp_path / "again")
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = re.search(r"repeat 1 \| nanoGPT ([\d.]+) \((\d+) iters x 768 tokens, loop ([\d.]+)s\) \| ours ([\d.]+) "
                   r"\(d\d+ w\d+ seq 256, \d+ steps x 4096 tokens.*used ([\d.]+)s\)", proc.stdout)
@@ -139,17 +147,12 @@ def test_versus_runs_both_sides_and_compares_them(tmp_path):
     ours_steps = int(re.search(r"\| ours [\d.]+ \(d\d+ w\d+ seq 256, (\d+) steps", proc.stdout).group(1))
     assert used <= 8 + 2 * used / ours_steps  # ours: the budget, give or take one of its steps
     # nanoGPT: sized from a calibration, run, and re-sized from its own timing while its loop misses the
-    # budget by more than 5%, at most three runs; a machine whose speed swings between runs (a busy CI
-    # box) can miss three times, and the tool says so
+    # budget by more than 5%, at most three runs, the last within it
     runs = re.findall(r"nanoGPT run (\d): loop ([\d.]+)s against 8s: (within|missed by more than) 5%", proc.stdout)
     assert [int(r[0]) for r in runs] == list(range(1, len(runs) + 1)) and 1 <= len(runs) <= 3, proc.stdout[-3000:]
     assert all(r[2] == "missed by more than" and abs(float(r[1]) - 8) > 0.35 for r in runs[:-1])
-    assert float(runs[-1][1]) == loop
-    warned = "nanoGPT's loop missed its 8s budget three times" in proc.stdout
-    if runs[-1][2] == "within":
-        assert abs(loop - 8) <= 0.45 and not warned
-    else:
-        assert len(runs) == 3 and warned
+    assert runs[-1][2] == "within" and float(runs[-1][1]) == loop and abs(loop - 8) <= 0.45, proc.stdout[-3000:]
+    assert "nanoGPT's loop missed its 8s budget three times" not in proc.stdout
     assert re.search(r"median of 1 \| nanoGPT [\d.]+ \| ours [\d.]+ \| ours - nanoGPT [-+][\d.]+ \| reach", proc.stdout)
     # ours' in-run evals cover the whole val split, the text of both final losses: the last eval (the
     # final step's) reads the final loss
