@@ -99,6 +99,13 @@ def teachers_held(k: int, kind: str | None) -> int:
     return 0 if kind is None else k - 1 if kind == "ensemble" else 1
 
 
+def most_teachers(cfg: TrainConfig) -> int:
+    """The most models that teach any one generation of this launch at the run's depth (a STUDENT_DEPTH
+    student is another depth): what the pre-flight's memory plan holds beside the model."""
+    return max((teachers_held(k, teacher_kind(cfg, k)) for k in range(2, count(cfg) + 1) if not student(cfg, k)),
+               default=0)
+
+
 def of(cfg: TrainConfig) -> str:
     return "(GENERATIONS=auto)" if cfg.generations == "auto" else f"of {count(cfg)}"
 

@@ -90,7 +90,10 @@ def predicted_rate(cfg: TrainConfig, config, gpu: Gpu, world_size: int) -> float
 
 
 def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: int,
-             default_cap: float) -> GpuPlan | None:
+             default_cap: float, teachers: int = 0) -> GpuPlan | None:
+    """The plan line's and the guards' figures for `config`; `teachers`: the most models that teach
+    one of the launch's generations beside it (generations.most_teachers), which can push the weight
+    average into host memory."""
     if gpu.peak is None:
         return None
     average = cfg.average != "none"  # AVERAGE=auto counts it: the trainer's regime may turn it on
@@ -102,23 +105,28 @@ def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: 
     ckpt = checkpoint_bytes(config, world_size, gpu.memory_bytes, cfg.precision, average)
     staged = max(staged_bytes_per_rank(config, world_size, precision, pinned=True, average=average))
     host_average = host_average_bytes(config, world_size, gpu.memory_bytes, cfg.precision, cfg.device_batch_size or 1,
-                                      cfg.activation_checkpointing) if average else 0
+                                      cfg.activation_checkpointing, teachers * count_params(config)) if average else 0
     return GpuPlan(config.depth, rate, budget_epochs, epochs, default_cap,
                    epochs * train_tokens / rate / 3600, ckpt, staged,
                    (cfg.keep_last + EXTRA_CHECKPOINTS) * ckpt, ckpt / (DISK_WRITE_GBPS * 1e9), host_average)
 
 
-def generations_fit(cfg: TrainConfig, make_config, gpu: Gpu, world_size: int) -> None:
-    """GENERATIONS=N with an explicit DEPTH: every later generation holds its teachers beside it (the one
+def generations_fit(cfg: TrainConfig, make_config, gpu: Gpu, world_size: int, top: Path) -> None:
+    """GENERATIONS with an explicit DEPTH: every later generation holds its teachers beside it (the one
     before it, or with TEACHER=ensemble all before it; a STUDENT_DEPTH student all N). One that fits
-    these GPUs in no memory mode is refused now, before the first generation spends its share (the
-    trainer would find it only at that generation's start). DEPTH=auto picks a depth that fits beside
-    its teacher itself. make_config(depth): the model config of that depth."""
+    these GPUs in no memory mode is refused now, before the generations before it spend their shares
+    (the trainer would find it only at that generation's start). The generations of the run in `top`
+    that are done are not checked again. GENERATIONS=auto: its second generation (one teacher); an
+    ensemble's later ones are checked at their start. DEPTH=auto picks a depth that fits beside its
+    teacher itself (a STUDENT_DEPTH student beside DEPTH=auto's is checked at its start).
+    make_config(depth): the model config of that depth."""
     n = cfg.generations
-    if not (isinstance(n, int) and n > 1 and isinstance(cfg.depth, int)):
+    if n == 1 or not isinstance(cfg.depth, int):
         return
+    done = sum(g["outcome"] is not None for g in generations.read_record(top)["generations"])
+    last = 2 if n == "auto" else generations.count(cfg)
     params = count_params(make_config(cfg.depth))
-    for k in range(2, generations.count(cfg) + 1):
+    for k in range(max(2, done + 1), last + 1):
         model = make_config(cfg.student_depth if generations.student(cfg, k) else cfg.depth)
         name = f"the student (d{model.depth})" if generations.student(cfg, k) else f"generation {k}"
         teachers = params * generations.teachers_held(k, generations.teacher_kind(cfg, k))
@@ -127,8 +135,9 @@ def generations_fit(cfg: TrainConfig, make_config, gpu: Gpu, world_size: int) ->
             raise ConfigError(f"GENERATIONS={n}: {name} holds d{model.depth} and {teachers:,} parameters of teachers "
                               f"on each GPU, which fit {gpu.memory_bytes / 2**30:.0f} GiB on {world_size} ranks in no "
                               "memory mode: set a smaller DEPTH (or DEPTH=auto), "
-                              + ("TEACHER=previous, " if cfg.teacher == "ensemble" else "")
-                              + "fewer GENERATIONS, or more GPUs (docs/training.md, generations)")
+                              + ("TEACHER=previous, " if teachers > params else "")
+                              + ("GENERATIONS=1" if n == "auto" else "fewer GENERATIONS")
+                              + ", or more GPUs (docs/training.md, generations)")
 
 
 def shutdown_timeout(given: int, p: GpuPlan | None, log) -> int:

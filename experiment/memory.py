@@ -197,12 +197,15 @@ def choose_mode(config: GPTConfig, world_size: int, batch: int, seq: int, gpu_by
 
 
 def host_average_bytes(config: GPTConfig, world: int, gpu_bytes: int, precision: str = "auto", batch: int = 1,
-                       activation_checkpointing: str = "auto") -> int:
+                       activation_checkpointing: str = "auto", teacher_params: int = 0) -> int:
     """The largest rank's host memory for AVERAGE=ema's fp32 average when it does not fit on the GPU
-    beside the mode the plan picks at device batch `batch` (place_average's rule), else 0."""
-    mode = choose_mode(config, world, batch, config.max_seq_len, gpu_bytes, precision, activation_checkpointing)
+    beside the mode the plan picks at device batch `batch` (place_average's rule), else 0; with a
+    generation's teachers (`teacher_params`) on the GPU beside it, as the trainer plans them."""
+    mode = choose_mode(config, world, batch, config.max_seq_len, gpu_bytes, precision, activation_checkpointing,
+                       teacher_params)
     if mode is None or plan_memory(config, world, batch, config.max_seq_len, mode.precision,
-                                   mode.activation_checkpointing, average=True).fits(gpu_bytes):
+                                   mode.activation_checkpointing, average=True,
+                                   teacher_params=teacher_params).fits(gpu_bytes):
         return 0
     sizes = {n: math.prod(s) for n, s in param_shapes(config).items()}
     owner = partition(sizes, world)

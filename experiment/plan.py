@@ -320,10 +320,12 @@ def plan(cfg: PlanConfig) -> dict:
          "recommended_gpus": min(in_time) if cfg.hours_available is not None and in_time else gpus.count}
     recommend_on(p, cfg, rows)
     p["regime"] = regime_plan(p, cfg, rows, best.tok_per_s)
-    # A generation after the first holds its teacher beside it: another model of this depth on each GPU
+    # A generation after the first holds its teacher beside it (GENERATIONS=auto's second: one): another
+    # model of this depth on each GPU
     config = model_config(best.depth, cfg, vocab)
+    teachers = generations.teachers_held(2, "previous") * count_params(config)
     p["teacher_fits"] = choose_mode(config, p["recommended_gpus"], 1, config.max_seq_len, gpus.memory_bytes,
-                                    teacher_params=count_params(config)) is not None
+                                    teacher_params=teachers) is not None
     p["student"] = student_plan(p, cfg, gpus, vocab) if p["regime"]["regularized"] and p["teacher_fits"] else None
     p["launch"], p["run_dir"] = launch_line(p, cfg, p["recommended_gpus"])
     p["sweep"] = sweep_plan(p, cfg, gpus, [r["depth"] for r in rungs if r["fits"]], vocab)

@@ -200,7 +200,39 @@ def test_generations_whose_teachers_fit_no_gpu_are_refused_before_the_first_trai
         assert not isinstance(plan, ConfigError), plan
 
 
-def test_a_student_larger_than_its_teachers_is_checked_with_all_of_them():
+@pytest.mark.slow
+def test_a_teacher_that_pushes_the_weight_average_to_host_memory_is_counted_there(tmp_path, corpus):
+    """A later generation's teachers sit on the GPU beside the model, so a weight average that fits
+    beside one model alone can go to host memory (memory.place_average, with the trainer's plan): the
+    pre-flight counts it there for a launch with generations, as the trainer will place it."""
+    import dataclasses
+
+    from experiment.config import resolve
+    from experiment.dataloader import Prepared
+    from experiment.launch import model_config
+    from experiment.memory import count_params, host_average_bytes
+
+    flags = ["--data_dir", corpus, "--allow", "disk", "--max_epochs", 8, "--average", "ema"]
+    plan, _ = run_preflight(tmp_path, *flags, "--depth", 8)
+    prepared = Prepared.load(plan["prepared"])
+    cfg = resolve(parse_args(["--max_seq_len", "64"]), True, 8)
+
+    def on_host(depth: int, teachers: int) -> int:
+        c = model_config(dataclasses.replace(cfg, depth=depth), prepared)
+        return host_average_bytes(c, 8, H100.memory_bytes, cfg.precision, cfg.device_batch_size or 1,
+                                  cfg.activation_checkpointing, teachers * count_params(c))
+
+    pushed = next(d for d in range(8, 512, 2) if on_host(d, 0) == 0 and on_host(d, 1) > 0)
+    # the staging line names the average held on this node's host (8 ranks), or warns that it does not
+    # fit this machine's host memory: either way, its size
+    held = f"{8 * on_host(pushed, 1) / 1e9:.1f} GB"
+    for more, counted in (([], False), (["--generations", 2], True), (["--generations", "auto"], True)):
+        _, lines = run_preflight(tmp_path, *flags, "--depth", pushed, *more)
+        named = [x for x in lines if "weight average" in x]
+        assert len(named) == counted and all(held in x for x in named), "\n".join(map(str, [more, *lines]))
+
+
+def test_a_student_larger_than_its_teachers_is_checked_with_all_of_them(tmp_path):
     """STUDENT_DEPTH may be deeper than DEPTH: the student holds every generation beside it."""
     import dataclasses
 
@@ -220,7 +252,48 @@ def test_a_student_larger_than_its_teachers_is_checked_with_all_of_them():
     gen = config(32)
     student = next(config(s) for s in range(34, 400, 2) if fits(config(s), 0)
                    and not fits(config(s), 2 * count_params(gen)))
-    generations_fit(cfg, config, H100, 8)  # the generations alone fit
+    generations_fit(cfg, config, H100, 8, tmp_path)  # the generations alone fit
     with pytest.raises(ConfigError, match=f"the student \\(d{student.depth}\\) holds d{student.depth} and "
                                           f"{2 * count_params(gen):,} parameters of teachers"):
-        generations_fit(dataclasses.replace(cfg, student_depth=student.depth), config, H100, 8)
+        generations_fit(dataclasses.replace(cfg, student_depth=student.depth), config, H100, 8, tmp_path)
+
+
+def test_only_the_generations_left_are_checked_and_auto_checks_its_second(tmp_path):
+    """A relaunch checks the generations not done yet (one done may have trained on larger GPUs);
+    GENERATIONS=auto checks its second generation, the first with a teacher."""
+    import dataclasses
+    import json
+
+    from experiment.guards import generations_fit
+    from experiment.memory import choose_mode, count_params
+    from experiment.model import GPTConfig
+
+    def config(depth):
+        return GPTConfig(vocab_size=64, depth=depth, aspect_ratio=64, head_dim=128, max_seq_len=64)
+
+    def fits(c, teachers):
+        return choose_mode(c, 8, 1, 64, H100.memory_bytes, "bf16", "on", teachers) is not None
+
+    big = next(d for d in range(8, 400, 2) if fits(config(d), 0) and not fits(config(d), count_params(config(d))))
+    assert fits(config(2), 2 * count_params(config(big)))  # a small student fits beside both
+    cfg = dataclasses.replace(parse_args([]), generations=2, student_depth=2, precision="bf16",
+                              activation_checkpointing="on", device_batch_size=1, depth=big)
+
+    def record(*outcomes):
+        gens = [{"index": k, "outcome": o} for k, o in enumerate(outcomes, 1)]
+        (tmp_path / "generations.json").write_text(json.dumps({"generations": gens}))
+
+    with pytest.raises(ConfigError, match=f"GENERATIONS=2: generation 2 holds d{big} "):
+        generations_fit(cfg, config, H100, 8, tmp_path)  # nothing done
+    record("finished", None)  # generation 2 begun, not done: still checked
+    with pytest.raises(ConfigError, match="generation 2 holds"):
+        generations_fit(cfg, config, H100, 8, tmp_path)
+    record("finished", "finished")  # only the student is left, and it fits
+    generations_fit(cfg, config, H100, 8, tmp_path)
+    (tmp_path / "generations.json").unlink()
+    auto = dataclasses.replace(cfg, generations="auto", student_depth=None)
+    with pytest.raises(ConfigError, match=f"GENERATIONS=auto: generation 2 holds d{big} .*: set a smaller DEPTH "
+                                          r"\(or DEPTH=auto\), GENERATIONS=1, or more GPUs"):
+        generations_fit(auto, config, H100, 8, tmp_path)
+    generations_fit(dataclasses.replace(auto, depth=big - 2 if fits(config(big - 2), count_params(config(big - 2)))
+                                        else 2), config, H100, 8, tmp_path)

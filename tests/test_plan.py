@@ -88,6 +88,11 @@ def test_the_issue_example_with_the_trainers_defaults_trains_the_largest_regular
     assert short["launch"] == "NPROC_PER_NODE=8 DEPTH=48 BUDGET_USD=768 GENERATIONS=auto bash experiment/run.sh"
     off = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, regularizers="off"))
     assert off["depth"] == 32 and "never more than 8 passes" in off["rule"] and "regularized" not in off["rule"]
+    # twice the hours buy d64, which a d64 teacher beside it does not fit on 80 GB: no GENERATIONS, and why
+    long = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=62))
+    assert long["depth"] == 64 and not long["teacher_fits"] and long["student"] is None
+    assert long["launch"] == "NPROC_PER_NODE=8 DEPTH=64 BUDGET_USD=1984 bash experiment/run.sh"
+    assert "no GENERATIONS: a generation after the first holds d64 and its teacher, another d64" in table_of(long)
 
 
 @pytest.mark.slow
