@@ -99,11 +99,11 @@ def teachers_held(k: int, kind: str | None) -> int:
     return 0 if kind is None else k - 1 if kind == "ensemble" else 1
 
 
-def most_teachers(cfg: TrainConfig) -> int:
-    """The most models that teach any one generation of this launch at the run's depth (a STUDENT_DEPTH
-    student is another depth): what the pre-flight's memory plan holds beside the model."""
-    return max((teachers_held(k, teacher_kind(cfg, k)) for k in range(2, count(cfg) + 1) if not student(cfg, k)),
-               default=0)
+def ahead(cfg: TrainConfig, top: Path) -> list[tuple[int, bool, int]]:
+    """Each generation of the run in `top` not done yet, the next first: (k, whether it is the
+    STUDENT_DEPTH student, how many models of the generations' depth teach it). One model: [(1, False, 0)]."""
+    done = sum(g["outcome"] is not None for g in read_record(top)["generations"])
+    return [(k, bool(student(cfg, k)), teachers_held(k, teacher_kind(cfg, k))) for k in range(done + 1, count(cfg) + 1)]
 
 
 def of(cfg: TrainConfig) -> str:

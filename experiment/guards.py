@@ -90,10 +90,11 @@ def predicted_rate(cfg: TrainConfig, config, gpu: Gpu, world_size: int) -> float
 
 
 def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: int,
-             default_cap: float, teachers: int = 0) -> GpuPlan | None:
-    """The plan line's and the guards' figures for `config`; `teachers`: the most models that teach
-    one of the launch's generations beside it (generations.most_teachers), which can push the weight
-    average into host memory."""
+             default_cap: float, teachers: tuple[int, ...] = (0,)) -> GpuPlan | None:
+    """The plan line's and the guards' figures for `config`; `teachers`: the teachers' parameters
+    beside it in each generation still to train (teachers_ahead). The weight average's host memory is
+    the largest over them: it does not grow with the teachers (one can move the mode to bf16, where
+    the average fits on the GPU again, and teachers that fit no mode leave nothing planned)."""
     if gpu.peak is None:
         return None
     average = cfg.average != "none"  # AVERAGE=auto counts it: the trainer's regime may turn it on
@@ -104,11 +105,27 @@ def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: 
     epochs = min(budget_epochs, cfg.max_epochs or budget_epochs)
     ckpt = checkpoint_bytes(config, world_size, gpu.memory_bytes, cfg.precision, average)
     staged = max(staged_bytes_per_rank(config, world_size, precision, pinned=True, average=average))
-    host_average = host_average_bytes(config, world_size, gpu.memory_bytes, cfg.precision, cfg.device_batch_size or 1,
-                                      cfg.activation_checkpointing, teachers * count_params(config)) if average else 0
+    host_average = max(host_average_bytes(config, world_size, gpu.memory_bytes, cfg.precision, cfg.device_batch_size or 1,
+                                          cfg.activation_checkpointing, t) for t in teachers) if average else 0
     return GpuPlan(config.depth, rate, budget_epochs, epochs, default_cap,
                    epochs * train_tokens / rate / 3600, ckpt, staged,
                    (cfg.keep_last + EXTRA_CHECKPOINTS) * ckpt, ckpt / (DISK_WRITE_GBPS * 1e9), host_average)
+
+
+def teachers_ahead(launch_cfg: TrainConfig, config, make_config, top: Path) -> tuple[int, ...]:
+    """The teachers' parameters beside `config`, the next generation's model, in each generation of the
+    launch still to train with that model (the generations, or the STUDENT_DEPTH student when it is
+    next; a later student is another model, smaller, not counted). One model: (0,). A student after
+    DEPTH=auto's generations: (0,), their depth is not known here."""
+    ahead = generations.ahead(launch_cfg, top)
+    pending_student = ahead[0][1] if ahead else False
+    if isinstance(launch_cfg.depth, int):
+        params = count_params(make_config(launch_cfg.depth))
+    elif pending_student:
+        return (0,)
+    else:
+        params = count_params(config)
+    return tuple(n * params for _, is_student, n in ahead if is_student == pending_student) or (0,)
 
 
 def generations_fit(cfg: TrainConfig, make_config, gpu: Gpu, world_size: int, top: Path) -> None:
@@ -123,19 +140,20 @@ def generations_fit(cfg: TrainConfig, make_config, gpu: Gpu, world_size: int, to
     n = cfg.generations
     if n == 1 or not isinstance(cfg.depth, int):
         return
-    done = sum(g["outcome"] is not None for g in generations.read_record(top)["generations"])
-    last = 2 if n == "auto" else generations.count(cfg)
     params = count_params(make_config(cfg.depth))
-    for k in range(max(2, done + 1), last + 1):
-        model = make_config(cfg.student_depth if generations.student(cfg, k) else cfg.depth)
-        name = f"the student (d{model.depth})" if generations.student(cfg, k) else f"generation {k}"
-        teachers = params * generations.teachers_held(k, generations.teacher_kind(cfg, k))
+    for k, is_student, held in generations.ahead(cfg, top):
+        if k == 1 or (n == "auto" and k > 2):
+            continue
+        model = make_config(cfg.student_depth if is_student else cfg.depth)
+        name = f"the student (d{model.depth})" if is_student else f"generation {k}"
+        teachers = params * held
         if choose_mode(model, world_size, cfg.device_batch_size or 1, model.max_seq_len, gpu.memory_bytes,
                        cfg.precision, cfg.activation_checkpointing, teachers) is None:
             raise ConfigError(f"GENERATIONS={n}: {name} holds d{model.depth} and {teachers:,} parameters of teachers "
                               f"on each GPU, which fit {gpu.memory_bytes / 2**30:.0f} GiB on {world_size} ranks in no "
                               "memory mode: set a smaller DEPTH (or DEPTH=auto), "
-                              + ("TEACHER=previous, " if teachers > params else "")
+                              + ("TEACHER=previous, " if teachers > params and not is_student else "")
+                              + ("a smaller STUDENT_DEPTH, " if is_student else "")
                               + ("GENERATIONS=1" if n == "auto" else "fewer GENERATIONS")
                               + ", or more GPUs (docs/training.md, generations)")
 

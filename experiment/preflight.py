@@ -205,15 +205,15 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
     if rewind is not None:
         log(f"preflight | the settings extend the annealed run: it goes back to step {rewind:06d}, its newest "
             "checkpoint from before the warmdown, and trains on to a new one")
+    make = lambda d: model_config(dataclasses.replace(launch_cfg, depth=d), prepared)
     gpu_plan = (guards.gpu_plan(cfg, config, gpu, world_size, train_tokens, default_cap,
-                                generations.most_teachers(launch_cfg)) if gpu and config else None)
+                                guards.teachers_ahead(launch_cfg, config, make, top)) if gpu and config else None)
     if gpu_plan:
         log(guards.plan_line(cfg, gpu_plan, world_size, gpu))
         log(guards.staging_line(cfg, gpu_plan, world_size, nproc_per_node or world_size, host_available_bytes()))
     if gpu is not None:
         guards.check(cfg, gpu_plan, demo, workspace, run_dir, resume=resume_step is not None)
-        guards.generations_fit(launch_cfg, lambda d: model_config(dataclasses.replace(launch_cfg, depth=d), prepared),
-                               gpu, world_size, top)
+        guards.generations_fit(launch_cfg, make, gpu, world_size, top)
     if config is not None and (gpu_plan is None or resume_step is not None):
         ckpt_bytes = (gpu_plan.checkpoint_bytes if gpu_plan
                       else checkpoint_bytes(config, world_size, 1 << 62, cfg.precision, cfg.average != "none"))

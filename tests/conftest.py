@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -79,12 +80,22 @@ def run_train(args, nproc: int = 1, check: bool = True, timeout: int = 300) -> s
     return proc
 
 
+def _state(pid: int) -> str:
+    """The process's state letter from /proc (R, S, T, Z, ...); "X" when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
 def kill_tree(pid: int) -> list[int]:
     """kill -9 of pid and every process under it, as a reboot would end them; returns their pids.
     torchrun gives each worker a session of its own, so a killpg of the launch misses them, and a
     worker that saw its agent die before its own SIGKILL came would save and stop (ParentWatch):
-    every process of the tree is stopped first, then killed. Each is stopped before its children are
-    listed: a stopped process forks no child the walk could miss."""
+    every process of the tree is stopped first, then killed. Each is stopped (its state T, or Z: a
+    fork under way when the signal came has ended) before its children are listed: a stopped process
+    forks no child the walk could miss. (A process already exiting hands its children to init, out of
+    the walk's reach; none of the trees this kills exits at that moment.)"""
     tree, todo = [], [pid]
     while todo:
         p = todo.pop()
@@ -92,6 +103,9 @@ def kill_tree(pid: int) -> list[int]:
             os.kill(p, signal.SIGSTOP)
         except ProcessLookupError:
             continue
+        deadline = time.time() + 2
+        while _state(p) not in "TtZX" and time.time() < deadline:
+            time.sleep(0.001)
         tree.append(p)
         todo += [int(c) for c in subprocess.run(["pgrep", "-P", str(p)], capture_output=True, text=True).stdout.split()]
     for p in tree:

@@ -336,11 +336,12 @@ def test_a_student_comes_after_the_generations_learns_from_all_of_them_at_its_de
     assert [t["generation"] for t in g["teachers"]] == [1, 2] and g["budget_seconds"] == pytest.approx(700)
     # the count the pre-flight's check and the plan's student line hold beside it
     assert generations.teachers_held(3, generations.teacher_kind(cfg, 3)) == 2
-    # the most beside a model of the run's depth (the student's depth is another): gen2's one
-    assert generations.most_teachers(cfg) == 1
-    assert generations.most_teachers(dataclasses.replace(cfg, teacher="ensemble")) == 1
-    assert generations.most_teachers(dataclasses.replace(cfg, generations=3, teacher="ensemble")) == 2
-    assert generations.most_teachers(dataclasses.replace(cfg, generations=1, student_depth=None)) == 0
+    # what is left to train (the pre-flight's checks): the begun student, with both; one more
+    # generation before it with three; one model alone
+    assert generations.ahead(cfg, top) == [(3, True, 2)]
+    assert generations.ahead(dataclasses.replace(cfg, generations=3, teacher="ensemble"), top) == [(3, False, 2),
+                                                                                                  (4, True, 3)]
+    assert generations.ahead(dataclasses.replace(cfg, generations=1, student_depth=None), tmp_path) == [(1, False, 0)]
     assert generations.generation_config(cfg, g).depth == 1
     assert generations.generation_config(cfg, {**done[1], "distill": None}).depth == 4  # the run's depth
     # the first of three equal shares, the student's counted

@@ -232,6 +232,41 @@ def test_a_teacher_that_pushes_the_weight_average_to_host_memory_is_counted_ther
         assert len(named) == counted and all(held in x for x in named), "\n".join(map(str, [more, *lines]))
 
 
+def test_the_host_average_is_the_largest_over_the_generations_still_to_train(tmp_path):
+    """The weight average's host memory does not grow with the teachers: d54 (8 x 80 GB) keeps it on
+    the GPU alone and beside seven teachers (which fit no mode: nothing planned), on the host beside
+    one. GENERATIONS=auto TEACHER=ensemble counts each generation's own ensemble; a pending student
+    its generations, of the run's depth."""
+    import dataclasses
+    import json
+
+    from experiment import guards
+    from experiment.config import resolve
+    from experiment.memory import count_params
+    from experiment.model import GPTConfig
+
+    def config(depth):
+        return GPTConfig(vocab_size=256, depth=depth, max_seq_len=2048, bigram_vocab=16384)
+
+    gpu = Gpu("NVIDIA H100 80GB HBM3", peak_flops("H100 80GB HBM3"), 80 * 2**30)
+    cfg = resolve(parse_args(["--average", "ema", "--max_epochs", "8", "--depth", "54", "--generations", "auto",
+                              "--teacher", "ensemble"]), True, 8)
+    p = count_params(config(54))
+    ahead = guards.teachers_ahead(cfg, config(54), config, tmp_path)
+    assert ahead == tuple(k * p for k in range(8))  # generations 1-8, each taught by all before it
+
+    def host(teachers):
+        return guards.gpu_plan(cfg, config(54), gpu, 8, 10**9, 8.0, teachers).host_average_bytes
+
+    assert host((0,)) == 0 and host((7 * p,)) == 0 and 3.8e9 < host((p,)) < 4.0e9
+    assert host(ahead) == host((p,))
+    # a pending student (two generations done) holds both, of the run's depth, whatever its own
+    two = dataclasses.replace(cfg, generations=2, teacher="previous", student_depth=12)
+    (tmp_path / "generations.json").write_text(json.dumps({"generations": [{"outcome": "finished"}] * 2}))
+    assert guards.teachers_ahead(two, config(12), config, tmp_path) == (2 * p,)
+    assert guards.teachers_ahead(dataclasses.replace(two, depth="auto"), config(12), config, tmp_path) == (0,)
+
+
 def test_a_student_larger_than_its_teachers_is_checked_with_all_of_them(tmp_path):
     """STUDENT_DEPTH may be deeper than DEPTH: the student holds every generation beside it."""
     import dataclasses
@@ -254,8 +289,10 @@ def test_a_student_larger_than_its_teachers_is_checked_with_all_of_them(tmp_path
                    and not fits(config(s), 2 * count_params(gen)))
     generations_fit(cfg, config, H100, 8, tmp_path)  # the generations alone fit
     with pytest.raises(ConfigError, match=f"the student \\(d{student.depth}\\) holds d{student.depth} and "
-                                          f"{2 * count_params(gen):,} parameters of teachers"):
+                                          f"{2 * count_params(gen):,} parameters of teachers") as refused:
         generations_fit(dataclasses.replace(cfg, student_depth=student.depth), config, H100, 8, tmp_path)
+    # a student is taught by every generation whatever TEACHER says: no TEACHER=previous in the way out
+    assert "a smaller STUDENT_DEPTH" in str(refused.value) and "TEACHER=previous" not in str(refused.value)
 
 
 def test_only_the_generations_left_are_checked_and_auto_checks_its_second(tmp_path):
