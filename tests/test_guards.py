@@ -262,6 +262,8 @@ def test_the_host_average_is_the_largest_over_the_generations_still_to_train(tmp
     assert host(ahead) == host((p,))
     # a pending student (two generations done) holds both, of the run's depth, whatever its own
     two = dataclasses.replace(cfg, generations=2, teacher="previous", student_depth=12)
+    # before them, the generations' figure leaves the student out: it is another model, beside them
+    assert guards.teachers_ahead(two, config(54), config, tmp_path) == (0, p)
     (tmp_path / "generations.json").write_text(json.dumps({"generations": [{"outcome": "finished"}] * 2}))
     assert guards.teachers_ahead(two, config(12), config, tmp_path) == (2 * p,)
     assert guards.teachers_ahead(dataclasses.replace(two, depth="auto"), config(12), config, tmp_path) == (0,)
@@ -334,3 +336,14 @@ def test_only_the_generations_left_are_checked_and_auto_checks_its_second(tmp_pa
         generations_fit(auto, config, H100, 8, tmp_path)
     generations_fit(dataclasses.replace(auto, depth=big - 2 if fits(config(big - 2), count_params(config(big - 2)))
                                         else 2), config, H100, 8, tmp_path)
+    # auto's later generations are checked at their start: a depth whose second generation fits beside
+    # one teacher and whose third would not beside two (TEACHER=ensemble) passes now
+    two = next(d for d in range(8, 400, 2) if fits(config(d), count_params(config(d)))
+               and not fits(config(d), 2 * count_params(config(d))))
+    generations_fit(dataclasses.replace(auto, depth=two, teacher="ensemble"), config, H100, 8, tmp_path)
+    with pytest.raises(ConfigError, match=f"GENERATIONS=3: generation 3 holds d{two} "):
+        generations_fit(dataclasses.replace(auto, depth=two, teacher="ensemble", generations=3), config, H100, 8,
+                        tmp_path)
+    # DEPTH=auto picks a depth that fits beside its teacher itself: nothing to check, whatever GENERATIONS
+    for n in (2, "auto"):
+        generations_fit(dataclasses.replace(auto, depth="auto", generations=n), config, H100, 8, tmp_path)
