@@ -164,22 +164,41 @@ def built_once(request, name: str, build) -> Path:
 SHARED_RUNS = {"workspace", "zero1_world2", "elastic_runs"}
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k deselect: the split below counts the tests that run
 def pytest_collection_modifyitems(config, items):
     for item in items:  # a shared fixture that trains or spawns ranks costs seconds: whoever uses it is slow
         if SHARED_RUNS & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-    # In parallel (pytest-xdist's worksteal: worker i starts on the i-th of k equal runs of the list,
-    # and an idle worker takes half of another's remaining tail): each worker's run goes longest first
-    # (slow(seconds=N): about N s on a 2-core machine), then the other slow tests, then the quick ones,
-    # so the long ones start early and the short ones fill the end; `alone` tests last, where the
-    # other workers lose the least time waiting for them.
+    # In parallel (pytest-xdist's worksteal: the list is cut into one run a worker, and an idle worker
+    # takes half of another's remaining tail): each worker's run goes longest first (slow(seconds=N):
+    # about N s on a 2-core machine), then the other slow tests, then the quick ones, so the long ones
+    # start early and the short ones fill the end; `alone` tests last, where the other workers lose the
+    # least time waiting for them.
     def order(item):
         slow = item.get_closest_marker("slow")
         return (item.get_closest_marker("alone") is not None, slow is None,
                 -(slow.kwargs.get("seconds", 0) if slow else 0))
     items.sort(key=order)
-    k = getattr(config, "workerinput", {}).get("workercount", 1)
-    items[:] = [item for i in range(k) for item in items[i::k]]  # worker i's run: every k-th, from i
+    items[:] = worker_runs(items, getattr(config, "workerinput", {}).get("workercount", 1))
+
+
+def worker_runs(ordered: list, k: int) -> list:
+    """`ordered` dealt out to k workers in turn, as one list that pytest-xdist's first split cuts back
+    into those k runs: it gives worker i len(left) // (k - i) of what is left, so the runs take those
+    sizes. (Every k-th item, with an odd count on 2 workers, put the first run's last test, an `alone`
+    one, at the head of the second: it waited out the first run's longest test, a core idle 4 minutes.)"""
+    sizes, left = [], len(ordered)
+    for i in range(k):
+        sizes.append(left // (k - i))
+        left -= sizes[-1]
+    runs: list[list] = [[] for _ in range(k)]
+    turn = 0
+    for item in ordered:
+        while len(runs[turn % k]) == sizes[turn % k]:
+            turn += 1
+        runs[turn % k].append(item)
+        turn += 1
+    return [item for run in runs for item in run]
 
 
 @pytest.fixture(autouse=True)

@@ -39,3 +39,24 @@ def test_a_pytest_started_by_a_test_never_waits_on_the_lock_its_parent_holds(tmp
                            "no:cacheprovider", "test_parent.py", "test_alone.py"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_each_worker_starts_on_its_longest_tests_whatever_the_count():
+    """pytest-xdist's worksteal cuts the collected list into one run a worker (worker i gets
+    len(left) // (k - i) of what is left; WorkStealingScheduling.check_schedule): each cut must be
+    one worker's run of the ordered tests, longest first. Every k-th item, on an odd count, put the
+    first run's last test (an `alone` one) at the head of the second, where it waited out the
+    suite's longest test with a core idle."""
+    from conftest import worker_runs
+
+    for k in (1, 2, 3, 4):
+        for n in range(k, 40):
+            listed, runs = worker_runs(list(range(n)), k), []
+            for i in range(k):
+                size = len(listed) // (k - i)
+                runs.append(listed[:size])
+                del listed[:size]
+            assert sorted(x for run in runs for x in run) == list(range(n))
+            assert [run[0] for run in runs] == list(range(k)), (n, k, runs)  # the k longest, one each
+            assert all(run == sorted(run) for run in runs)  # each run in the order given
+            assert max(len(run) for run in runs) - min(len(run) for run in runs) <= 1
