@@ -164,11 +164,15 @@ def built_once(request, name: str, build) -> Path:
 SHARED_RUNS = {"workspace", "zero1_world2", "elastic_runs"}
 
 
+def pytest_itemcollected(item):
+    """A shared fixture that trains or spawns ranks costs seconds: whoever uses it is slow (marked as
+    it is collected, before -m "not slow" deselects)."""
+    if SHARED_RUNS & set(getattr(item, "fixturenames", ())):
+        item.add_marker(pytest.mark.slow)
+
+
 @pytest.hookimpl(trylast=True)  # after -m and -k deselect: the split below counts the tests that run
 def pytest_collection_modifyitems(config, items):
-    for item in items:  # a shared fixture that trains or spawns ranks costs seconds: whoever uses it is slow
-        if SHARED_RUNS & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.slow)
     # In parallel (pytest-xdist's worksteal: the list is cut into one run a worker, and an idle worker
     # takes half of another's remaining tail): each worker's run goes longest first (slow(seconds=N):
     # about N s on a 2-core machine), then the other slow tests, then the quick ones, so the long ones
