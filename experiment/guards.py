@@ -115,7 +115,7 @@ def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: 
 def teachers_ahead(launch_cfg: TrainConfig, config, make_config, top: Path) -> tuple[int, ...]:
     """The teachers' parameters beside `config`, the next generation's model, in each generation of the
     launch still to train with that model (the generations, or the STUDENT_DEPTH student when it is
-    next; a later student is another model, smaller, not counted). One model: (0,). A student after
+    next; a later student is another model, of its own depth, not counted). One model: (0,). A student after
     DEPTH=auto's generations: (0,), their depth is not known here."""
     ahead = generations.ahead(launch_cfg, top)
     pending_student = ahead[0][1] if ahead else False

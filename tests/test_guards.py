@@ -262,7 +262,8 @@ def test_the_host_average_is_the_largest_over_the_generations_still_to_train(tmp
     assert host(ahead) == host((p,))
     # a pending student (two generations done) holds both, of the run's depth, whatever its own
     two = dataclasses.replace(cfg, generations=2, teacher="previous", student_depth=12)
-    # before them, the generations' figure leaves the student out: it is another model, beside them
+    # with no generation done, the figure covers generations 1-2 (0, p), not the student's 2p: the
+    # student is another model, trained after them
     assert guards.teachers_ahead(two, config(54), config, tmp_path) == (0, p)
     (tmp_path / "generations.json").write_text(json.dumps({"generations": [{"outcome": "finished"}] * 2}))
     assert guards.teachers_ahead(two, config(12), config, tmp_path) == (2 * p,)
