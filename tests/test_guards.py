@@ -260,6 +260,9 @@ def test_the_host_average_is_the_largest_over_the_generations_still_to_train(tmp
 
     assert host((0,)) == 0 and host((7 * p,)) == 0 and 3.8e9 < host((p,)) < 4.0e9
     assert host(ahead) == host((p,))
+    # no average, no host memory for it, whatever the teachers
+    assert guards.gpu_plan(dataclasses.replace(cfg, average="none"), config(54), gpu, 8, 10**9, 8.0,
+                           (p,)).host_average_bytes == 0
     # a pending student (two generations done) holds both, of the run's depth, whatever its own
     two = dataclasses.replace(cfg, generations=2, teacher="previous", student_depth=12)
     # with no generation done, the figure covers generations 1-2 (0, p), not the student's 2p: the
@@ -304,6 +307,7 @@ def test_only_the_generations_left_are_checked_and_auto_checks_its_second(tmp_pa
     import dataclasses
     import json
 
+    from experiment import generations
     from experiment.guards import generations_fit
     from experiment.memory import choose_mode, count_params
     from experiment.model import GPTConfig
@@ -325,7 +329,13 @@ def test_only_the_generations_left_are_checked_and_auto_checks_its_second(tmp_pa
 
     with pytest.raises(ConfigError, match=f"GENERATIONS=2: generation 2 holds d{big} "):
         generations_fit(cfg, config, H100, 8, tmp_path)  # nothing done
+    # the first generation has no teacher: a depth too large even alone is named at the second, the
+    # first with teachers to drop (the trainer's own memory plan refuses the first)
+    huge = next(d for d in range(big, 800, 2) if not fits(config(d), 0))
+    with pytest.raises(ConfigError, match=f"GENERATIONS=2: generation 2 holds d{huge} "):
+        generations_fit(dataclasses.replace(cfg, depth=huge), config, H100, 8, tmp_path)
     record("finished", None)  # generation 2 begun, not done: still checked
+    assert [k for k, _, _ in generations.ahead(cfg, tmp_path)] == [2, 3]  # and the student after it
     with pytest.raises(ConfigError, match="generation 2 holds"):
         generations_fit(cfg, config, H100, 8, tmp_path)
     record("finished", "finished")  # only the student is left, and it fits
