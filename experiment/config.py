@@ -13,9 +13,10 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from experiment.average import KINDS as AVERAGES, MAX_WIDTH as MAX_AVERAGE_WIDTH
-from experiment.dataloader import Prepared
-from experiment.optim import LRS
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from experiment.dataloader import Prepared
 
 # Recipe schedules that won at equal tokens on both CPU corpora (docs/performance.md, "A better model
 # per token"): short contexts, half batches and a lower Muon momentum early in the run. The first two
@@ -260,6 +261,7 @@ def _auto_or(kind):
 
 
 def default_lrs(cuda: bool, depth: int) -> dict[str, float]:
+    from experiment.optim import LRS  # here, not at the top: this module imports no torch (launchfacts.py)
     if cuda:
         return dict(LRS)
     scales = next(scales for deepest, scales in CPU_LR_SCALES if depth <= deepest)
@@ -365,6 +367,7 @@ def check_metric(cfg: TrainConfig) -> None:
 
 
 def check_regularizers(cfg: TrainConfig) -> None:
+    from experiment.average import KINDS as AVERAGES, MAX_WIDTH as MAX_AVERAGE_WIDTH  # torch: not at the top
     for name in ("dropout", "attn_dropout"):  # 1 would drop everything; attn_dropout None: by regime
         if getattr(cfg, name) is not None and not 0 <= getattr(cfg, name) < 1:
             raise ConfigError(f"--{name} must lie in [0, 1), got {getattr(cfg, name)}")

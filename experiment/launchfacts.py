@@ -1,31 +1,48 @@
-"""What experiment/run.sh needs to know before its pre-flight, from one Python process (each
-process that imports torch costs a launch about two seconds on a small CPU): three lines,
+"""What experiment/run.sh needs to know before its pre-flight, from one Python process: three lines,
   the number of visible CUDA GPUs (0 without CUDA),
   TrainConfig's field names, space-separated (the settings the launcher maps to flags),
   1 if this torch's torchrun takes --shutdown_timeout (from 2.13 on; 2.11 refuses it and starts nothing), else 0.
+It imports torch only where a GPU may be present: importing it costs a launch 1.3-3.5 s of CPU, a
+large part of a short CPU launch (tests/README.md, "Where the time goes").
 """
 from __future__ import annotations
 
 import dataclasses
-
-import torch
+import importlib.metadata
+import re
+from pathlib import Path
 
 from experiment.config import TrainConfig
 
+SHUTDOWN_TIMEOUT_FROM = (2, 13)  # the first torch whose torchrun takes --shutdown_timeout
+
+
+def may_have_gpus(dev: Path = Path("/dev")) -> bool:
+    """Whether the NVIDIA driver's device nodes are there (/dev/nvidia0, ...; /dev/dxg under WSL2):
+    without them CUDA sees no GPU, so the count is 0 without asking torch."""
+    return any(dev.glob("nvidia[0-9]*")) or (dev / "dxg").exists()
+
+
+def gpu_count() -> int:
+    if not may_have_gpus():
+        return 0
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
 
 def has_shutdown_timeout() -> bool:
-    """Whether torchrun lists the flag among its options. Any failure of this probe (a torch that
-    moved the parser) means no flag: the launch goes on with torchrun's own default, as it should."""
+    """Whether the installed torch is one whose torchrun takes the flag, from its version (read from
+    the package's metadata, without importing torch). A version that cannot be read means no flag:
+    the launch goes on with torchrun's own default, as it should."""
     try:
-        from torch.distributed.run import get_args_parser
-        return any(s in ("--shutdown_timeout", "--shutdown-timeout")
-                   for action in get_args_parser()._actions for s in action.option_strings)
-    except Exception:
+        found = re.match(r"(\d+)\.(\d+)", importlib.metadata.version("torch"))
+    except importlib.metadata.PackageNotFoundError:
         return False
+    return found is not None and (int(found[1]), int(found[2])) >= SHUTDOWN_TIMEOUT_FROM
 
 
 def main() -> None:
-    print(torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    print(gpu_count())
     print(*[f.name for f in dataclasses.fields(TrainConfig)])
     print(int(has_shutdown_timeout()))
 

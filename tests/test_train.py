@@ -4,13 +4,15 @@ import json
 import math
 import re
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import TINY, run_meta, run_train, tiny_config
+from conftest import REPO, TINY, run_meta, run_train, tiny_config
 from experiment import checkpoint as ckpt
 from experiment.config import ConfigError, TrainConfig, fill_lrs, parse_args, resolve
 from experiment.model import GPT
@@ -228,31 +230,56 @@ def test_launcher_maps_env_overrides_to_flags(tmp_path, corpus):
     assert re.search(r"experiment\.agent \S+ .*--shutdown_timeout=\d+ ", proc.stdout), proc.stdout
 
 
-def test_launchfacts_says_gpus_settings_and_whether_torchrun_takes_a_shutdown_timeout(monkeypatch, capsys):
-    import argparse
+def test_launchfacts_says_gpus_settings_and_whether_torchrun_takes_a_shutdown_timeout(monkeypatch, capsys, tmp_path):
     import dataclasses
+    import importlib.metadata
 
     from experiment import launchfacts
     from experiment.config import TrainConfig
 
-    import torch.distributed.run
+    import torch
 
+    nodes = launchfacts.may_have_gpus
+    monkeypatch.setattr(launchfacts, "may_have_gpus", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     launchfacts.main()
     gpus, fields, flag = capsys.readouterr().out.splitlines()
-    assert (gpus, flag) == ("3", "1")  # torch 2.13's torchrun has the flag
+    assert (gpus, flag) == ("3", "1")  # the pinned torch 2.13's torchrun has the flag
     assert fields.split() == [f.name for f in dataclasses.fields(TrainConfig)]
-    old = argparse.ArgumentParser()  # torch 2.11's torchrun: no such flag
-    old.add_argument("--max-restarts", "--max_restarts")
-    monkeypatch.setattr(torch.distributed.run, "get_args_parser", lambda: old)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(launchfacts, "may_have_gpus", lambda: False)  # no driver nodes: 0, torch not asked
     launchfacts.main()
-    assert capsys.readouterr().out.splitlines()[::2] == ["0", "0"]
-    old.add_argument("--shutdown-timeout")
-    assert launchfacts.has_shutdown_timeout()
-    monkeypatch.delattr(torch.distributed.run, "get_args_parser")  # a torch that moved it: no flag, no failure
+    assert capsys.readouterr().out.splitlines()[0] == "0"
+    for version, flag in [("2.11.0+cu128", False), ("2.12.1", False), ("2.13.0+cpu", True), ("2.14.0", True),
+                          ("3.0.0", True), ("1.13.1", False), ("nightly", False)]:
+        monkeypatch.setattr(importlib.metadata, "version", lambda name, v=version: v)
+        assert launchfacts.has_shutdown_timeout() is flag, version
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(importlib.metadata, "version", missing)  # unreadable: no flag, no failure
     assert not launchfacts.has_shutdown_timeout()
+    # The driver's device nodes: none, nvidia0 (nvidiactl alone is not a GPU), WSL2's dxg.
+    assert not nodes(tmp_path)
+    (tmp_path / "nvidiactl").touch()
+    assert not nodes(tmp_path)
+    (tmp_path / "nvidia0").touch()
+    assert nodes(tmp_path)
+    (tmp_path / "nvidia0").unlink()
+    (tmp_path / "dxg").touch()
+    assert nodes(tmp_path)
+
+
+def test_launchfacts_imports_no_torch_where_no_gpu_can_be():
+    """The point of may_have_gpus: a launch on a machine without the NVIDIA driver's nodes pays no torch
+    import for its facts (the config module imports none either)."""
+    from experiment import launchfacts
+    if launchfacts.may_have_gpus():
+        pytest.skip("this machine has NVIDIA device nodes: the facts import torch here, as they must")
+    code = ("import runpy, sys; runpy.run_module('experiment.launchfacts', run_name='__main__'); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[0] == "0" and out.splitlines()[-1] == "False", out
 
 
 @pytest.mark.slow
