@@ -40,8 +40,12 @@ def decide(t: Trainer, loop: Loop, signum: int, writing: bool = False) -> tuple[
     # What a save in flight still needs: the final save waits for it. Not in the schedule's reserve,
     # which would dip the LR during every background write.
     in_flight = t.saver.seconds_left(save)
+    # A resume's setup and lost seconds, charged at the first step it trains (restarts.charge): a step
+    # they would carry past the budget is not trained, and a relaunch of a run that ended with less
+    # than them left trains nothing and is charged nothing.
+    pending = t.restart_lost + t.restart_setup
     last = (step >= t.max_steps or st.tokens_seen >= t.max_tokens or stopped_at_minimum(t)
-            or st.used_seconds + loop.reserve_seconds + in_flight + due_now >= t.budget_seconds)
+            or st.used_seconds + pending + loop.reserve_seconds + in_flight + due_now >= t.budget_seconds)
     progress = schedule_progress(t, loop) if d.master else 0.0
     warmdown = not st.warmdown_begun and progress > 1 - cfg.warmdown_frac and not last
     # The phase decides how many updates (and collectives) the step makes: every rank takes rank 0's.

@@ -107,7 +107,8 @@ def decide_trainer(cfg, st: RunState, rank=0, world=1, max_steps=10**9, max_toke
     """A 100 s budget with no save in flight or estimated, no eval by tokens."""
     return SimpleNamespace(cfg=cfg, d=Dist(rank, rank, world, torch.device("cpu")), st=st, max_steps=max_steps,
                            budget_seconds=100.0, max_tokens=max_tokens, first_save_seconds=0.0,
-                           saver=SimpleNamespace(seconds_left=lambda s: 0.0), eval_every_tokens=math.inf)
+                           saver=SimpleNamespace(seconds_left=lambda s: 0.0), eval_every_tokens=math.inf,
+                           restart_lost=0.0, restart_setup=0.0)
 
 
 def test_decide_gives_every_rank_rank_0s_flags_and_progress():
@@ -150,6 +151,19 @@ def test_a_save_due_by_the_clock_is_paid_for_before_the_budget_ends():
         t = decide_trainer(decide_cfg(save_every_minutes=1.0), RunState(step=5, used_seconds=used, save_seconds=3.0))
         loop = SimpleNamespace(last_eval_time=now, last_save_time=now - 120, reserve_seconds=0.0)
         assert stopping.decide(t, loop, 0)[:3] == (last, 0, 1), used
+
+
+def test_a_resumes_pending_restart_charge_is_paid_for_before_its_first_step():
+    """A resume's lost seconds and setup are charged at the first step it trains: a step they would
+    carry past the budget is not trained. Before, a relaunch of a run that had ended 0.07 s short of
+    its 10 s budget trained one more step and was charged its 1.0 s setup: 10.9 s of 10."""
+    now = time.time()
+    loop = SimpleNamespace(last_eval_time=now, last_save_time=now, reserve_seconds=0.5)
+    for used, lost, setup, last in ((98.0, 0.0, 1.0, 0), (98.0, 0.0, 1.5, 1), (97.0, 2.0, 0.5, 1),
+                                    (96.0, 2.0, 1.0, 0), (99.4, 0.0, 0.0, 0)):
+        t = decide_trainer(decide_cfg(), RunState(step=735, used_seconds=used))
+        t.restart_lost, t.restart_setup = lost, setup
+        assert stopping.decide(t, loop, 0)[0] == last, (used, lost, setup)
 
 
 def test_saves_are_due_by_steps_from_step_1_and_evals_at_step_0():

@@ -474,7 +474,8 @@ def test_an_eval_due_when_the_budget_has_no_room_for_another_makes_this_step_the
         st = RunState(step=50, used_seconds=used, eval_seconds=2.0, save_seconds=1.0, step_seconds=1.0)
         saver = SimpleNamespace(seconds_left=lambda save_seconds, left=writing: float(left))
         t = SimpleNamespace(cfg=cfg, d=Dist(0, 0, 1, torch.device("cpu")), st=st, max_steps=10**9, budget_seconds=100.0,
-                            max_tokens=math.inf, saver=saver, first_save_seconds=1.0, eval_every_tokens=math.inf)
+                            max_tokens=math.inf, saver=saver, first_save_seconds=1.0, eval_every_tokens=math.inf,
+                            restart_lost=0.0, restart_setup=0.0)
         loop = SimpleNamespace(last_eval_time=now - eval_ago, last_save_time=now, reserve_seconds=4.0)
         assert stopping.decide(t, loop, 0)[:2] == (last, int(eval_ago > 60)), (eval_ago, used)
         assert loop.progress == used / 96.0  # the schedule's progress, rank 0's, rides with the decisions
