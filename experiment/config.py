@@ -12,7 +12,6 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:

@@ -17,10 +17,13 @@ from experiment.config import TrainConfig
 SHUTDOWN_TIMEOUT_FROM = (2, 13)  # the first torch whose torchrun takes --shutdown_timeout
 
 
-def may_have_gpus(dev: Path = Path("/dev")) -> bool:
-    """Whether the NVIDIA driver's device nodes are there (/dev/nvidia0, ...; /dev/dxg under WSL2):
-    without them CUDA sees no GPU, so the count is 0 without asking torch."""
-    return any(dev.glob("nvidia[0-9]*")) or (dev / "dxg").exists()
+def may_have_gpus(dev: Path = Path("/dev"), proc: Path = Path("/proc/driver/nvidia/gpus")) -> bool:
+    """Whether an NVIDIA GPU may be visible: its device nodes (/dev/nvidia0, ...; /dev/dxg under WSL2;
+    /dev/nvhost-* on Jetson) or the driver's list of GPUs (/proc/driver/nvidia/gpus, there before the
+    nodes on a machine that makes them at CUDA's first use). With none of them CUDA sees no GPU, so
+    the count is 0 without asking torch; a sign that proves empty costs only the import."""
+    return (any(dev.glob("nvidia[0-9]*")) or (dev / "dxg").exists() or any(dev.glob("nvhost-*"))
+            or proc.is_dir() and any(proc.iterdir()))
 
 
 def gpu_count() -> int:
@@ -32,13 +35,18 @@ def gpu_count() -> int:
 
 def has_shutdown_timeout() -> bool:
     """Whether the installed torch is one whose torchrun takes the flag, from its version (read from
-    the package's metadata, without importing torch). A version that cannot be read means no flag:
-    the launch goes on with torchrun's own default, as it should."""
+    the package's metadata, without importing torch): 2.14 and later, and 2.13 but for its pre-releases
+    (2.13.0a0, 2.13.0.dev..., 2.13.0rc1: built before the flag may have landed). A version that cannot
+    be read means no flag: the launch goes on with torchrun's own default, as it should."""
     try:
-        found = re.match(r"(\d+)\.(\d+)", importlib.metadata.version("torch"))
+        found = re.match(r"(\d+)\.(\d+)(?:\.\d+)*(\S*)", importlib.metadata.version("torch"))
     except importlib.metadata.PackageNotFoundError:
         return False
-    return found is not None and (int(found[1]), int(found[2])) >= SHUTDOWN_TIMEOUT_FROM
+    if found is None:
+        return False
+    version, rest = (int(found[1]), int(found[2])), found[3]
+    pre = re.match(r"\.?(a|b|rc|dev)\d*", rest) is not None
+    return version > SHUTDOWN_TIMEOUT_FROM or version == SHUTDOWN_TIMEOUT_FROM and not pre
 
 
 def main() -> None:

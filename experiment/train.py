@@ -374,7 +374,9 @@ def train_loop(t: Trainer) -> int:
     if not loop.end:  # None: a resume at or past max_steps had no step left to run
         finish(t, loop)
     outcome = loop.outcome if loop.end is not None else "finished: no step was left to run"
-    t.outcome, t.used_final = outcome, loop.used()
+    # The lost seconds of a resume that trained no step (its charge not made) were spent all the same: a
+    # later generation's share must not get them again (its setup is forgiven: restarts.charge)
+    t.outcome, t.used_final = outcome, loop.used() + t.restart_lost
     t.report.add({"kind": "end", "step": t.st.step, "outcome": outcome, "code": loop.end or 0, "time": time.time()})
     t.report.write(t.st, outcome)
     if loop.end == 1:  # the trainer's own decision (a failed final save, a diverging loss): a restart repeats it

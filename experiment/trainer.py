@@ -67,7 +67,7 @@ class Trainer:
     outcome: str = "running"  # the loop's, once it ends: what a generation's record keeps
     used_final: float = 0.0  # budget seconds used at the loop's end, the final eval, save and export included
     stop_signum: int = 0  # a stop signal the loop saw (0: none), also one that came after its last decision
-    restart_lost: float = 0.0  # a resume's cost, charged at its first step (restarts.charge), rank 0's
+    restart_lost: float = 0.0  # a resume's cost, charged at its first step (restarts.charge), rank 0's on every rank
     restart_setup: float = 0.0
 
     @property

@@ -159,6 +159,37 @@ def test_budget_stop_two_ranks_then_second_launch_resumes(tmp_path, corpus):
 
 
 @pytest.mark.slow
+def test_a_resume_whose_lost_seconds_leave_no_room_trains_nothing_and_reports_them_spent(tmp_path, corpus):
+    """A kill -9 lost 5 s past the newest checkpoint of a run with 1 s left: the relaunch
+    trains no step (the charge would carry it past the budget) and is charged nothing in its
+    checkpoint, but the seconds it reports used (a generation's record, which sizes the next
+    generation's share) count the lost ones: they were spent."""
+    from experiment import train
+    from experiment.distributed import Dist
+    from experiment.runlog import RunLog
+
+    budget = 6.0
+    args = [*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256, "--max_epochs", 0,
+            "--plateau_evals", 0, "--training_hours", budget / 3600]
+    run_train(args)
+    run_dir = tmp_path / "checkpoints/d2"
+    final = ckpt.complete_steps(run_dir)[-1]
+    # as if the run had ended with 1 s of its budget left (room for a step, not for the 5 s lost)
+    meta = json.loads(ckpt.meta_path(run_dir, final).read_text())
+    meta["state"]["used_seconds"] = used = meta["state"]["used_seconds"] - 1.0
+    ckpt.meta_path(run_dir, final).write_text(json.dumps(meta))
+    (run_dir / "heartbeat.json").write_text(json.dumps({"step": final, "used_seconds": used + 5.0, "time": 0,
+                                                        "world_size": 1}))
+    cfg = resolve(parse_args(list(map(str, args)) + ["--device", "cpu"]), cuda=False, world_size=1)
+    t = train.setup(cfg, Dist(0, 0, 1, torch.device("cpu")), tmp_path, run_dir, RunLog(None))
+    assert t.resume_step == final and t.lost_seconds == pytest.approx(5.0, abs=0.01)
+    assert train.train_loop(t) == 0
+    assert ckpt.complete_steps(run_dir)[-1] == final  # no step trained
+    assert run_meta(tmp_path, final)["state"]["restart_seconds"] == 0.0  # nothing charged in the checkpoint
+    assert t.used_final >= used + 5.0  # the lost seconds reported spent
+
+
+@pytest.mark.slow
 def test_a_run_that_stopped_gaining_in_its_warmdown_stops_and_a_second_launch_trains_no_more(tmp_path, corpus):
     """With the LRs at 0 nothing gains after step 1; the whole run is warmdown (WARMDOWN_FRAC=1), so
     the mean of the last 2 val losses is set at step 2 and 2 evals without a new low of it end the run
@@ -250,8 +281,10 @@ def test_launchfacts_says_gpus_settings_and_whether_torchrun_takes_a_shutdown_ti
     monkeypatch.setattr(launchfacts, "may_have_gpus", lambda: False)  # no driver nodes: 0, torch not asked
     launchfacts.main()
     assert capsys.readouterr().out.splitlines()[0] == "0"
-    for version, flag in [("2.11.0+cu128", False), ("2.12.1", False), ("2.13.0+cpu", True), ("2.14.0", True),
-                          ("3.0.0", True), ("1.13.1", False), ("nightly", False)]:
+    for version, flag in [("2.11.0+cu128", False), ("2.12.1", False), ("2.13.0+cpu", True), ("2.13.1", True),
+                          ("2.14.0", True), ("3.0.0", True), ("1.13.1", False), ("nightly", False),
+                          ("2.13.0a0+git1234", False), ("2.13.0.dev20260101+cu128", False), ("2.13.0rc1", False),
+                          ("2.14.0.dev20260301", True), ("2.13", True)]:
         monkeypatch.setattr(importlib.metadata, "version", lambda name, v=version: v)
         assert launchfacts.has_shutdown_timeout() is flag, version
 
@@ -259,15 +292,19 @@ def test_launchfacts_says_gpus_settings_and_whether_torchrun_takes_a_shutdown_ti
         raise importlib.metadata.PackageNotFoundError(name)
     monkeypatch.setattr(importlib.metadata, "version", missing)  # unreadable: no flag, no failure
     assert not launchfacts.has_shutdown_timeout()
-    # The driver's device nodes: none, nvidia0 (nvidiactl alone is not a GPU), WSL2's dxg.
-    assert not nodes(tmp_path)
-    (tmp_path / "nvidiactl").touch()
-    assert not nodes(tmp_path)
-    (tmp_path / "nvidia0").touch()
-    assert nodes(tmp_path)
-    (tmp_path / "nvidia0").unlink()
-    (tmp_path / "dxg").touch()
-    assert nodes(tmp_path)
+    # The signs of a GPU: none; nvidiactl alone is not one, nor an empty driver list; nvidia0, WSL2's
+    # dxg, Jetson's nvhost-*, a GPU in the driver's list each are.
+    dev, gpus = tmp_path / "dev", tmp_path / "gpus"
+    dev.mkdir()
+    assert not nodes(dev, gpus)
+    (dev / "nvidiactl").touch()
+    gpus.mkdir()
+    assert not nodes(dev, gpus)
+    for sign in (dev / "nvidia0", dev / "dxg", dev / "nvhost-gpu", gpus / "0000:01:00.0"):
+        sign.touch()
+        assert nodes(dev, gpus), sign
+        sign.unlink()
+    assert not nodes(dev, gpus)
 
 
 def test_launchfacts_imports_no_torch_where_no_gpu_can_be():
