@@ -67,7 +67,9 @@ class Trainer:
     outcome: str = "running"  # the loop's, once it ends: what a generation's record keeps
     used_final: float = 0.0  # budget seconds used at the loop's end, the final eval, save and export included
     stop_signum: int = 0  # a stop signal the loop saw (0: none), also one that came after its last decision
-    restart_lost: float = 0.0  # a resume's cost, charged at its first step (restarts.charge), rank 0's on every rank
+    # A resume's cost not yet charged: rank 0's, broadcast to every rank (restarts.restart_cost); charged at
+    # the first step it trains (restarts.charge), and counted before it (stopping.decide)
+    restart_lost: float = 0.0
     restart_setup: float = 0.0
 
     @property

@@ -312,11 +312,11 @@ def test_launchfacts_says_gpus_settings_and_whether_torchrun_takes_a_shutdown_ti
 
 
 def test_launchfacts_imports_no_torch_where_no_gpu_can_be():
-    """The point of may_have_gpus: a launch on a machine without the NVIDIA driver's nodes pays no torch
+    """The point of may_have_gpus: a launch on a machine with no sign of an NVIDIA GPU pays no torch
     import for its facts (the config module imports none either)."""
     from experiment import launchfacts
     if launchfacts.may_have_gpus():
-        pytest.skip("this machine has NVIDIA device nodes: the facts import torch here, as they must")
+        pytest.skip("this machine shows a sign of an NVIDIA GPU: the facts import torch here, as they must")
     code = ("import runpy, sys; runpy.run_module('experiment.launchfacts', run_name='__main__'); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
