@@ -94,15 +94,18 @@ def generate_fn(model, tok, deadline: float, stopped: Callable[[], bool]) -> Cal
                  stop: str | None = None, seed: int = 0) -> str:
         gen = torch.Generator().manual_seed(seed)  # private: the metric never shifts training's RNG
         out, text = [], ""
-        for token in model.generate(tok.encode(prompt), int(max_tokens), temperature=temperature, top_k=top_k,
-                                    generator=gen, allowed_vocab=tok.n_real):
-            if time.monotonic() > deadline:
-                raise MetricTimeout("ran past its time bound in generate")
-            if stopped():
-                raise MetricTimeout("was cut short by a stop signal")
-            out.append(token)
-            if stop and stop in (text := tok.decode(out)):
-                return text[: text.index(stop)]
+        # Closed here, inside the time bound: a decoder left for the garbage collector closes later,
+        # where an alarm landing in its clean-up is swallowed as an unraisable exception.
+        with contextlib.closing(model.generate(tok.encode(prompt), int(max_tokens), temperature=temperature,
+                                               top_k=top_k, generator=gen, allowed_vocab=tok.n_real)) as tokens:
+            for token in tokens:
+                if time.monotonic() > deadline:
+                    raise MetricTimeout("ran past its time bound in generate")
+                if stopped():
+                    raise MetricTimeout("was cut short by a stop signal")
+                out.append(token)
+                if stop and stop in (text := tok.decode(out)):
+                    return text[: text.index(stop)]
         return tok.decode(out)
 
     return generate

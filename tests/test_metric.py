@@ -119,6 +119,25 @@ def test_a_stop_signal_cuts_a_metric_short_at_its_next_token_and_its_seeding_mov
     assert metric.measure(fn, model, tok, 30)[0] == {"n": 1.0} and torch.equal(rng, torch.get_rng_state())
 
 
+def test_an_alarm_in_the_decoders_clean_up_is_raised_where_generate_is_called_never_swallowed(tmp_path):
+    """The decoder is closed inside the bound, not left to the garbage collector: an alarm landing in
+    its clean-up is raised to the metric's caller, where the bound catches it; in a finalizer Python
+    would swallow it (pytest's PytestUnraisableExceptionWarning)."""
+    _, tok = _model_and_tok(tmp_path)
+
+    class Decoder:
+        def generate(self, idx, max_new_tokens, **kwargs):
+            try:
+                while True:
+                    yield 1
+            finally:
+                raise metric.MetricTimeout("an alarm in the clean-up")
+
+    generate = metric.generate_fn(Decoder(), tok, time.monotonic() + 30, stopped=lambda: True)
+    with pytest.raises(metric.MetricTimeout, match="an alarm in the clean-up"):
+        generate("1")
+
+
 def test_off_the_main_thread_generate_bounds_the_metric_itself_and_a_quick_one_within_a_second_counts(tmp_path):
     """No alarm outside the main thread (signals are the main thread's): the deadline checked at every
     generated token stops a metric that only generates; a quick metric is measured under a bound of
@@ -151,7 +170,7 @@ class _Recorder:
 
     def generate(self, ids, n, temperature, top_k, generator, allowed_vocab):
         self.asked.append((n, temperature, top_k, generator.initial_seed()))
-        return iter([ids[-1]] * n)
+        yield from [ids[-1]] * n  # a generator, as GPT.generate is
 
 
 def test_generate_asks_64_greedy_tokens_seeded_0_by_default(tmp_path):
