@@ -66,7 +66,7 @@ class _Answers:
         self.calls.append(n)
         wrong = answer + "9" if len(self.calls) % 2 else answer[:-1]  # above and below it, as text
         text = (answer if len(self.calls) <= self.right else wrong) + "\n"
-        return iter(self.tok.encode(text)[:n])
+        yield from self.tok.encode(text)[:n]  # a generator, as GPT.generate is
 
 
 def test_the_demo_counts_exactly_the_sums_completed_within_their_length_plus_a_newline(tmp_path, monkeypatch):
