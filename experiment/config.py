@@ -167,7 +167,7 @@ class TrainConfig:
                        "better; min:<name> for lower)", "val_loss")
     log_every_steps: int = opt("step-line cadence", 10)
     matrix_lr: float | None = opt("Muon learning rate, hidden matrices (default 0.02 with CUDA; without, by "
-                                  "depth: 0.02 up to d4, 0.01 deeper)")
+                                  "depth: 0.02 up to d4, 0.01 deeper; a resume: its checkpoint's)")
     embedding_lr: float | None = opt("AdamW learning rate, embedding and bigram tables, scaled by (768/model_dim)^0.5 "
                                      "(default 0.2 with CUDA; without, by depth: 0.1 up to d4, 0.05 deeper)")
     unembedding_lr: float | None = opt("AdamW learning rate, lm_head, scaled likewise (default 0.004 with CUDA; "
@@ -267,11 +267,20 @@ def default_lrs(cuda: bool, depth: int) -> dict[str, float]:
     return {name: LRS[name] * scale for name, scale in scales.items()}
 
 
-def fill_lrs(cfg: TrainConfig, cuda: bool) -> None:
-    """The learning rates left unset, from the depth: after resolve, since DEPTH=auto picks it later."""
+def fill_lrs(cfg: TrainConfig, cuda: bool, kept: dict | None = None) -> dict[str, float]:
+    """The learning rates left unset: a resume's from its checkpoint's `train_config` (`kept`: the
+    optimizer shards hold no rates, so without it a change to the defaults between a launch and its
+    resume would move the run's rate mid-run), else from the depth: after resolve, since DEPTH=auto
+    picks it later. Returns the kept rates that differ from today's defaults."""
+    moved = {}
     for name, lr in default_lrs(cuda, cfg.depth).items():
         if getattr(cfg, name) is None:
-            setattr(cfg, name, lr)
+            value = (kept or {}).get(name)
+            value = lr if value is None else value  # no checkpoint, or a missing or None entry: today's
+            setattr(cfg, name, value)
+            if value != lr:
+                moved[name] = value
+    return moved
 
 
 def resolve(cfg: TrainConfig, cuda: bool, world_size: int) -> TrainConfig:

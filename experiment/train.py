@@ -144,7 +144,10 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     teacher = Teacher.for_run(cfg, d.device, prepared, teachers, log) if teachers else None
     auto, probe_seconds = (choose_depth(cfg, d, gpu, prepared, run_dir, resume_step, unset, log, teacher)
                            if cfg.depth == "auto" else (None, 0))
-    fill_lrs(cfg, cuda)
+    kept = ckpt.read_meta(run_dir, resume_step)["train_config"] if resume_step is not None else None
+    if moved := fill_lrs(cfg, cuda, kept):
+        log("resume | learning rates kept from the checkpoint, not today's defaults: "
+            + ", ".join(f"{name.upper()}={lr:g}" for name, lr in moved.items()))
     model_config = launch.model_config(cfg, prepared)
     regime_seconds, regime_line = regime.settle(cfg, d, gpu, model_config, prepared.meta["split"]["train_tokens"],
                                                 run_dir, resume_step, auto, unset, log)

@@ -13,8 +13,8 @@ import torch
 from conftest import TINY, run_train
 from test_guards import H100, run_preflight
 
-from experiment import autosize, guards, regime, train
-from experiment.config import TrainConfig, parse_args, resolve
+from experiment import autosize, config, guards, regime, train
+from experiment.config import TrainConfig, fill_lrs, parse_args, resolve
 from experiment.distributed import Dist
 from experiment.report import markdown
 
@@ -199,16 +199,37 @@ def test_a_run_of_few_passes_keeps_the_plain_step(tmp_path, corpus):
 
 
 @pytest.mark.slow(seconds=23)
-def test_a_resume_keeps_the_regime_its_run_started_with(tmp_path, corpus):
+def test_a_resume_keeps_the_regime_and_the_rates_its_run_started_with(tmp_path, corpus, monkeypatch):
     # 700 steps of 256 tokens make about 4.7 passes, so the recipe (the stop at the val minimum may
     # end the run sooner); then a resume whose budget alone would make a fraction of a pass keeps it.
     proc = run_train([*TINY, *UNSET, "--data_dir", corpus, "--workspace", tmp_path, "--total_batch_size", 256,
-                      "--max_steps", 700, "--save_every_steps", 100])
+                      "--max_steps", 700, "--save_every_steps", 100, "--embedding_lr", 0.3])
     assert "passes over the training data in MAX_STEPS=700 steps: more than 4, data-limited" in proc.stdout
+    # The CPU rates by depth change between the launch and the resume: the resumed run keeps its own.
+    monkeypatch.setattr(config, "CPU_LR_SCALES", ((math.inf, dict(matrix_lr=0.25, embedding_lr=0.25,
+                                                                  unembedding_lr=0.25)),))
     t, lines = _setup(tmp_path, corpus, "--training_hours", "0.00001", "--max_steps", 700)
     assert t.resume_step is not None and t.cfg.max_epochs == 0  # the cap the run lifted, kept with the data
     assert "regime | kept from the checkpoint: ATTN_DROPOUT=0.2, AVERAGE=ema" in lines
     assert (t.cfg.attn_dropout, t.cfg.average) == (0.2, "ema") and t.opt.average is not None
+    assert (t.cfg.matrix_lr, t.cfg.embedding_lr, t.cfg.unembedding_lr) == pytest.approx((0.02, 0.3, 0.002))
+    assert t.opt.matrix_lr() == pytest.approx(0.02) and t.run_meta["train_config"]["matrix_lr"] == 0.02
+    assert "resume | learning rates kept from the checkpoint, not today's defaults: MATRIX_LR=0.02, " \
+           "EMBEDDING_LR=0.3, UNEMBEDDING_LR=0.002" in lines
+    t.lock.close()  # the trainer's lock on the run directory: the next setup takes it
+    t, lines = _setup(tmp_path, corpus, "--training_hours", "0.00001", "--max_steps", 700, "--matrix_lr", 0.03)
+    assert (t.cfg.matrix_lr, t.cfg.unembedding_lr) == pytest.approx((0.03, 0.002))  # a given rate wins
+    assert t.opt.matrix_lr() == pytest.approx(0.03)
+    t.lock.close()
+
+
+def test_a_rate_kept_only_where_left_unset_and_recorded():
+    cfg = _cfg("--depth", 6, "--unembedding_lr", 0.5)
+    assert fill_lrs(cfg, False, {"matrix_lr": 0.01, "embedding_lr": 0.07, "unembedding_lr": 0.9}) == \
+        {"embedding_lr": 0.07}  # the kept rates that differ from today's defaults (d6: 0.01, 0.05)
+    assert (cfg.matrix_lr, cfg.embedding_lr, cfg.unembedding_lr) == (0.01, 0.07, 0.5)
+    cfg = _cfg("--depth", 6)  # a checkpoint from before the rates were recorded (or a None): today's
+    assert fill_lrs(cfg, False, {"matrix_lr": None}) == {} and cfg.matrix_lr == pytest.approx(0.01)
 
 
 def test_the_preflight_plans_the_recipe_and_the_repeat_guard_leaves_it(tmp_path, corpus):
