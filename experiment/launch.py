@@ -20,7 +20,7 @@ from pathlib import Path
 from experiment import autosize
 from experiment import checkpoint as ckpt
 from experiment import finetune
-from experiment.config import ConfigError, TrainConfig
+from experiment.config import ConfigError, TrainConfig, fill_lrs
 from experiment.dataloader import DataError, Prepared, prepare, write_demo_corpus
 from experiment.records import is_data_file
 from experiment.model import GPTConfig
@@ -274,6 +274,15 @@ def model_config(cfg: TrainConfig, prepared: Prepared) -> GPTConfig:
     return GPTConfig(vocab_size=prepared.meta["vocab_size"], depth=cfg.depth, aspect_ratio=cfg.aspect_ratio,
                      head_dim=cfg.head_dim, max_seq_len=cfg.max_seq_len,
                      bigram_vocab=prepared.meta["vocab_used"] if cfg.bigram_embed else 0)
+
+
+def fill_rates(cfg: TrainConfig, cuda: bool, run_dir: Path, resume_step: int | None, log) -> None:
+    """The learning rates left unset: a resume keeps its checkpoint's (config.fill_lrs), and says so
+    where they differ from today's defaults."""
+    kept = ckpt.read_meta(run_dir, resume_step)["train_config"] if resume_step is not None else None
+    if moved := fill_lrs(cfg, cuda, kept):
+        log("resume | learning rates kept from the checkpoint, not today's defaults: "
+            + ", ".join(f"{name.upper()}={lr:g}" for name, lr in moved.items()))
 
 
 def check_resume_target(run_dir: Path, step: int, config: GPTConfig, prepared: Prepared) -> None:

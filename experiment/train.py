@@ -31,7 +31,7 @@ import torch
 from experiment import autosize, extend, finetune, generations, guards, launch, metric, regime, restarts
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError, RunState, pick_resume_step
-from experiment.config import ConfigError, TrainConfig, checkpoint_meta, fill_lrs, parse_args, resolve
+from experiment.config import ConfigError, TrainConfig, checkpoint_meta, parse_args, resolve
 from experiment.batches import TokenBatches
 from experiment.dataloader import DataError, Prepared
 from experiment.distributed import (Dist, ParentWatch, StopSignal, all_ranks_ok, broadcast_object, local_backend,
@@ -144,10 +144,7 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
     teacher = Teacher.for_run(cfg, d.device, prepared, teachers, log) if teachers else None
     auto, probe_seconds = (choose_depth(cfg, d, gpu, prepared, run_dir, resume_step, unset, log, teacher)
                            if cfg.depth == "auto" else (None, 0))
-    kept = ckpt.read_meta(run_dir, resume_step)["train_config"] if resume_step is not None else None
-    if moved := fill_lrs(cfg, cuda, kept):
-        log("resume | learning rates kept from the checkpoint, not today's defaults: "
-            + ", ".join(f"{name.upper()}={lr:g}" for name, lr in moved.items()))
+    launch.fill_rates(cfg, cuda, run_dir, resume_step, log)
     model_config = launch.model_config(cfg, prepared)
     regime_seconds, regime_line = regime.settle(cfg, d, gpu, model_config, prepared.meta["split"]["train_tokens"],
                                                 run_dir, resume_step, auto, unset, log)
@@ -186,11 +183,9 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
         cfg=cfg, d=d, log=log, run_dir=run_dir, prepared=prepared, model=model, opt=opt, ddp=ddp,
         train_model=compiled(ddp) if use_compile else ddp,
         batches=make_batches(cfg, d, prepared, weights, st.data_state, log), weights=weights, writer=writer, st=st,
-        resume_step=resume_step, rewind_step=rewind_step,
-        grad_accum=grad_accum,
+        resume_step=resume_step, rewind_step=rewind_step, grad_accum=grad_accum,
         budget_seconds=budget_seconds, run_meta=checkpoint_meta(cfg, prepared, budget_seconds, auto),
-        flops_per_token=model.estimate_flops(cfg.max_seq_len),
-        peak=gpu.peak if gpu else None,
+        flops_per_token=model.estimate_flops(cfg.max_seq_len), peak=gpu.peak if gpu else None,
         report=RunReport(run_dir, run_facts(cfg, d, model, prepared, budget_seconds, grad_accum, auto, coverage)
                          | {"regime": regime_line and regime_line.removeprefix("regime | ")}, resume_step, log)
         if d.master else NullReport(),
