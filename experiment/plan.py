@@ -496,7 +496,7 @@ def student_plan(p: dict, cfg: PlanConfig, gpus: Gpus, vocab: int) -> dict | Non
 def generation_lines(p: dict) -> list[str]:
     lines = [f"recommendation | GENERATIONS=auto: when the stop at the val minimum ends d{p['depth']} with budget left, "
              "the rest trains more models from scratch, each distilled from the one before; the best one is served "
-             "(measured on CPU at 100,000 characters only: docs/training.md, \"Generations\")",
+             "(measured on a CPU only, on 100,000 to 1.1M characters: docs/training.md, \"Generations\")",
              *generation_disk_lines(p)]
     st = p.get("student")
     if st:
