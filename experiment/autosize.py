@@ -22,6 +22,11 @@ passes), and trains it for the whole budget (the stop at the val minimum still g
 regularized model keeps gaining from passes a plain one would overfit, so the budget buys a larger
 model instead of being left unspent
 (docs/performance.md, "DEPTH=auto for regularized training"). The budget branch is the same for both.
+For the first generation of GENERATIONS=auto's chain (generations.sizes_chain) the regularized data
+branch asks for GENERATION_PASSES passes instead, among the depths that hold a teacher of their own
+size: a smaller first generation that reaches its val minimum in about half the budget, and leaves
+the rest to generations of its depth distilled from it (experiment/generations.py); where no depth
+makes them, the depth is sized as one model's.
 
 The tok/s: on CPU measured here, a few eager steps per depth (probe_and_choose); on CUDA predicted
 (predicted_tok_per_s: the MFU gpucheck measured on one such GPU x its peak x the GPUs, less the gradient
@@ -89,6 +94,12 @@ REG_FLOOR = 0.5
 # et al. 2023) buy no larger model, else a long budget over small data would take the largest depth
 # (40k characters for 31 h on 8 GPUs: d56). The grid's winners needed 21 (d4 on 19,001 tokens).
 REG_MAX_PASSES = 32
+# GENERATIONS=auto (regularized): the first generation's budget makes at least this many passes. Fitted
+# on the whole code corpus (docs/performance.md, "Generations of a smaller model"): DEPTH=auto's one
+# model (d8, 5.7 and 11.4 passes at 1,800 and 3,600 s) lost to two generations of the largest depth
+# with 34 (d4, 1,800 s) and 25 (d6, 3,600 s) passes, whose first stopped at its val minimum at 43-46%
+# of the budget; d6 at 1,800 s (12.7) stopped at 77%, leaving a second generation too little.
+GENERATION_PASSES = 16
 LADDER = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64)
 PROBE_STEPS = 2  # timed steps per candidate at the run's micro-batch, after one warm-up step
 
@@ -116,10 +127,16 @@ class Candidate:
     floor: float = MIN_TOKENS_PER_PARAM  # tokens/param a depth that completes them needs (data_floor)
     regularized: bool = False  # the regime may regularize it and lift the cap: the refitted data branch
     needs: float | None = None  # the passes the data branch needs of the budget: reg_passes, else the cap
+    generations: bool = False  # sized for GENERATIONS=auto's first generation: regularized, passes_needed
 
     def __post_init__(self):
         if self.needs is None:
             self.needs = self.cap
+
+    @property
+    def passes_needed(self) -> float:
+        """The passes the data branch takes it at: `needs`, and for GENERATIONS=auto GENERATION_PASSES."""
+        return max(self.needs, GENERATION_PASSES) if self.generations else self.needs
 
     @property
     def tokens_per_param(self) -> float:
@@ -250,11 +267,13 @@ def reg_passes(train_tokens: int, tokens_per_step: int) -> float:
 
 
 def candidate(config: GPTConfig, tok_per_s: float, budget_s: float, train_tokens: int,
-              tokens_per_step: int, regularized: bool = False) -> Candidate:
+              tokens_per_step: int, regularized: bool = False, generations: bool = False) -> Candidate:
+    """`generations`: sized for GENERATIONS=auto's first generation (only where `regularized`)."""
     cap = pass_cap(train_tokens, tokens_per_step)
     c = Candidate(config.depth, config.n_embd, rule_params(config), tok_per_s, 0.0, 0.0,
                   cap=cap, floor=REG_FLOOR if regularized else data_floor(train_tokens), regularized=regularized,
-                  needs=reg_passes(train_tokens, tokens_per_step) if regularized else None)
+                  needs=reg_passes(train_tokens, tokens_per_step) if regularized else None,
+                  generations=generations and regularized)
     return at_rate(c, tok_per_s, budget_s, train_tokens)
 
 
@@ -291,7 +310,12 @@ def completes(c: Candidate) -> bool:
     """The data branch: the budget makes the passes it needs (the cap's; regularized, reg_passes),
     which give at least the data's floor of tokens per parameter (regularized: REG_FLOOR)."""
     past = not c.regularized or c.budget_epochs > MAX_GOOD_EPOCHS  # the regime regularizes past PASSES only
-    return past and c.budget_epochs >= c.needs and c.floor_tokens_per_param >= c.floor
+    return past and c.budget_epochs >= c.passes_needed and c.floor_tokens_per_param >= c.floor
+
+
+def sized_for_chain(c: Candidate) -> bool:
+    """The data branch chose c for GENERATIONS=auto's first generation: GENERATION_PASSES made."""
+    return c.generations and not eligible(c) and completes(c)
 
 
 def choose(candidates: list[Candidate]) -> Candidate:
@@ -301,12 +325,26 @@ def choose(candidates: list[Candidate]) -> Candidate:
     return max(data, key=lambda c: c.params) if data else min(candidates, key=lambda c: c.params)
 
 
+def choose_chain(candidates: list[Candidate], holds=lambda c: True) -> Candidate:
+    """GENERATIONS=auto's first generation (generations.sizes_chain): the regularized data branch at
+    GENERATION_PASSES passes, among the candidates `holds` keeps (on GPUs, the depths that fit beside a
+    teacher of their own size, as the later generations of its depth hold one). Where the budget
+    branch decides, or no such depth makes the passes, the one-model choice among them all."""
+    one = choose(candidates)
+    held = [dataclasses.replace(c, generations=True) for c in candidates if c.regularized and holds(c)]
+    if any(eligible(c) for c in candidates) or not held:
+        return one
+    pick = choose(held)
+    return pick if sized_for_chain(pick) else one
+
+
 def predict_and_choose(make_config, peak: float, gpus: int, gpu_bytes: int, budget_s: float, train_tokens: int,
                        link_gbps: float, gpu_name: str, tokens_per_step: int, regularized: bool = False,
-                       teacher: tuple[int, float] = (0, 0.0)) -> tuple[Candidate, list[Candidate]]:
+                       teacher: tuple[int, float] = (0, 0.0), generations: bool = False) -> tuple[Candidate, list[Candidate]]:
     """CUDA: every ladder depth that the memory plan fits on these GPUs (at one sequence per
     micro-batch, beside a generation's teacher: `teacher` is its (parameters, forward FLOPs per
-    token)), at its predicted tok/s with the teacher's forward; then choose."""
+    token)), at its predicted tok/s with the teacher's forward; then choose (`generations`: for a
+    chain's first generation, choose_chain)."""
     candidates = []
     for depth in ladder(make_config(2).aspect_ratio, make_config(2).head_dim):
         config = make_config(depth)
@@ -315,17 +353,24 @@ def predict_and_choose(make_config, peak: float, gpus: int, gpu_bytes: int, budg
         rate = predicted_tok_per_s(config, peak, gpus, link_gbps, WEIGHT_BYTES[fit.precision], tokens_per_step,
                                    gpu_name=gpu_name, teacher_flops=teacher[1])
         candidates.append(candidate(config, rate, budget_s, train_tokens, tokens_per_step, regularized))
-    return choose(candidates), candidates
+    holds = lambda c: holds_own_teacher(make_config(c.depth), gpus, gpu_bytes)
+    return choose_chain(candidates, holds) if generations else choose(candidates), candidates
+
+
+def holds_own_teacher(config: GPTConfig, gpus: int, gpu_bytes: int) -> bool:
+    """A chain's later generation of this depth fits these GPUs beside its teacher, one of its size."""
+    return choose_mode(config, gpus, 1, config.max_seq_len, gpu_bytes, teacher_params=count_params(config)) is not None
 
 
 def probe_and_choose(make_config, batch: int, device: torch.device, world_size: int, budget_s: float,
                      train_tokens: int, tokens_per_step: int, regularized: bool = False,
-                     teacher_flops: float = 0.0) -> tuple[Candidate, list[Candidate]]:
+                     teacher_flops: float = 0.0, generations: bool = False) -> tuple[Candidate, list[Candidate]]:
     """Measure the ladder from the smallest depth up until no larger depth can be chosen (larger ones
     only get fewer tokens per parameter and fewer passes: one below the data's floor, one that neither
     completes its passes nor reaches MIN_TOKENS_PER_PARAM, or one eligible below half the target),
     then choose. make_config(depth) -> GPTConfig. A generation's teacher forward (`teacher_flops`
-    per token) is priced into each measured rate (with_teacher)."""
+    per token) is priced into each measured rate (with_teacher). `generations`: as predict_and_choose
+    (a CPU holds any teacher)."""
     candidates = []
     for depth in ladder(make_config(2).aspect_ratio, make_config(2).head_dim):
         config = make_config(depth)
@@ -339,7 +384,9 @@ def probe_and_choose(make_config, batch: int, device: torch.device, world_size: 
         candidates.append(c := candidate(config, rate, budget_s, train_tokens, tokens_per_step, regularized))
         if larger_cannot_win(c):
             break
-    return choose(candidates), candidates
+    cuda_bytes = torch.cuda.get_device_properties(device).total_memory if generations and device.type == "cuda" else 0
+    holds = lambda c: not cuda_bytes or holds_own_teacher(make_config(c.depth), world_size, cuda_bytes)
+    return choose_chain(candidates, holds) if generations else choose(candidates), candidates
 
 
 def larger_cannot_win(c: Candidate) -> bool:
@@ -362,6 +409,11 @@ def rule(c: Candidate) -> str:
     if eligible(c):
         return (f"nearest {TOKENS_PER_PARAM:g} tokens/param of those with >= {MIN_TOKENS_PER_PARAM:g} in at most "
                 f"{c.cap:g} epochs of the budget")
+    if sized_for_chain(c):
+        return (f"the budget outruns the data: GENERATIONS=auto, the largest depth the regime regularizes with at "
+                f"least {c.passes_needed:g} epochs, {REG_MIN_STEPS} steps and {c.floor:g} tokens/param (of at most "
+                f"{REG_MAX_PASSES} epochs) in the budget, so that the first generation can reach its val minimum in "
+                "about half of it and leave the rest to the next")
     if completes(c) and c.regularized:
         return (f"the budget outruns the data: the largest depth the regime regularizes, more than {MAX_GOOD_EPOCHS} "
                 f"epochs, at least {REG_MIN_STEPS} steps and {c.floor:g} tokens/param (of at most {REG_MAX_PASSES} epochs) "
@@ -390,18 +442,19 @@ def supports(make_config, train_tokens: int, tokens_per_step: int) -> str:
 
 
 def data_lines(depth: int, make_config, total_tokens: float, train_tokens: int, tokens_per_step: int,
-               auto: bool = False, averaged: bool = False) -> list[str]:
+               auto: bool = False, averaged: bool = False, by: str = "DEPTH=auto") -> list[str]:
     """The depth the data supports, and a warning when this depth will repeat the data more than
     MAX_GOOD_EPOCHS times in the budget (naming the weight average when the run is without it). A
     DEPTH=auto run with the average gets a plain line instead: there the repeats are the regularized
-    rule's choice (reg_passes), not a setting to reconsider."""
+    rule's choice (reg_passes), not a setting to reconsider; so does a chain's later generation, whose
+    depth and share (`by`) the generations sized."""
     params = rule_params(make_config(depth))
     lines = [f"planner | the data ({train_tokens:,} train tokens) supports up to "
              f"{supports(make_config, train_tokens, tokens_per_step)}; d{depth} has {params:,} params"]
     epochs = total_tokens / train_tokens
     if epochs > MAX_GOOD_EPOCHS and auto and averaged:
         lines.append(f"planner | d{depth} will see the training data {epochs:.1f} times in the budget: past "
-                     f"{MAX_GOOD_EPOCHS}, as DEPTH=auto sized it, with the weight average (docs/training.md, \"Defaults "
+                     f"{MAX_GOOD_EPOCHS}, as {by} sized it, with the weight average (docs/training.md, \"Defaults "
                      "by regime\"); more data would still be worth more than the repeats")
     elif epochs > MAX_GOOD_EPOCHS:
         fix = "more data" if auto else "DEPTH=auto, a smaller DEPTH, more data or a smaller budget"

@@ -137,6 +137,34 @@ def share(record: dict, k: int, cfg: TrainConfig, budget: float) -> float | None
     return seconds if seconds >= max(MIN_SHARE_SECONDS, MIN_SHARE_FRACTION * budget / count(cfg)) else None
 
 
+def sizes_chain(cfg: TrainConfig) -> bool:
+    """DEPTH=auto sizes this generation for the chain (autosize.GENERATION_PASSES): the first generation
+    of GENERATIONS=auto with TEACHER=previous, the chains measured (generation_config names it gen1)."""
+    return (cfg.generations == "auto" and cfg.teacher == "previous" and cfg.depth == "auto"
+            and cfg.model_tag.rsplit("/", 1)[-1] == "gen1")
+
+
+def chain_depth(top: Path, done: list[dict], cfg: TrainConfig) -> dict:
+    """A later generation of a chain that DEPTH=auto sized (sizes_chain) takes the first one's depth:
+    the chains measured were of one depth, and a depth re-sized for what the first left would be
+    another, unmeasured, chain. A first generation sized otherwise (a run begun before the rule)
+    leaves each later one sized for its own share, as before."""
+    if cfg.generations != "auto" or cfg.teacher != "previous" or cfg.depth != "auto" or not done:
+        return {}
+    if "depth" in done[-1]:  # the generation before took it already
+        return {"depth": done[-1]["depth"]}
+    first = done[0]
+    if not first.get("best"):  # no eval chose a step: its depth is read from no meta, and each sizes its own
+        return {}
+    meta = ckpt.read_meta(top / first["dir"], int(first["best"]["step"]))
+    try:
+        chained, depth = bool((meta.get("auto") or {}).get("chain")), int(meta["model_config"]["depth"])
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{ckpt.meta_path(top / first['dir'], int(first['best']['step']))}: no model depth "
+                              f"({e!r}); restore it, or start the run afresh (another MODEL_TAG)") from e
+    return {"depth": depth} if chained else {}
+
+
 def teachers_for(top: Path, done: list[dict], how: str) -> list[dict]:
     """The generation record's teachers: the best step of the generation before (previous) or of
     every one before (ensemble), each with the digest of its meta."""
@@ -174,8 +202,8 @@ def begin(top: Path, record: dict, k: int, cfg: TrainConfig, budget: float, worl
     if seconds is None:
         return None
     how = teacher_kind(cfg, k)
-    g = {"index": k, "dir": f"gen{k}", "seed": cfg.seed + k - 1, "budget_seconds": seconds, **student(cfg, k),
-         "teacher": how, "teachers": teachers_for(top, done, how) if done else [],
+    g = {"index": k, "dir": f"gen{k}", "seed": cfg.seed + k - 1, "budget_seconds": seconds,
+         **chain_depth(top, done, cfg), **student(cfg, k), "teacher": how, "teachers": teachers_for(top, done, how) if done else [],
          "distill": [cfg.distill_weight, cfg.distill_temperature] if done else None,
          "began": time.time(), "outcome": None, "used_seconds": None, "best": None}
     record["generations"].append(g)
@@ -225,7 +253,7 @@ def pending(cfg: TrainConfig, top: Path, world_size: int | None = None) -> tuple
         if seconds is None:
             return None, None, f"preflight | no budget left for generation {k} {of(cfg)} in {top}"
         g, how = {"index": k, "dir": f"gen{k}", "seed": cfg.seed + k - 1, "budget_seconds": seconds, "distill": None,
-                  **student(cfg, k)}, "starts"
+                  **chain_depth(top, done, cfg), **student(cfg, k)}, "starts"
     line = (f"preflight | generation {k} {of(cfg)}{' (the student, d%d)' % g['depth'] if g.get('student') else ''} "
             f"{how} in {top / g['dir']}: seed {g['seed']}, "
             f"{g['budget_seconds']:.0f}s of the budget" + (f", {len(done)} done" if done else ""))
@@ -277,7 +305,8 @@ def run_all(cfg: TrainConfig, d: Dist, workspace: Path, top: Path, log: RunLog, 
             log(f"generations | no budget left for generation {k} {of(cfg)}")
             break
         d.set_timeout(PHASE_TIMEOUTS["setup"])  # the last generation's loop left the step's
-        log(f"generations | generation {k} {of(cfg)}" + (f" | the student, d{g['depth']}" if g.get("student") else "")
+        log(f"generations | generation {k} {of(cfg)}" + (f" | the student, d{g['depth']}" if g.get("student") else
+                                                           f" | d{g['depth']}, the first's" if g.get("depth") else "")
             + f" | seed {g['seed']} | budget {g['budget_seconds']:.1f}s"
             + (f" | teacher {names(g)} (distill weight {g['distill'][0]:g}, temperature {g['distill'][1]:g})"
                if g["teachers"] else " | no teacher"))

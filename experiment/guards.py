@@ -73,12 +73,13 @@ def local_gpu(device: int | torch.device = 0) -> Gpu:
 def auto_depth(cfg: TrainConfig, make_config, gpu: Gpu, world_size: int, train_tokens: int,
                regularized: bool) -> int | None:
     """The depth DEPTH=auto will build on these GPUs (the trainer predicts the same); None when the
-    GPU's peak is unknown (the trainer then measures at start)."""
+    GPU's peak is unknown (the trainer then measures at start). A chain's first generation is sized
+    for the chain (generations.sizes_chain; the later ones are given its depth: generations.chain_depth)."""
     if gpu.peak is None:
         return None
     chosen, _ = autosize.predict_and_choose(make_config, gpu.peak, world_size, gpu.memory_bytes,
                                             cfg.training_hours * 3600, train_tokens, link_gbps(gpu.name), gpu.name,
-                                            cfg.total_batch_size, regularized)
+                                            cfg.total_batch_size, regularized, generations=generations.sizes_chain(cfg))
     return chosen.depth
 
 
@@ -135,7 +136,8 @@ def generations_fit(cfg: TrainConfig, make_config, gpu: Gpu, world_size: int, to
     (the trainer would find it only at that generation's start). The generations of the run in `top`
     that are done are not checked again. GENERATIONS=auto: its second generation (one teacher); an
     ensemble's later ones are checked at their start. DEPTH=auto picks a depth that fits beside its
-    teacher itself (a STUDENT_DEPTH student beside DEPTH=auto's is checked at its start).
+    teacher itself (a chain's first generation, one that holds a teacher of its size:
+    autosize.holds_own_teacher; a STUDENT_DEPTH student beside DEPTH=auto's is checked at its start).
     make_config(depth): the model config of that depth."""
     n = cfg.generations
     if n == 1 or not isinstance(cfg.depth, int):

@@ -10,6 +10,8 @@ heads of 128, context 2048) it prints the parameters, the predicted training tok
 the checkpoint size, the disk retention needs and the minutes a save takes. Then the recommendation:
 the depth DEPTH=auto picks on those GPUs (experiment/autosize.py, from the same predictions), the
 hours worth paying for (never past the cap's passes) and the dollars the budget leaves unspent.
+Where the trainer's defaults regularize (a data-limited run), the launch line adds GENERATIONS=auto
+and the depth is the one DEPTH=auto sizes its first generation at (autosize.GENERATION_PASSES).
 
 With DATA_DIR it first runs the pre-flight's data checks (dataloader.validate: UTF-8, empty
 files, NUL bytes, each source's val share), so data the rented box would refuse is refused here.
@@ -293,29 +295,53 @@ def plan(cfg: PlanConfig) -> dict:
     # A regularized pick trains the whole budget: sized for the hours the launch line will buy
     size_hours = min(hours, cfg.hours_available) if cfg.hours_available and cfg.regularizers == "auto" else hours
     pairs = [rung(d, cfg, gpus, train_tokens, size_hours * 3600, vocab) for d in ladder]
-    rungs = [r for r, _ in pairs]
-    best = autosize.choose([c for r, c in pairs if r["fits"]])
+    fitting = [c for r, c in pairs if r["fits"]]
     # What a run that keeps the regularizers off would train instead (the plain rule, at most the cap's passes)
     plain = autosize.choose([autosize.candidate(model_config(c.depth, cfg, vocab), c.tok_per_s, hours * 3600, train_tokens,
-                                                CUDA_DEFAULTS["total_batch_size"]) for r, c in pairs if r["fits"]])
-    chosen = next(r for r in rungs if r["depth"] == best.depth)
-    per_hour = cfg.gpu_hourly_usd * gpus.count
+                                                CUDA_DEFAULTS["total_batch_size"]) for c in fitting])
+    base = {"tokens": tokens, "train_tokens": train_tokens, "counted": counted, "budget_hours": hours,
+            "rungs": [r for r, _ in pairs], "plain": {"depth": plain.depth, "hours": plain.seconds / 3600,
+                                                     "passes": plain.epochs}}
+    best = autosize.choose(fitting)
+    p = sized(cfg, gpus, vocab, base, best)
+    if p["regime"]["regularized"]:
+        p = chain_sized(cfg, gpus, vocab, base, p, best, fitting)
+    p["sweep"] = sweep_plan(p, cfg, gpus, [r["depth"] for r in p["rungs"] if r["fits"]], vocab)
+    return p
+
+
+def chain_sized(cfg: PlanConfig, gpus: Gpus, vocab: int, base: dict, p: dict, best: autosize.Candidate,
+                fitting: list[autosize.Candidate]) -> dict:
+    """The launch line's GENERATIONS=auto: its first generation sized for the chain, as DEPTH=auto sizes
+    it (autosize.GENERATION_PASSES), among the depths that hold a teacher of their size; where none
+    makes the passes, or the chain's depth would not take GENERATIONS, the plan `p` for one model."""
+    holds = lambda c: autosize.holds_own_teacher(model_config(c.depth, cfg, vocab), gpus.count, gpus.memory_bytes)
+    chain = autosize.choose_chain(fitting, holds)
+    if not chain.generations or chain.depth == best.depth:
+        return p
+    q = sized(cfg, gpus, vocab, base, chain)
+    return {**q, "one_model": {"depth": best.depth, "passes": p["regime"]["budget_passes"]}} if q["teacher_fits"] else p
+
+
+def sized(cfg: PlanConfig, gpus: Gpus, vocab: int, base: dict, best: autosize.Candidate) -> dict:
+    """The plan for DEPTH=auto's candidate `best`: its hours, GPUs, regime, student and launch line."""
+    chosen = next(r for r in base["rungs"] if r["depth"] == best.depth)
+    hours, per_hour = base["budget_hours"], cfg.gpu_hourly_usd * gpus.count
     by_depth, mfu_source, measured_on = gpus.measured or autosize.mfu_table(gpus.name)
     rows = gpu_rows(cfg, gpus, model_config(best.depth, cfg, vocab), chosen["tokens"], hours * per_hour)
     in_time = [r["gpus"] for r in rows if r["in_time"] and r["in_budget"]]
-    p = {"depth": chosen["depth"], "hours": chosen["useful_hours"], "budget_hours": hours,  # recommend_on prices it
-         "budget_usd": hours * per_hour, "usd_per_hour": per_hour, "tokens": tokens, "train_tokens": train_tokens,
-         "counted": counted, "gpus": f"{gpus.count} x {gpus.name}", "gpu_count": gpus.count, "peak_flops": gpus.peak,
+    p = {**base, "depth": chosen["depth"], "hours": chosen["useful_hours"],  # recommend_on prices it
+         "budget_usd": hours * per_hour, "usd_per_hour": per_hour,
+         "gpus": f"{gpus.count} x {gpus.name}", "gpu_count": gpus.count, "peak_flops": gpus.peak,
          "max_passes": chosen["epochs"], "stops_at_val_minimum": PLATEAU_EVALS > 0,
          "mfu_source": mfu_source, "mfu_measured_on": measured_on, "mfu_by_depth": by_depth,
          "mfu_from_box": gpus.measured is not None,
-         "plain": {"depth": plain.depth, "hours": plain.seconds / 3600, "passes": plain.epochs},
          "pass_cap": best.cap,
          "rule": autosize.rule(best) + (f"; past {regime.PASSES} passes regularized and no pass cap, the stop at "
                                         "the val minimum the guard" if best.regularized
                                         and best.budget_epochs > regime.PASSES else
                                         f"; never more than {best.cap:g} passes (repeated data is worth less and less: "
-                                        "Muennighoff et al. 2023)"), "rungs": rungs,
+                                        "Muennighoff et al. 2023)"),
          "link_gbps": gpus.link_gbps, "link_source": gpus.link_source, "hours_available": cfg.hours_available, "gpu_table": rows,
          "recommended_gpus": min(in_time) if cfg.hours_available is not None and in_time else gpus.count}
     recommend_on(p, cfg, rows)
@@ -328,7 +354,6 @@ def plan(cfg: PlanConfig) -> dict:
                                     teacher_params=teachers) is not None
     p["student"] = student_plan(p, cfg, gpus, vocab) if p["regime"]["regularized"] and p["teacher_fits"] else None
     p["launch"], p["run_dir"] = launch_line(p, cfg, p["recommended_gpus"])
-    p["sweep"] = sweep_plan(p, cfg, gpus, [r["depth"] for r in rungs if r["fits"]], vocab)
     return p
 
 
@@ -494,9 +519,13 @@ def student_plan(p: dict, cfg: PlanConfig, gpus: Gpus, vocab: int) -> dict | Non
 
 
 def generation_lines(p: dict) -> list[str]:
+    one = p.get("one_model")
+    sizing = (f"; sized for it: d{p['depth']}, whose budget makes {p['regime']['budget_passes']:.1f} passes (at least "
+              f"{autosize.GENERATION_PASSES}), where one model alone would be d{one['depth']} ({one['passes']:.1f} passes)"
+              if one else "")
     lines = [f"recommendation | GENERATIONS=auto: when the stop at the val minimum ends d{p['depth']} with budget left, "
-             "the rest trains more models from scratch, each distilled from the one before; the best one is served "
-             "(measured on a CPU only, on 100,000 to 1.1M characters: docs/training.md, \"Generations\")",
+             "the rest trains more models of its depth from scratch, each distilled from the one before; the best one "
+             f"is served{sizing} (measured on a CPU only, on 100,000 to 1.1M characters: docs/training.md, \"Generations\")",
              *generation_disk_lines(p)]
     st = p.get("student")
     if st:

@@ -87,9 +87,11 @@ def plan_from_measured_rate(t: Trainer, loop: Loop, rate: float) -> None:
               f"run stops there with about {unspent_text(t, left - to_cap)} of the budget unspent (MAX_EPOCHS=0 "
               "trains the whole budget)")
     total = min(st.tokens_seen + rate * left, t.max_tokens)
+    chained = t.teacher is not None and cfg.generations == "auto"  # its share is what the generations left
     for line in autosize.data_lines(cfg.depth, launch.make_config(cfg, t.prepared), total, train_tokens,
-                                    cfg.total_batch_size, auto=t.run_meta["auto"] is not None,
-                                    averaged=cfg.average != "none"):
+                                    cfg.total_batch_size, auto=t.run_meta["auto"] is not None or chained,
+                                    averaged=cfg.average != "none",
+                                    by="GENERATIONS=auto" if chained else "DEPTH=auto"):
         t.log(line)
     if t.weights:
         for line in source_epoch_lines(total, t.weights, t.prepared.meta["source_splits"]):

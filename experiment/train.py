@@ -239,7 +239,8 @@ def choose_depth(cfg: TrainConfig, d: Dist, gpu: guards.Gpu | None, prepared: Pr
     regime: regime.regularizes). A resume keeps its checkpoint's depth. A fresh run on a GPU whose
     peak is known predicts each depth's tok/s (autosize.predict_and_choose: no compile per depth);
     otherwise every rank measures the ladder at once (so each sees the load training will put on the
-    machine). A generation's teacher: its memory and forward FLOPs priced in. Rank 0's choice is
+    machine). A generation's teacher: its memory and forward FLOPs priced in; a chain's first generation:
+    sized to leave budget for the next (generations.sizes_chain; "chain" records it). Rank 0's choice is
     taken. Returns (what the checkpoint meta records, seconds the choice took)."""
     if resume_step is not None:
         meta = ckpt.read_meta(run_dir, resume_step)
@@ -248,20 +249,20 @@ def choose_depth(cfg: TrainConfig, d: Dist, gpu: guards.Gpu | None, prepared: Pr
         return auto, 0.0
     t0 = time.time()
     make_config, train_tokens = launch.make_config(cfg, prepared), prepared.meta["split"]["train_tokens"]
-    regularized = regime.regularizes(cfg, unset, train_tokens)
+    regularized, first = regime.regularizes(cfg, unset, train_tokens), generations.sizes_chain(cfg)
     predicted, taught = gpu is not None and gpu.peak is not None, (teacher.num_params(), teacher.flops_per_token()) \
         if teacher else (0, 0.0)
     if predicted:
         chosen, candidates = autosize.predict_and_choose(make_config, gpu.peak, d.world_size, gpu.memory_bytes,
                                                          cfg.training_hours * 3600, train_tokens, link_gbps(gpu.name),
-                                                         gpu.name, cfg.total_batch_size, regularized, taught)
+                                                         gpu.name, cfg.total_batch_size, regularized, taught, first)
     else:
         chosen, candidates = autosize.probe_and_choose(make_config, cfg.device_batch_size or 1, d.device,
                                                        d.world_size, cfg.training_hours * 3600, train_tokens,
-                                                       cfg.total_batch_size, regularized, taught[1])
+                                                       cfg.total_batch_size, regularized, taught[1], first)
     how = "predicted" if predicted else "measured"
     auto = broadcast_object({"depth": chosen.depth, "reason": autosize.reason(chosen, candidates, how, bool(teacher)),
-                             "how": how,
+                             "how": how, "chain": autosize.sized_for_chain(chosen),
                              "candidates": [dataclasses.asdict(c) for c in candidates]}, d)
     cfg.depth = auto["depth"]
     log(f"{auto['reason']} | took {time.time() - t0:.1f}s, counted in the budget")

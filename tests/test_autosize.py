@@ -12,7 +12,7 @@ import torch
 from conftest import REPO, TINY, run_meta, run_train
 from experiment import autosize
 from experiment.hardware import link_gbps
-from experiment.autosize import Candidate, candidate, choose, data_lines, supported_depth
+from experiment.autosize import Candidate, candidate, choose, choose_chain, data_lines, supported_depth
 from experiment.memory import count_params
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -190,6 +190,9 @@ def test_an_explicit_depth_that_repeats_the_data_gets_a_warning():
                        auto=True, averaged=True)
     assert sized[1].startswith("planner | d64 will see the training data 178.6 times in the budget: past 4, "
                                "as DEPTH=auto sized it, with the weight average") and "warning" not in " ".join(sized)
+    chained = data_lines(64, gpu, total_tokens=8 * 31 * 3600 * 20_000, train_tokens=10**8, tokens_per_step=524288,
+                         auto=True, averaged=True, by="GENERATIONS=auto")  # a chain's later generation
+    assert "past 4, as GENERATIONS=auto sized it" in chained[1] and "warning" not in " ".join(chained)
     plain = data_lines(64, gpu, total_tokens=8 * 31 * 3600 * 20_000, train_tokens=10**8, tokens_per_step=524288,
                        auto=True)
     assert plain[1].startswith("warning: d64 will see") and "consider more data; to make more" in plain[1]
@@ -279,17 +282,39 @@ def test_the_trainers_depth_probe_gets_the_generations_teacher(monkeypatch):
                               100.0, 10**6, 64)
     monkeypatch.setattr(train.launch, "make_config", lambda cfg, prepared: None)
     monkeypatch.setattr(train.regime, "regularizes", lambda cfg, unset, tokens: True)
-    monkeypatch.setattr(autosize, "probe_and_choose", lambda *a: seen.update(probe=a[-1]) or (cand, [cand]))
-    monkeypatch.setattr(autosize, "predict_and_choose", lambda *a: seen.update(predict=a[-1]) or (cand, [cand]))
+    monkeypatch.setattr(autosize, "probe_and_choose", lambda *a: seen.update(probe=a[-2:]) or (cand, [cand]))
+    monkeypatch.setattr(autosize, "predict_and_choose", lambda *a: seen.update(predict=a[-2:]) or (cand, [cand]))
     teacher = SimpleNamespace(num_params=lambda: 123, flops_per_token=lambda: 4.5e6)
-    cfg = SimpleNamespace(device_batch_size=2, training_hours=1.0, total_batch_size=64, depth="auto")
+    cfg = SimpleNamespace(device_batch_size=2, training_hours=1.0, total_batch_size=64, depth="auto", generations="auto",
+                          teacher="previous", model_tag="run/gen2")
     d = SimpleNamespace(device=torch.device("cpu"), world_size=1, rank=0)
     prepared = SimpleNamespace(meta={"split": {"train_tokens": 10**6}})
     train.choose_depth(cfg, d, None, prepared, None, None, [], lines.append, teacher)
     gpu = SimpleNamespace(peak=989e12, memory_bytes=80 * 2**30, name=H100)
     train.choose_depth(cfg, d, gpu, prepared, None, None, [], lines.append, teacher)
-    assert seen == {"probe": 4.5e6, "predict": (123, 4.5e6)} and cfg.depth == 2
+    # a taught generation is never GENERATIONS=auto's first, which is sized for the chain
+    assert seen == {"probe": (4.5e6, False), "predict": ((123, 4.5e6), False)} and cfg.depth == 2
     assert all("tok/s with the teacher's forward" in line for line in lines), lines
+    # only the first generation of GENERATIONS=auto's chain (TEACHER=previous) is sized for it
+    for generations, how, tag, first in (("auto", "previous", "run/gen1", True), ("auto", "ensemble", "run/gen1", False),
+                                         ("auto", "previous", "run/gen2", False), (2, "previous", "run/gen1", False),
+                                         (1, "previous", "run", False)):
+        cfg.depth, cfg.generations, cfg.teacher, cfg.model_tag = "auto", generations, how, tag
+        train.choose_depth(cfg, d, None, prepared, None, None, [], lines.append, None)
+        cfg.depth = "auto"  # the trainer asks only while DEPTH=auto
+        train.choose_depth(cfg, d, gpu, prepared, None, None, [], lines.append, None)
+        assert seen == {"probe": (0.0, first), "predict": ((0, 0.0), first)}, (generations, how, tag)
+    # the meta records whether the chain's sizing chose it (a later generation then takes its depth)
+    cfg.depth = "auto"
+    auto, _ = train.choose_depth(cfg, d, None, prepared, None, None, [], lines.append, None)
+    assert auto["chain"] is False
+    cpu = GPTConfig(vocab_size=100, depth=2, aspect_ratio=32, head_dim=64, max_seq_len=256, bigram_vocab=100)
+    chain = autosize.candidate(cpu, 16 * 10_000, 1.0, 10_000, 1, True, True)  # 16 passes of a regularized budget
+    assert autosize.sized_for_chain(chain) and not autosize.sized_for_chain(cand)
+    monkeypatch.setattr(autosize, "probe_and_choose", lambda *a: (chain, [chain]))
+    cfg.depth, cfg.generations, cfg.teacher, cfg.model_tag = "auto", "auto", "previous", "run/gen1"
+    auto, _ = train.choose_depth(cfg, d, None, prepared, None, None, [], lines.append, None)
+    assert auto["chain"] is True and cfg.depth == 2
 
 
 def test_depth_flag_takes_auto_or_a_positive_number():
@@ -610,6 +635,68 @@ def test_the_regularized_data_branch_takes_the_largest_depth_past_four_passes_by
     assert (plain.floor, plain.needs, reg.floor, reg.needs) == (autosize.data_floor(19_001), 16.0, 0.5,
                                                                 autosize.reg_passes(19_001, 4096))
     assert "the largest depth the regime regularizes" in autosize.rule(reg) and autosize.completes(reg)
+
+
+def test_generations_auto_sizes_the_first_generation_for_sixteen_passes_on_the_measured_runs_rates():
+    """GENERATIONS=auto's first generation (autosize.GENERATION_PASSES): the regularized data branch asks
+    for 16 passes of the budget. On the probe rates of the runs that set it (reports/
+    generations-code-cpu-2026-11-30.md; the whole code corpus at 1,800 and 3,600 s, where two
+    generations of d4 and d6 served below one d8) and of whole Tiny Shakespeare at 1,800 s, it picks
+    the chains' depth where one model takes d8."""
+    assert autosize.GENERATION_PASSES == 16
+    cpu = lambda d: GPTConfig(vocab_size=100, depth=d, aspect_ratio=32, head_dim=64, max_seq_len=256, bigram_vocab=100)
+    runs = [({2: 84_225, 4: 18_850, 6: 6_525, 8: 2_967}, 1800, 991_356, 8, 4),  # code: d4 34, d6 11.8 passes
+            ({2: 88_489, 4: 18_933, 6: 7_008, 8: 3_133, 10: 1_518}, 3600, 991_356, 8, 6),  # code: d6 25.4, d8 11.4
+            ({2: 95_820, 4: 19_195, 6: 6_861, 8: 3_062, 10: 1_621}, 1800, 1_003_856, 8, 4),  # prose: d4 34.4, d6 12.3
+            # 100,000 characters at 600 s, where generations gained 0.04 over one d6: d6 already makes 36 passes
+            ({2: 57_871, 4: 13_817, 6: 5_446, 8: 2_342}, 600, 90_000, 6, 6)]
+    for rates, budget, train, alone, chain in runs:
+        cands = lambda reg: [candidate(cpu(d), r, budget, train, 4096, reg) for d, r in rates.items()]
+        one, first = choose(cands(True)), choose_chain(cands(True))
+        assert (one.depth, first.depth) == (alone, chain) and first.generations and first.passes_needed == 16
+        assert autosize.sized_for_chain(first) and not autosize.sized_for_chain(one)
+        assert "GENERATIONS=auto" in autosize.rule(first) and "GENERATIONS" not in autosize.rule(one)
+        assert choose_chain(cands(False)) == choose(cands(False))  # the plain rule: no generations sizing
+        # a depth that would not hold its teacher is no chain's
+        assert choose_chain(cands(True), holds=lambda c: c.depth < chain).depth < chain
+    # the boundary: exactly 16 passes taken, fewer not; the steps' passes still bind where they are more
+    reg = lambda budget_epochs, train=10_000: candidate(cpu(2), budget_epochs * train, 1.0, train, 1, True, True)
+    assert autosize.completes(reg(16.0)) and not autosize.completes(reg(15.99))
+    assert reg(60.0, train=19_001 * 4096).passes_needed == 16 and reg(60.0, train=10).passes_needed == 25.0
+    # where no depth makes 16 passes, the depth one model would get: the regularized rule's
+    few = [candidate(cpu(d), r, 100, 300_000, 4096, True) for d, r in {4: 45_000, 6: 16_700}.items()]
+    assert [round(c.budget_epochs, 1) for c in few] == [15.0, 5.6] and not any(map(autosize.eligible, few))
+    assert choose_chain(few) == choose(few) and choose(few).depth == 6  # d6: 5.6 passes, 0.6 tokens/param
+    assert "GENERATIONS" not in autosize.rule(choose_chain(few)) and choose_chain(few, holds=lambda c: False).depth == 6
+    # a candidate kept in a checkpoint's meta comes back with its sizing (check_prediction)
+    assert Candidate(**dataclasses.asdict(reg(16.0))) == reg(16.0)
+
+
+def test_generations_auto_sizes_only_depths_that_fit_beside_a_teacher_of_their_own_size(monkeypatch):
+    """On GPUs the chain's first generation is sized among the depths that hold a teacher of their own
+    size (its later generations do): predicted, and probed on CUDA. The candidates are one model's."""
+    from types import SimpleNamespace
+
+    gpu = lambda d: GPTConfig(vocab_size=256, depth=d, aspect_ratio=64, head_dim=128, max_seq_len=2048)
+    gib80, holds = 80 * 2**30, lambda d: autosize.holds_own_teacher(gpu(d), 8, 80 * 2**30)
+    assert holds(56) and not holds(64)  # docs/memory.md: d64 and a d64 teacher do not fit 8 x 80 GB
+    args = (gpu, 989e12, 8, gib80, 62 * 3600, 332_500_000, 350.0, H100, 524288, True)
+    one, cands = autosize.predict_and_choose(*args)
+    first, same = autosize.predict_and_choose(*args, generations=True)
+    assert same == cands and not any(c.generations for c in cands) and 64 in [c.depth for c in cands]
+    free = choose_chain(cands)  # what the chain would take if every depth held its teacher
+    assert (one.depth, free.depth, first.depth) == (64, 64, 56) and first.generations and free.generations
+    # the probe on CUDA: the same filter, from the device's memory
+    rates = {c.depth: c.tok_per_s / 8 for c in cands}
+    monkeypatch.setattr(autosize, "measure_tok_per_s", lambda config, batch, device: rates[config.depth])
+    monkeypatch.setattr(autosize.torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=gib80))
+    monkeypatch.setattr(autosize.torch.cuda, "empty_cache", lambda: None)
+    probe = lambda **kw: autosize.probe_and_choose(gpu, 1, torch.device("cuda"), 8, 62 * 3600, 332_500_000, 524288,
+                                                   True, **kw)[0].depth
+    assert (probe(), probe(generations=True)) == (64, 56)
+    cpu = autosize.probe_and_choose(gpu, 1, torch.device("cpu"), 8, 62 * 3600, 332_500_000, 524288, True,
+                                    generations=True)[0]
+    assert cpu.depth == 64 and cpu.generations  # a CPU holds any teacher
 
 
 def test_the_probe_stops_at_the_first_regularized_depth_under_the_floor(monkeypatch):

@@ -273,12 +273,14 @@ def test_bad_generation_settings_exit_2_before_any_step(tmp_path, corpus, flag, 
     assert not (tmp_path / "checkpoints").exists()
 
 
-def _fake_generation(top: Path, k: int, step: int, val_loss: float, used: float) -> dict:
+def _fake_generation(top: Path, k: int, step: int, val_loss: float, used: float, depth: int = 2,
+                     chain: bool = False) -> dict:
     """gen<k>/ with a best.json and the meta of its best step: what begin() and the winner read."""
     d = top / f"gen{k}"
     d.mkdir(parents=True, exist_ok=True)
     (d / "best.json").write_text(json.dumps({"step": step, "val_loss": val_loss, "weights": "raw"}))
-    ckpt.meta_path(d, step).write_text(json.dumps({"step": step, "gen": k}))
+    ckpt.meta_path(d, step).write_text(json.dumps({"step": step, "gen": k, "model_config": {"depth": depth},
+                                                   "auto": {"chain": chain}}))
     (d / "best.pt").write_bytes(b"gen%d" % k)
     return {"index": k, "dir": f"gen{k}", "seed": 1337 + k - 1, "budget_seconds": 0.0, "teachers": [],
             "outcome": "finished", "used_seconds": used, "best": json.loads((d / "best.json").read_text())}
@@ -417,6 +419,55 @@ def test_auto_begins_a_generation_after_one_that_stopped_at_its_val_minimum_with
     shutil.rmtree(top)
     assert generations.run_all(cfg, d, tmp_path, top, RunLog(None), time.time(), run_one) == 0
     assert [k for k, *_ in calls] == [1]
+
+
+@pytest.mark.parametrize("generations,depth,teacher,chained,later", [
+    ("auto", "auto", "previous", True, 6), ("auto", "auto", "previous", False, "auto"),
+    ("auto", "auto", "ensemble", True, "auto"), ("auto", 4, "previous", False, 4), (3, "auto", "previous", True, "auto")])
+def test_under_generations_and_depth_auto_later_generations_take_the_first_ones_depth(tmp_path, generations, depth,
+                                                                                      teacher, chained, later):
+    """GENERATIONS=auto with DEPTH=auto and TEACHER=previous: generation 1 is sized for the chain
+    (DEPTH=auto, GENERATION_PASSES; its meta says "chain"), each later one trains at its depth, recorded
+    when it begins (a resume keeps it) and shown by the pre-flight. A first generation not sized for
+    the chain (a run begun before the rule, or where no depth made the passes), TEACHER=ensemble, an
+    explicit DEPTH and GENERATIONS=N (equal shares) leave each later generation sized for its own."""
+    from experiment import generations as gens
+    from experiment.config import TrainConfig
+    from experiment.distributed import Dist
+    top, depths, lines = tmp_path / "run", [], []
+
+    def run_one(cfg, d, workspace, gen_dir, log, launched, teachers):
+        depths.append(cfg.depth)
+        if gen_dir.name != "gen1":
+            return 0, "stopped: a signal", 0.0  # generation 2 begun, not done: a relaunch resumes it
+        _fake_generation(top, 1, 10, 1.5, 330.0, depth=6 if cfg.depth == "auto" else cfg.depth, chain=chained)
+        return 0, "finished: the val loss stopped improving", 330.0
+
+    cfg = TrainConfig(generations=generations, depth=depth, teacher=teacher, training_hours=600 / 3600,
+                      model_tag="run")
+    launch = lambda: gens.run_all(cfg, Dist(0, 0, 1, torch.device("cpu")), tmp_path, top, lines.append, time.time(),
+                                  run_one)
+    assert launch() == 0 and depths == [depth, later]
+    assert gens.read_record(top)["generations"][1].get("depth") == (6 if later == 6 else None)
+    gen_cfg, gen_dir, line = gens.pending(cfg, top)
+    assert gen_dir == top / "gen2" and gen_cfg.depth == later and "generation 2" in line
+    assert launch() == 0 and depths == [depth, later, later]  # the resume keeps it
+    assert any(f"generation 2 {gens.of(cfg)} | d6, the first's |" in x for x in lines) == (later == 6), lines
+    # only the first generation of the chain is sized for it (the trainer and the pre-flight ask this)
+    first = gens.generation_config(cfg, gens.read_record(top)["generations"][0])
+    assert gens.sizes_chain(first) == (generations == "auto" and teacher == "previous" and depth == "auto")
+    assert not gens.sizes_chain(gen_cfg)
+    if later == 6:  # gen3 takes gen2's recorded depth; a first generation whose best meta is broken is said
+        meta = ckpt.meta_path(top / "gen1", 10)
+        meta.write_text(json.dumps({"step": 10, "auto": {"chain": True}}))
+        gen2 = {**gens.read_record(top)["generations"][1], "outcome": "finished"}
+        assert gens.chain_depth(top, [gens.read_record(top)["generations"][0], gen2], cfg) == {"depth": 6}
+        with pytest.raises(CheckpointError, match="meta_000010.json: no model depth"):
+            gens.chain_depth(top, gens.read_record(top)["generations"][:1], cfg)
+        meta.unlink()
+        with pytest.raises(CheckpointError, match="meta_000010.json: cannot read"):
+            gens.chain_depth(top, gens.read_record(top)["generations"][:1], cfg)
+        assert gens.chain_depth(top, [{**gens.read_record(top)["generations"][0], "best": None}], cfg) == {}
 
 
 def test_a_finished_generation_keeps_its_best_weights_and_a_relaunch_finishes_a_cut_short_shrink(tmp_path):
