@@ -127,7 +127,7 @@ class Candidate:
     floor: float = MIN_TOKENS_PER_PARAM  # tokens/param a depth that completes them needs (data_floor)
     regularized: bool = False  # the regime may regularize it and lift the cap: the refitted data branch
     needs: float | None = None  # the passes the data branch needs of the budget: reg_passes, else the cap
-    generations: bool = False  # sized for GENERATIONS=auto's first generation: regularized, passes_needed
+    generations: bool = False  # regularized, sized for GENERATIONS=auto's first generation (choose_chain)
 
     def __post_init__(self):
         if self.needs is None:
@@ -267,13 +267,11 @@ def reg_passes(train_tokens: int, tokens_per_step: int) -> float:
 
 
 def candidate(config: GPTConfig, tok_per_s: float, budget_s: float, train_tokens: int,
-              tokens_per_step: int, regularized: bool = False, generations: bool = False) -> Candidate:
-    """`generations`: sized for GENERATIONS=auto's first generation (only where `regularized`)."""
+              tokens_per_step: int, regularized: bool = False) -> Candidate:
     cap = pass_cap(train_tokens, tokens_per_step)
     c = Candidate(config.depth, config.n_embd, rule_params(config), tok_per_s, 0.0, 0.0,
                   cap=cap, floor=REG_FLOOR if regularized else data_floor(train_tokens), regularized=regularized,
-                  needs=reg_passes(train_tokens, tokens_per_step) if regularized else None,
-                  generations=generations and regularized)
+                  needs=reg_passes(train_tokens, tokens_per_step) if regularized else None)
     return at_rate(c, tok_per_s, budget_s, train_tokens)
 
 

@@ -140,8 +140,12 @@ def share(record: dict, k: int, cfg: TrainConfig, budget: float) -> float | None
 def sizes_chain(cfg: TrainConfig) -> bool:
     """DEPTH=auto sizes this generation for the chain (autosize.GENERATION_PASSES): the first generation
     of GENERATIONS=auto with TEACHER=previous, the chains measured (generation_config names it gen1)."""
-    return (cfg.generations == "auto" and cfg.teacher == "previous" and cfg.depth == "auto"
-            and cfg.model_tag.rsplit("/", 1)[-1] == "gen1")
+    return chained(cfg) and cfg.model_tag.rsplit("/", 1)[-1] == "gen1"
+
+
+def chained(cfg: TrainConfig) -> bool:
+    """The run's generations are a chain DEPTH=auto sizes: GENERATIONS=auto, TEACHER=previous, DEPTH=auto."""
+    return cfg.generations == "auto" and cfg.teacher == "previous" and cfg.depth == "auto"
 
 
 def chain_depth(top: Path, done: list[dict], cfg: TrainConfig) -> dict:
@@ -149,7 +153,7 @@ def chain_depth(top: Path, done: list[dict], cfg: TrainConfig) -> dict:
     the chains measured were of one depth, and a depth re-sized for what the first left would be
     another, unmeasured, chain. A first generation sized otherwise (a run begun before the rule)
     leaves each later one sized for its own share, as before."""
-    if cfg.generations != "auto" or cfg.teacher != "previous" or cfg.depth != "auto" or not done:
+    if not chained(cfg) or not done:
         return {}
     if "depth" in done[-1]:  # the generation before took it already
         return {"depth": done[-1]["depth"]}
@@ -158,11 +162,11 @@ def chain_depth(top: Path, done: list[dict], cfg: TrainConfig) -> dict:
         return {}
     meta = ckpt.read_meta(top / first["dir"], int(first["best"]["step"]))
     try:
-        chained, depth = bool((meta.get("auto") or {}).get("chain")), int(meta["model_config"]["depth"])
+        sized, depth = bool((meta.get("auto") or {}).get("chain")), int(meta["model_config"]["depth"])
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{ckpt.meta_path(top / first['dir'], int(first['best']['step']))}: no model depth "
                               f"({e!r}); restore it, or start the run afresh (another MODEL_TAG)") from e
-    return {"depth": depth} if chained else {}
+    return {"depth": depth} if sized else {}
 
 
 def teachers_for(top: Path, done: list[dict], how: str) -> list[dict]:

@@ -309,7 +309,8 @@ def test_the_trainers_depth_probe_gets_the_generations_teacher(monkeypatch):
     auto, _ = train.choose_depth(cfg, d, None, prepared, None, None, [], lines.append, None)
     assert auto["chain"] is False
     cpu = GPTConfig(vocab_size=100, depth=2, aspect_ratio=32, head_dim=64, max_seq_len=256, bigram_vocab=100)
-    chain = autosize.candidate(cpu, 16 * 10_000, 1.0, 10_000, 1, True, True)  # 16 passes of a regularized budget
+    # 16 passes of a regularized budget, sized for the chain
+    chain = dataclasses.replace(autosize.candidate(cpu, 16 * 10_000, 1.0, 10_000, 1, True), generations=True)
     assert autosize.sized_for_chain(chain) and not autosize.sized_for_chain(cand)
     monkeypatch.setattr(autosize, "probe_and_choose", lambda *a: (chain, [chain]))
     cfg.depth, cfg.generations, cfg.teacher, cfg.model_tag = "auto", "auto", "previous", "run/gen1"
@@ -660,7 +661,8 @@ def test_generations_auto_sizes_the_first_generation_for_sixteen_passes_on_the_m
         # a depth that would not hold its teacher is no chain's
         assert choose_chain(cands(True), holds=lambda c: c.depth < chain).depth < chain
     # the boundary: exactly 16 passes taken, fewer not; the steps' passes still bind where they are more
-    reg = lambda budget_epochs, train=10_000: candidate(cpu(2), budget_epochs * train, 1.0, train, 1, True, True)
+    reg = lambda budget_epochs, train=10_000: dataclasses.replace(
+        candidate(cpu(2), budget_epochs * train, 1.0, train, 1, True), generations=True)
     assert autosize.completes(reg(16.0)) and not autosize.completes(reg(15.99))
     assert reg(60.0, train=19_001 * 4096).passes_needed == 16 and reg(60.0, train=10).passes_needed == 25.0
     # where no depth makes 16 passes, the depth one model would get: the regularized rule's
