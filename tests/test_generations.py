@@ -457,11 +457,18 @@ def test_under_generations_and_depth_auto_later_generations_take_the_first_ones_
     first = gens.generation_config(cfg, gens.read_record(top)["generations"][0])
     assert gens.sizes_chain(first) == (generations == "auto" and teacher == "previous" and depth == "auto")
     assert not gens.sizes_chain(gen_cfg)
+    built = lambda *parts: "".join(parts)  # settings from the environment are strings built at run time
+    assert gens.chained(TrainConfig(generations=built("au", "to"), depth=built("au", "to"), teacher=built("pre", "vious")))
     if later == 6:  # gen3 takes gen2's recorded depth; a first generation whose best meta is broken is said
-        meta = ckpt.meta_path(top / "gen1", 10)
-        meta.write_text(json.dumps({"step": 10, "auto": {"chain": True}}))
         gen2 = {**gens.read_record(top)["generations"][1], "outcome": "finished"}
         assert gens.chain_depth(top, [gens.read_record(top)["generations"][0], gen2], cfg) == {"depth": 6}
+        # the latest generation's recorded depth, not the second's; one with none recorded asks the first's meta
+        assert gens.chain_depth(top, [gens.read_record(top)["generations"][0], gen2, {**gen2, "depth": 8}],
+                                cfg) == {"depth": 8}
+        unrecorded = {k: v for k, v in gen2.items() if k != "depth"} | {"best": None}
+        assert gens.chain_depth(top, [gens.read_record(top)["generations"][0], unrecorded], cfg) == {"depth": 6}
+        meta = ckpt.meta_path(top / "gen1", 10)
+        meta.write_text(json.dumps({"step": 10, "auto": {"chain": True}}))
         with pytest.raises(CheckpointError, match="meta_000010.json: no model depth"):
             gens.chain_depth(top, gens.read_record(top)["generations"][:1], cfg)
         meta.unlink()
