@@ -682,6 +682,11 @@ def test_generations_auto_sizes_only_depths_that_fit_beside_a_teacher_of_their_o
     gpu = lambda d: GPTConfig(vocab_size=256, depth=d, aspect_ratio=64, head_dim=128, max_seq_len=2048)
     gib80, holds = 80 * 2**30, lambda d: autosize.holds_own_teacher(gpu(d), 8, 80 * 2**30)
     assert holds(56) and not holds(64)  # docs/memory.md: d64 and a d64 teacher do not fit 8 x 80 GB
+    # one sequence per GPU beside the teacher: the bytes the cheapest mode needs for it hold it, a byte less does not
+    from experiment import memory
+    floor = min(memory.plan_memory(gpu(56), 8, 1, 2048, p, c, teacher_params=autosize.count_params(gpu(56))).total
+                for p, c in memory.MODES)
+    assert autosize.holds_own_teacher(gpu(56), 8, floor) and not autosize.holds_own_teacher(gpu(56), 8, floor - 1)
     args = (gpu, 989e12, 8, gib80, 62 * 3600, 332_500_000, 350.0, H100, 524288, True)
     one, cands = autosize.predict_and_choose(*args)
     first, same = autosize.predict_and_choose(*args, generations=True)

@@ -121,6 +121,14 @@ def test_the_plan_the_preflight_and_the_trainer_size_a_chain_alike():
     assert guards.auto_depth(dataclasses.replace(cfg, model_tag="t/gen2"), make, gpu, 8, p["train_tokens"], True) == 56
 
 
+def test_where_one_model_already_makes_the_chains_passes_the_plan_names_no_other_depth():
+    """Where DEPTH=auto's one model already makes autosize.GENERATION_PASSES, the chain's first
+    generation is that model: the plan sizes it once and says no one-model depth beside it."""
+    p = plan(PlanConfig(tokens=10_000_000, gpus="1xH100-PCIe", training_hours=1))
+    assert p["regime"]["regularized"] and p["regime"]["budget_passes"] >= autosize.GENERATION_PASSES
+    assert "one_model" not in p and p["depth"] == 20 and "GENERATIONS=auto" in p["launch"]
+
+
 @pytest.mark.slow
 def test_regularizers_as_the_environment_gives_it_and_a_budget_limited_pick_keeps_the_cap_in_its_rule():
     """REGULARIZERS read from the environment is a string built at run time, not the literal: it sizes
