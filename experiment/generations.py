@@ -169,6 +169,12 @@ def chain_depth(top: Path, done: list[dict], cfg: TrainConfig) -> dict:
     return {"depth": depth} if sized else {}
 
 
+def head(top: Path, done: list[dict], k: int, cfg: TrainConfig, seconds: float) -> dict:
+    """What generation k's record begins with (the pre-flight shows it before `begin` writes it)."""
+    return {"index": k, "dir": f"gen{k}", "seed": cfg.seed + k - 1, "budget_seconds": seconds,
+            **chain_depth(top, done, cfg), **student(cfg, k)}
+
+
 def teachers_for(top: Path, done: list[dict], how: str) -> list[dict]:
     """The generation record's teachers: the best step of the generation before (previous) or of
     every one before (ensemble), each with the digest of its meta."""
@@ -206,8 +212,7 @@ def begin(top: Path, record: dict, k: int, cfg: TrainConfig, budget: float, worl
     if seconds is None:
         return None
     how = teacher_kind(cfg, k)
-    g = {"index": k, "dir": f"gen{k}", "seed": cfg.seed + k - 1, "budget_seconds": seconds,
-         **chain_depth(top, done, cfg), **student(cfg, k), "teacher": how, "teachers": teachers_for(top, done, how) if done else [],
+    g = {**head(top, done, k, cfg, seconds), "teacher": how, "teachers": teachers_for(top, done, how) if done else [],
          "distill": [cfg.distill_weight, cfg.distill_temperature] if done else None,
          "began": time.time(), "outcome": None, "used_seconds": None, "best": None}
     record["generations"].append(g)
@@ -256,8 +261,7 @@ def pending(cfg: TrainConfig, top: Path, world_size: int | None = None) -> tuple
         seconds = share(record, k, cfg, cfg.training_hours * 3600)
         if seconds is None:
             return None, None, f"preflight | no budget left for generation {k} {of(cfg)} in {top}"
-        g, how = {"index": k, "dir": f"gen{k}", "seed": cfg.seed + k - 1, "budget_seconds": seconds, "distill": None,
-                  **chain_depth(top, done, cfg), **student(cfg, k)}, "starts"
+        g, how = {**head(top, done, k, cfg, seconds), "distill": None}, "starts"
     line = (f"preflight | generation {k} {of(cfg)}{' (the student, d%d)' % g['depth'] if g.get('student') else ''} "
             f"{how} in {top / g['dir']}: seed {g['seed']}, "
             f"{g['budget_seconds']:.0f}s of the budget" + (f", {len(done)} done" if done else ""))
