@@ -435,6 +435,10 @@ def _read_export(path: Path) -> dict:
     """An export's contents, its tensors memory-mapped."""
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
+    with path.open("rb") as f:  # torch.save writes a zip; anything else (a run's .json, a text file) is not a model
+        if f.read(4) != b"PK\x03\x04":
+            raise CheckpointError(f"{path}: not a model file: expected model_<step>.pt, model_<step>_rank<r>.pt, "
+                                  "an export (python -m experiment.export) or a run directory")
     try:
         obj = load_tensors(path)
     except Exception as e:  # a damaged zip, or not torch's format at all

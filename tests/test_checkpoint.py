@@ -427,6 +427,16 @@ def test_an_export_is_one_bf16_file_that_serves_the_same_model(saved_run, tmp_pa
     assert export.main(["--checkpoint", str(tmp_path / "nowhere")]) == 2
 
 
+def test_a_file_that_is_no_model_is_named_as_such_not_as_torchs_load_error(tmp_path):
+    """A run directory holds more than models: `serve --checkpoint RUN/gen*` picks up its
+    generations.json. That file is named as no model file, before torch tries to read it."""
+    other = tmp_path / "generations.json"
+    other.write_text('{"generations": []}')
+    for read in (ckpt.load_model, ckpt.model_meta):
+        with pytest.raises(ckpt.CheckpointError, match=r"generations\.json: not a model file: expected model_<step>\.pt"):
+            read(other)
+
+
 def test_a_write_the_disk_refuses_is_an_os_error_and_leaves_the_previous_file(tmp_path, monkeypatch):
     """The full disk's path without root (the real tmpfs tests need it; tests/README.md): the file
     accepts 64 kB, then refuses with ENOSPC as a full volume does. torch.save's zip writer reports
