@@ -435,17 +435,22 @@ def _read_export(path: Path) -> dict:
     """An export's contents, its tensors memory-mapped."""
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
-    with path.open("rb") as f:  # torch.save writes a zip; anything else (a run's .json, a text file) is not a model
-        if f.read(4) != b"PK\x03\x04":
-            raise CheckpointError(f"{path}: not a model file: expected model_<step>.pt, model_<step>_rank<r>.pt, "
-                                  "an export (python -m experiment.export) or a run directory")
+    expected = ("expected model_<step>.pt, model_<step>_rank<r>.pt, an export (python -m experiment.export), "
+                "or a run, sweep or generations directory")
     try:
+        with path.open("rb") as f:
+            head = f.read(4)
+        if len(head) < 4:  # what an interrupted copy leaves; the trainer's own writes are atomic
+            raise CheckpointError(f"{path}: cannot read it (empty or truncated: {len(head)} bytes)")
+        if head != b"PK\x03\x04":  # torch.save writes a zip; a run's .json or a text file is no model
+            raise CheckpointError(f"{path}: not a model file: {expected}")
         obj = load_tensors(path)
-    except Exception as e:  # a damaged zip, or not torch's format at all
+    except CheckpointError:
+        raise
+    except Exception as e:  # unreadable, a damaged zip
         raise CheckpointError(f"{path}: cannot read it ({e})") from e
     if not isinstance(obj, dict) or obj.get("format") != EXPORT_FORMAT:
-        raise CheckpointError(f"{path}: expected model_<step>.pt, model_<step>_rank<r>.pt or an export "
-                              "(python -m experiment.export)")
+        raise CheckpointError(f"{path}: {expected}")
     return obj
 
 

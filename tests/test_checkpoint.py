@@ -435,6 +435,26 @@ def test_a_file_that_is_no_model_is_named_as_such_not_as_torchs_load_error(tmp_p
     for read in (ckpt.load_model, ckpt.model_meta):
         with pytest.raises(ckpt.CheckpointError, match=r"generations\.json: not a model file: expected model_<step>\.pt"):
             read(other)
+    cut = tmp_path / "model.pt"  # an interrupted download: too short to say what it was
+    cut.write_bytes(b"PK")
+    with pytest.raises(ckpt.CheckpointError, match=r"model\.pt: cannot read it \(empty or truncated: 2 bytes\)"):
+        ckpt.load_model(cut)
+
+
+def test_a_file_it_may_not_open_is_a_checkpoint_error_not_a_traceback(tmp_path, monkeypatch):
+    """sample, bench and the ensemble tools catch CheckpointError: a file the user may not read
+    (root ignores mode bits, so the refusal is simulated) is one line naming it."""
+    from pathlib import Path
+
+    locked = tmp_path / "model.pt"
+    locked.write_bytes(b"PK\x03\x04")
+
+    def refuse(self, *a, **k):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "open", refuse)
+    with pytest.raises(ckpt.CheckpointError, match=r"model\.pt: cannot read it \(\[Errno 13\] Permission denied"):
+        ckpt.load_model(locked)
 
 
 def test_a_write_the_disk_refuses_is_an_os_error_and_leaves_the_previous_file(tmp_path, monkeypatch):
