@@ -440,15 +440,14 @@ def _read_export(path: Path) -> dict:
     try:
         with path.open("rb") as f:
             head = f.read(4)
-        if len(head) < 4:  # what an interrupted copy leaves; the trainer's own writes are atomic
-            raise CheckpointError(f"{path}: cannot read it (empty or truncated: {len(head)} bytes)")
-        if head != b"PK\x03\x04":  # torch.save writes a zip; a run's .json or a text file is no model
-            raise CheckpointError(f"{path}: not a model file: {expected}")
-        obj = load_tensors(path)
-    except CheckpointError:
-        raise
+        # torch.save writes a zip: a run's .json or a text file is no model, and torch's error would not say so
+        obj = load_tensors(path) if head == b"PK\x03\x04" else None
     except Exception as e:  # unreadable, a damaged zip
         raise CheckpointError(f"{path}: cannot read it ({e})") from e
+    if len(head) < 4:  # what an interrupted copy leaves; the trainer's own writes are atomic
+        raise CheckpointError(f"{path}: cannot read it (empty or truncated: {len(head)} bytes)")
+    if obj is None:
+        raise CheckpointError(f"{path}: not a model file: {expected}")
     if not isinstance(obj, dict) or obj.get("format") != EXPORT_FORMAT:
         raise CheckpointError(f"{path}: {expected}")
     return obj
