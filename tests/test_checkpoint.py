@@ -436,8 +436,8 @@ def test_a_file_that_is_no_model_is_named_as_such_not_as_torchs_load_error(tmp_p
         with pytest.raises(ckpt.CheckpointError, match=r"generations\.json: not a model file: expected model_<step>\.pt"):
             read(other)
     cut = tmp_path / "model.pt"  # an interrupted download: too short to say what it was
-    cut.write_bytes(b"PK")
-    with pytest.raises(ckpt.CheckpointError, match=r"model\.pt: cannot read it \(empty or truncated: 2 bytes\)"):
+    cut.write_bytes(b"PK\x03")  # a byte short of the zip's 4-byte signature
+    with pytest.raises(ckpt.CheckpointError, match=r"model\.pt: cannot read it \(empty or truncated: 3 bytes\)"):
         ckpt.load_model(cut)
 
 
