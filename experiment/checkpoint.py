@@ -441,12 +441,13 @@ def _read_export(path: Path) -> dict:
         with path.open("rb") as f:
             head = f.read(4)
         # torch.save writes a zip: a run's .json or a text file is no model, and torch's error would not say so
-        obj = load_tensors(path) if head == b"PK\x03\x04" else None
+        zipped = head == b"PK\x03\x04"
+        obj = load_tensors(path) if zipped else None
     except Exception as e:  # unreadable, a damaged zip
         raise CheckpointError(f"{path}: cannot read it ({e})") from e
     if len(head) < 4:  # what an interrupted copy leaves; the trainer's own writes are atomic
         raise CheckpointError(f"{path}: cannot read it (empty or truncated: {len(head)} bytes)")
-    if obj is None:
+    if not zipped:
         raise CheckpointError(f"{path}: not a model file: {expected}")
     if not isinstance(obj, dict) or obj.get("format") != EXPORT_FORMAT:
         raise CheckpointError(f"{path}: {expected}")

@@ -435,6 +435,16 @@ def test_a_file_that_is_no_model_is_named_as_such_not_as_torchs_load_error(tmp_p
     for read in (ckpt.load_model, ckpt.model_meta):
         with pytest.raises(ckpt.CheckpointError, match=r"generations\.json: not a model file: expected model_<step>\.pt"):
             read(other)
+    four = tmp_path / "four.pt"  # four bytes, not the zip's signature: no model, not a short one
+    four.write_bytes(b"abcd")
+    with pytest.raises(ckpt.CheckpointError, match=r"four\.pt: not a model file"):
+        ckpt.load_model(four)
+    for name, obj in (("none.pt", None), ("dict.pt", {"a": 1})):  # torch's zips, but no export
+        torch.save(obj, tmp_path / name)
+        with pytest.raises(ckpt.CheckpointError, match=rf"{name[:-3]}\.pt: expected model_<step>\.pt"):
+            ckpt.load_model(tmp_path / name)
+    with pytest.raises(ckpt.CheckpointError, match=r"missing\.pt: no such file"):
+        ckpt.model_meta(tmp_path / "missing.pt")
     cut = tmp_path / "model.pt"  # an interrupted download: too short to say what it was
     cut.write_bytes(b"PK\x03")  # a byte short of the zip's 4-byte signature
     with pytest.raises(ckpt.CheckpointError, match=r"model\.pt: cannot read it \(empty or truncated: 3 bytes\)"):
