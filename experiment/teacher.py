@@ -18,10 +18,17 @@ import torch
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError
 from experiment.dataloader import Prepared
-from experiment.distributed import autocast_for
 from experiment.model import GPT
 
 TOKENIZER_KEYS = ("tokenizer", "encoding", "chars", "bos_id", "vocab_size")
+
+
+def native_cpu_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX). There a teacher's forward in
+    bf16 took about half the time of fp32's (docs/performance.md, "A cheaper teacher"); elsewhere
+    oneDNN emulates bf16, so the teacher stays fp32."""
+    checks = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
+    return any(check is not None and check() for check in checks)
 
 
 def meta_digest(model_file: Path) -> str:
@@ -40,10 +47,13 @@ def meta_digest(model_file: Path) -> str:
 class Teacher:
     """Frozen models in eval mode (no dropout); probs() is the mean of their probabilities at the
     temperature (of probabilities, not logits: an ensemble of probabilities measured better in
-    NanoGPT Slowrun's unlimited track, and one member is the same either way)."""
+    NanoGPT Slowrun's unlimited track, and one member is the same either way). Their forward runs in
+    bf16 autocast on CUDA (as the student's does) and on a CPU with native bf16 (`cpu_bf16`, None:
+    native_cpu_bf16()), where the student stays fp32: a target needs less precision than a gradient."""
 
-    def __init__(self, models: list[GPT], temperature: float):
+    def __init__(self, models: list[GPT], temperature: float, cpu_bf16: bool | None = None):
         self.models, self.temperature = models, temperature
+        self.cpu_bf16 = native_cpu_bf16() if cpu_bf16 is None else cpu_bf16
         for m in models:
             m.eval().requires_grad_(False)
         self.run = list(models)  # what probs() calls: the models, or their compiled wrappers
@@ -80,17 +90,20 @@ class Teacher:
         teacher = cls.load(members, prepared, device, cfg.distill_temperature, cfg.max_seq_len)
         log(f"teacher | {' + '.join(m['file'] for m in members)} | {teacher.num_params():,} params, frozen | "
             f"loss (1 - {cfg.distill_weight:g}) x labels + {cfg.distill_weight:g} x T^2 x KL(teacher || model), "
-            f"T {cfg.distill_temperature:g}")
+            f"T {cfg.distill_temperature:g} | forward in {teacher.precision(device)}")
         return teacher
 
     def compile(self) -> None:
         self.run = [torch.compile(m, dynamic=False) for m in self.models]
 
+    def precision(self, device: torch.device) -> str:
+        return "bf16" if device.type == "cuda" or self.cpu_bf16 else "fp32"
+
     @torch.no_grad()
     def probs(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, V) fp32: the members' mean probability of each next token given x."""
         total = None
-        with autocast_for(x.device):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.precision(x.device) == "bf16"):
             for run in self.run:
                 p = torch.softmax(run(x) / self.temperature, dim=-1)
                 total = p if total is None else total + p

@@ -21,7 +21,7 @@ from conftest import ENV, REPO, TINY, run_train, tiny_config, train_cmd
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError
 from experiment.model import GPT, distillation_loss
-from experiment.teacher import Teacher
+from experiment.teacher import Teacher, native_cpu_bf16
 
 # Step-bounded: the schedule follows the steps (a budget of hours is never near), evals and saves at
 # fixed steps, no stop at the val minimum: every launch of the same settings trains the same weights.
@@ -69,10 +69,14 @@ def test_the_teacher_is_frozen_and_gives_the_mean_of_its_members_probabilities()
     for p in b.parameters():
         p.data.add_(0.1 * torch.randn_like(p))
     a.set_dropout(0.5, 0.5)  # what it trained with; a teacher never drops
-    teacher = Teacher([a, b], temperature=2.0)
+    teacher = Teacher([a, b], temperature=2.0, cpu_bf16=False)
     x = torch.randint(0, config.vocab_size, (3, 9))
     want = (torch.softmax(a(x) / 2, -1) + torch.softmax(b(x) / 2, -1)) / 2
     assert torch.allclose(teacher.probs(x), want, atol=1e-6)
+    # On a CPU with native bf16 the forward runs in bf16: other numbers, the same distribution
+    fast = Teacher([a, b], temperature=2.0, cpu_bf16=True).probs(x)
+    assert fast.dtype == torch.float32 and not torch.equal(fast, want)
+    assert torch.allclose(fast, want, atol=0.02) and torch.allclose(fast.sum(-1), torch.ones(3, 9), atol=1e-5)
     assert torch.equal(teacher.probs(x), teacher.probs(x))  # eval mode: no dropout
     assert not any(p.requires_grad for m in (a, b) for p in m.parameters()) and not a.training
     assert teacher.num_params() == a.num_params() + b.num_params()
@@ -125,7 +129,9 @@ def test_two_generations_share_the_budget_distill_the_second_from_the_first_and_
     assert first["teachers"] == [] and [t["generation"] for t in second["teachers"]] == [1]
     assert second["teachers"][0]["file"] == f"gen1/model_{first['best']['step']:06d}.pt"
     assert all(g["outcome"].startswith("finished") for g in (first, second)), record
+    precision = "bf16" if native_cpu_bf16() else "fp32"  # a CPU with native bf16 runs the teacher in it
     assert "teacher | " in (_gen(ws, 2) / "training.log").read_text()
+    assert f"| forward in {precision}" in (_gen(ws, 2) / "training.log").read_text()
     assert "teacher | " not in (_gen(ws, 1) / "training.log").read_text()
     top_log = (top / "training.log").read_text()  # one tail -f follows every generation
     assert "teacher | " in top_log and top_log.count("done: step") == 2
@@ -565,7 +571,7 @@ def test_a_stop_signal_in_a_generations_final_eval_ends_the_launch_there(tmp_pat
 @pytest.mark.slow
 def test_the_setup_of_a_generation_after_another_in_one_launch_counts_in_its_budget(tmp_path, corpus, monkeypatch):
     from experiment import train
-    from experiment.teacher import Teacher
+    from experiment.teacher import Teacher, native_cpu_bf16
     load = Teacher.load.__func__
 
     def slow_load(cls, *a, **kw):
