@@ -18,17 +18,21 @@ import torch
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError
 from experiment.dataloader import Prepared
+from experiment.distributed import autocast_for
 from experiment.model import GPT
 
 TOKENIZER_KEYS = ("tokenizer", "encoding", "chars", "bos_id", "vocab_size")
 
 
 def native_cpu_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX). There a teacher's forward in
-    bf16 took about half the time of fp32's (docs/performance.md, "A cheaper teacher"); elsewhere
-    oneDNN emulates bf16, so the teacher stays fp32."""
-    checks = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
-    return any(check is not None and check() for check in checks)
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16). There a teacher's forward
+    in bf16 took about half the time of fp32's (docs/performance.md, "A cheaper teacher"); elsewhere
+    (no such unit, another architecture, a torch without the query) the teacher stays fp32."""
+    try:
+        caps = torch.cpu.get_capabilities()
+    except Exception:  # the query is missing or fails: fp32 is always right, only slower
+        return False
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
 
 def meta_digest(model_file: Path) -> str:
@@ -48,8 +52,9 @@ class Teacher:
     """Frozen models in eval mode (no dropout); probs() is the mean of their probabilities at the
     temperature (of probabilities, not logits: an ensemble of probabilities measured better in
     NanoGPT Slowrun's unlimited track, and one member is the same either way). Their forward runs in
-    bf16 autocast on CUDA (as the student's does) and on a CPU with native bf16 (`cpu_bf16`, None:
-    native_cpu_bf16()), where the student stays fp32: a target needs less precision than a gradient."""
+    the trainer's precision on CUDA (bf16 autocast) and in bf16 autocast on a CPU with native bf16
+    (`cpu_bf16`; None asks native_cpu_bf16()), where the student stays fp32: a target needs less
+    precision than a gradient. Weights, logits and probabilities stay fp32 on CPU."""
 
     def __init__(self, models: list[GPT], temperature: float, cpu_bf16: bool | None = None):
         self.models, self.temperature = models, temperature
@@ -97,13 +102,19 @@ class Teacher:
         self.run = [torch.compile(m, dynamic=False) for m in self.models]
 
     def precision(self, device: torch.device) -> str:
-        return "bf16" if device.type == "cuda" or self.cpu_bf16 else "fp32"
+        """What the forward computes in on `device`: the log line's word."""
+        return "bf16" if device.type == "cuda" or (device.type == "cpu" and self.cpu_bf16) else "fp32"
+
+    def autocast(self, device: torch.device):
+        if device.type == "cpu":
+            return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cpu_bf16)
+        return autocast_for(device)
 
     @torch.no_grad()
     def probs(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, V) fp32: the members' mean probability of each next token given x."""
         total = None
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.precision(x.device) == "bf16"):
+        with self.autocast(x.device):
             for run in self.run:
                 p = torch.softmax(run(x) / self.temperature, dim=-1)
                 total = p if total is None else total + p

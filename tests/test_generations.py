@@ -80,6 +80,21 @@ def test_the_teacher_is_frozen_and_gives_the_mean_of_its_members_probabilities()
     assert torch.equal(teacher.probs(x), teacher.probs(x))  # eval mode: no dropout
     assert not any(p.requires_grad for m in (a, b) for p in m.parameters()) and not a.training
     assert teacher.num_params() == a.num_params() + b.num_params()
+    assert [Teacher([a], 1.0, cpu_bf16=bf16).precision(torch.device(kind)) for kind, bf16 in
+            (("cpu", False), ("cpu", True), ("cuda", False), ("meta", True))] == ["fp32", "bf16", "bf16", "fp32"]
+
+
+@pytest.mark.parametrize("caps,native", [({"avx512_bf16": True, "amx_bf16": False}, True),
+                                         ({"avx512_bf16": False, "amx_bf16": True}, True),
+                                         ({"avx512_bf16": False, "amx_bf16": False, "amx_tile": True}, False),
+                                         ({"asimd": True}, False), (None, False)])
+def test_the_teacher_runs_in_bf16_only_on_a_cpu_that_multiplies_bf16_in_hardware(monkeypatch, caps, native):
+    def query():
+        if caps is None:
+            raise RuntimeError("no capability query here")
+        return caps
+    monkeypatch.setattr(torch.cpu, "get_capabilities", query)
+    assert native_cpu_bf16() is native and Teacher([], 1.0).cpu_bf16 is native
 
 
 @pytest.mark.slow
@@ -571,7 +586,7 @@ def test_a_stop_signal_in_a_generations_final_eval_ends_the_launch_there(tmp_pat
 @pytest.mark.slow
 def test_the_setup_of_a_generation_after_another_in_one_launch_counts_in_its_budget(tmp_path, corpus, monkeypatch):
     from experiment import train
-    from experiment.teacher import Teacher, native_cpu_bf16
+    from experiment.teacher import Teacher
     load = Teacher.load.__func__
 
     def slow_load(cls, *a, **kw):
