@@ -202,8 +202,9 @@ def flops_per_token(config: GPTConfig) -> float:
 def with_teacher(rate: float, config: GPTConfig, teacher_flops: float) -> float:
     """The tok/s of a step that also runs a generation's teacher forward (`teacher_flops` per token:
     experiment/teacher.py), from the step's own tok/s at the same FLOP rate. On CPU (d6 student and
-    teacher) the measured cost was 27% of the tok/s, this model's 25%
-    (reports/generations-3600-cpu-2026-11-29.md)."""
+    teacher in fp32) the measured cost was 27% of the tok/s, this model's 25%
+    (reports/generations-3600-cpu-2026-11-29.md). A teacher in bf16 on a CPU that multiplies bf16 in
+    hardware costs less than this prices it (docs/performance.md, "A cheaper teacher")."""
     if not teacher_flops:
         return rate
     step = flops_per_token(config)

@@ -13,6 +13,7 @@
     python -m experiment.tools.bench repeats --corpus FILE [--chars 300000 --seconds 240 --depths 2,4,6,8]
     python -m experiment.tools.bench save [--depth 6 --write_mbps 50 --rounds 3]
     python -m experiment.tools.bench reduce [--depth 4 --ranks 8]
+    python -m experiment.tools.bench teacher [--depths 2,4,6,8] [--checkpoint RUN/gen1/model_N.pt]
     python -m experiment.tools.bench grid --results R.jsonl --corpus A.txt B.txt [--chars ... --seconds ...]
 
 generate: tokens/s for N generated tokens with the KV cache and with the naive path (a full forward
@@ -74,7 +75,7 @@ from experiment.model import DTYPES, GPT, GPTConfig, build_model
 from experiment.optim import LRS, ShardedOptimizer
 from experiment.step import forward_backward, optimizer_step
 from experiment.tools import (ablate, codecorpus, ensemble, gpucheck, grid, loadtest, prepbench, reduceprec, repeats,
-                              savebench, stepprofile, versus)
+                              savebench, stepprofile, teacherbench, versus)
 from experiment.tools.probes import cpu_matmul_peak, probe_peak_memory
 
 
@@ -271,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     ablate.add_arguments(sub.add_parser("ablate", help="recipe variants side by side on corpora and budgets"))
     grid.add_arguments(sub.add_parser("grid", help="DEPTH=auto against a depth sweep on corpora x sizes x budgets"))
     ensemble.add_arguments(sub.add_parser("ensemble", help="full-val loss of checkpoints and of ensembles of the best k"))
+    teacherbench.add_arguments(sub.add_parser("teacher", help="a generation's teacher forward on CPU, fp32 against bf16"))
     return parser
 
 
@@ -335,7 +337,8 @@ def main(argv=None) -> int:
     commands = {"generate": cmd_generate, "plan": cmd_plan, "fitprobe": cmd_fitprobe, "throughput": cmd_throughput,
                 "speedrun": cmd_speedrun, "prepare": prepbench.main, "serve": loadtest.main, "versus": versus.main, "profile": stepprofile.main, "gpucheck": gpucheck.main,
                 "repeats": repeats.main, "save": savebench.main, "reduce": reduceprec.main,
-                "corpus": codecorpus.main, "ablate": ablate.main, "grid": grid.main, "ensemble": ensemble.main}
+                "corpus": codecorpus.main, "ablate": ablate.main, "grid": grid.main, "ensemble": ensemble.main,
+                "teacher": teacherbench.main}
     return commands[args.command](args)
 
 

@@ -1,4 +1,4 @@
-"""The bench commands run and print their numbers: generate, plan, throughput, speedrun, versus, save, reduce."""
+"""The bench commands run and print their numbers: generate, plan, throughput, speedrun, versus, save, reduce, teacher."""
 
 import json
 import re
@@ -277,3 +277,20 @@ def test_ensemble_loss_is_the_loss_of_the_mean_probability():
     a, b = torch.log(torch.tensor([0.5, 0.25])), torch.log(torch.tensor([0.1, 0.75]))
     assert ensemble_loss([a, b]) == pytest.approx(-(math.log(0.3) + math.log(0.5)) / 2)
     assert ensemble_loss([a, a]) == pytest.approx(-a.double().mean().item())
+
+
+def test_teacher_benchmark_times_both_precisions_and_says_which_the_trainer_takes(tmp_path):
+    from experiment.teacher import native_cpu_bf16
+    proc = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "teacher", "--depths", "2,4", "--batch", "2",
+                           "--seq", "32", "--repeats", "1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    head, *rows = proc.stdout.strip().splitlines()
+    assert f"in hardware: {native_cpu_bf16()}" in head
+    assert [r.split(" | ")[1] for r in rows] == ["fresh d2", "fresh d4"]
+    for row in rows:
+        fp32, bf16 = (float(re.search(rf"{k} ([\d.]+) ms", row).group(1)) for k in ("fp32", "bf16"))
+        kl = float(re.search(r"KL\(fp32 \|\| bf16\) ([-\d.e+]+)", row).group(1))
+        assert fp32 > 0 and bf16 > 0 and abs(kl) < 0.01  # bf16 moves the targets a little (fresh models: hardly)
+    bad = subprocess.run([sys.executable, "-m", "experiment.tools.bench", "teacher", "--depths", "3"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ")
