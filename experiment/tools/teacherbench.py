@@ -20,6 +20,7 @@ import time
 import torch
 
 from experiment import checkpoint as ckpt
+from experiment.config import CPU_DEFAULTS, CPU_DEVICE_BATCH
 from experiment.model import GPTConfig, build_model
 from experiment.teacher import Teacher, native_cpu_bf16
 
@@ -27,7 +28,7 @@ from experiment.teacher import Teacher, native_cpu_bf16
 def add_arguments(p) -> None:
     p.add_argument("--depths", default="2,4,6,8", help="fresh models of these depths (comma-separated)")
     p.add_argument("--checkpoint", default=None, help="a trained model file instead of fresh models")
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch", type=int, default=CPU_DEVICE_BATCH)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
 
@@ -59,13 +60,16 @@ def main(args) -> int:
     try:
         if args.batch < 1 or args.seq < 1 or args.repeats < 1:
             raise ValueError("--batch, --seq and --repeats are at least 1")
-        configs = [GPTConfig(vocab_size=65, depth=int(d), aspect_ratio=32, head_dim=64, max_seq_len=args.seq,
-                             bigram_vocab=65) for d in args.depths.split(",") if d.strip()]
+        configs = [GPTConfig(vocab_size=65, depth=int(d), aspect_ratio=CPU_DEFAULTS["aspect_ratio"],
+                             head_dim=CPU_DEFAULTS["head_dim"], max_seq_len=args.seq, bigram_vocab=65)
+                   for d in args.depths.split(",") if d.strip()]
     except ValueError as e:  # a depth that is no number, or no shape (odd depths: width 32 x depth, heads of 64)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"teacher | this CPU multiplies bf16 in hardware: {native_cpu_bf16()} (the trainer's teacher runs in "
-          f"{'bf16' if native_cpu_bf16() else 'fp32'}) | threads {torch.get_num_threads()} | torch {torch.__version__}")
+    native = native_cpu_bf16()
+    print(f"teacher | this CPU multiplies bf16 in hardware: {native} (the trainer's teacher runs in "
+          f"{Teacher([], 1.0, native).precision(torch.device('cpu'))}) | threads {torch.get_num_threads()} | "
+          f"torch {torch.__version__}")
     if args.checkpoint:
         try:
             model, _ = ckpt.load_model(args.checkpoint, torch.device("cpu"))
