@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ENV, REPO, TINY, run_train, tiny_config, train_cmd
+from conftest import ENV, REPO, TINY, kill_tree, run_train, tiny_config, train_cmd
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError
 from experiment.model import GPT, distillation_loss
@@ -207,11 +207,6 @@ def test_a_student_of_another_depth_learns_from_the_ensemble_and_is_the_model_se
     assert "| gen3 (the student, d1) (served) |" in (top / "report.md").read_text()
 
 
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
 @pytest.mark.slow
 def test_a_kill_9_in_the_second_generation_resumes_it_and_ends_as_the_uninterrupted_run(tmp_path, corpus):
     args = [*ARGS, "--data_dir", corpus, "--generations", 2, "--save_every_steps", 1]
@@ -240,6 +235,55 @@ def test_a_kill_9_in_the_second_generation_resumes_it_and_ends_as_the_uninterrup
         ref, got = _final(_gen(tmp_path / "ref", k)), _final(_gen(ws, k))
         assert all(torch.equal(ref[n], got[n]) for n in ref), f"gen{k}"
     assert (_gen(ws, 1) / "training.log").read_text().count("done: ") == 1
+
+
+@pytest.mark.slow
+def test_generations_on_two_ranks_keep_one_record_and_a_kill_9_in_the_second_resumes_as_the_uninterrupted_run(
+        tmp_path, corpus):
+    """The box's way: every generation on every rank (DDP over gloo here). Rank 0 alone writes the
+    record, the logs and best.json; a kill -9 of the workers and their agent in the second generation
+    resumes it, and both generations end with the weights of an uninterrupted two-rank run."""
+    args = [*ARGS, "--data_dir", corpus, "--generations", 2, "--save_every_steps", 1, "--total_batch_size", 256]
+    ref = run_train([*args, "--workspace", tmp_path / "ref"], nproc=2)
+    record = _record(tmp_path / "ref")
+    first, second = record["generations"]
+    assert record["world_size"] == 2 and all(g["outcome"].startswith("finished") for g in (first, second)), record
+    assert second["teachers"][0]["file"] == f"gen1/model_{first['best']['step']:06d}.pt"
+    top = tmp_path / "ref/checkpoints/d2"
+    log = (top / "training.log").read_text()
+    assert log.count("done: step") == 2 and log.count("teacher | ") == 1, log[-2000:]  # rank 0's lines alone
+    assert ref.stdout.count("teacher | ") == 1 and "generation 1 of 2" in ref.stdout
+    best_gen = min((first, second), key=lambda g: g["best"]["val_loss"])
+    assert json.loads((top / "best.json").read_text())["generation"] == best_gen["index"]
+    ws = tmp_path / "killed"
+    agent = subprocess.Popen(train_cmd([*args, "--workspace", ws], 2), cwd=REPO, env=ENV,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while not (ckpt.complete_steps(_gen(ws, 2)) if _gen(ws, 2).is_dir() else []) or \
+            ckpt.complete_steps(_gen(ws, 2))[-1] < 5:
+        assert agent.poll() is None and time.time() < deadline, "the second generation never reached step 5"
+        time.sleep(0.01)
+    tree = kill_tree(agent.pid)  # the workers too: torchrun starts each in a session of its own
+    agent.wait()
+    deadline = time.time() + 60
+    while any(_running(p) for p in tree):
+        assert time.time() < deadline, "a worker outlived its kill -9"
+        time.sleep(0.01)
+    assert ckpt.complete_steps(_gen(ws, 2))[-1] < STEPS, "the kill came too late to test anything"
+    assert _record(ws)["generations"][1]["outcome"] is None
+    again = run_train([*args, "--workspace", ws], nproc=2)
+    assert "resumed from" in again.stdout and "generation 1 of 2" not in again.stdout
+    for k in (1, 2):
+        want, got = _final(_gen(tmp_path / "ref", k)), _final(_gen(ws, k))
+        assert all(torch.equal(want[n], got[n]) for n in want), f"gen{k}"
+
+
+def _running(pid: int) -> bool:
+    """pid has not exited (a zombie has; only its reaper is missing)."""
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
 
 
 @pytest.mark.slow
