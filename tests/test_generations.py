@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from conftest import ENV, REPO, TINY, kill_tree, run_train, tiny_config, train_cmd
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError
+from experiment.distributed import process_alive
 from experiment.model import GPT, distillation_loss
 from experiment.teacher import Teacher, native_cpu_bf16
 
@@ -207,6 +208,15 @@ def test_a_student_of_another_depth_learns_from_the_ensemble_and_is_the_model_se
     assert "| gen3 (the student, d1) (served) |" in (top / "report.md").read_text()
 
 
+def _wait_for_second_generation(ws: Path, launch: subprocess.Popen, step: int = 5) -> None:
+    """Until the second generation has saved `step` (the launch still running): a kill's moment."""
+    deadline = time.time() + 240
+    while not (ckpt.complete_steps(_gen(ws, 2)) if _gen(ws, 2).is_dir() else []) or \
+            ckpt.complete_steps(_gen(ws, 2))[-1] < step:
+        assert launch.poll() is None and time.time() < deadline, f"the second generation never reached step {step}"
+        time.sleep(0.01)
+
+
 @pytest.mark.slow
 def test_a_kill_9_in_the_second_generation_resumes_it_and_ends_as_the_uninterrupted_run(tmp_path, corpus):
     args = [*ARGS, "--data_dir", corpus, "--generations", 2, "--save_every_steps", 1]
@@ -214,11 +224,7 @@ def test_a_kill_9_in_the_second_generation_resumes_it_and_ends_as_the_uninterrup
     ws = tmp_path / "killed"
     proc = subprocess.Popen(train_cmd([*args, "--workspace", ws], 1, torchrun=()), cwd=REPO, env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while not (ckpt.complete_steps(_gen(ws, 2)) if _gen(ws, 2).is_dir() else []) or \
-            ckpt.complete_steps(_gen(ws, 2))[-1] < 5:
-        assert proc.poll() is None and time.time() < deadline, "the second generation never reached step 5"
-        time.sleep(0.01)
+    _wait_for_second_generation(ws, proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert ckpt.complete_steps(_gen(ws, 2))[-1] < STEPS, "the kill came too late to test anything"
@@ -258,15 +264,11 @@ def test_generations_on_two_ranks_keep_one_record_and_a_kill_9_in_the_second_res
     ws = tmp_path / "killed"
     agent = subprocess.Popen(train_cmd([*args, "--workspace", ws], 2), cwd=REPO, env=ENV,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while not (ckpt.complete_steps(_gen(ws, 2)) if _gen(ws, 2).is_dir() else []) or \
-            ckpt.complete_steps(_gen(ws, 2))[-1] < 5:
-        assert agent.poll() is None and time.time() < deadline, "the second generation never reached step 5"
-        time.sleep(0.01)
+    _wait_for_second_generation(ws, agent)
     tree = kill_tree(agent.pid)  # the workers too: torchrun starts each in a session of its own
     agent.wait()
     deadline = time.time() + 60
-    while any(_running(p) for p in tree):
+    while any(process_alive(p) for p in tree):
         assert time.time() < deadline, "a worker outlived its kill -9"
         time.sleep(0.01)
     assert ckpt.complete_steps(_gen(ws, 2))[-1] < STEPS, "the kill came too late to test anything"
@@ -276,14 +278,6 @@ def test_generations_on_two_ranks_keep_one_record_and_a_kill_9_in_the_second_res
     for k in (1, 2):
         want, got = _final(_gen(tmp_path / "ref", k)), _final(_gen(ws, k))
         assert all(torch.equal(want[n], got[n]) for n in want), f"gen{k}"
-
-
-def _running(pid: int) -> bool:
-    """pid has not exited (a zombie has; only its reaper is missing)."""
-    try:
-        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.slow
