@@ -14,6 +14,7 @@ import pytest
 
 from experiment import checkpoint as ckpt
 from experiment.dataloader import demo_lines
+from experiment.distributed import process_alive
 from experiment.model import GPTConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -86,6 +87,14 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "X"
+
+
+def wait_gone(pids: list[int], seconds: float = 60) -> None:
+    """Until every process kill_tree killed is gone (a zombie counts as gone: process_alive)."""
+    deadline = time.time() + seconds
+    while alive := [p for p in pids if process_alive(p)]:
+        assert time.time() < deadline, f"killed processes still running: {alive}"
+        time.sleep(0.01)
 
 
 def kill_tree(pid: int) -> list[int]:

@@ -17,9 +17,8 @@ import time
 import pytest
 import torch
 
-from conftest import ENV, REPO, TINY, kill_tree, train_cmd, write_corpus
+from conftest import ENV, REPO, TINY, kill_tree, train_cmd, wait_gone, write_corpus
 from experiment import checkpoint as ckpt
-from experiment.distributed import process_alive
 from experiment.model import GPT, GPTConfig
 
 pytestmark = pytest.mark.cuda
@@ -222,7 +221,7 @@ def test_kill9_during_a_save_then_resume_equals_the_uninterrupted_run(tmp_path, 
     assert proc.poll() is None and _save_in_progress(run_dir), "the run ended before a save could be caught"
     tree = kill_tree(proc.pid)  # torchrun's workers too (sessions of their own): killpg would miss them
     proc.wait()
-    _wait(lambda: not any(process_alive(pid) for pid in tree), 60, "the killed processes to be gone")
+    wait_gone(tree)
     # what the kill left: a save in progress (the poll's find and the kill are milliseconds apart; a
     # save lasts a fraction of a second), and no worker that stopped on its own, as a SIGTERM or a dead
     # agent would stop it

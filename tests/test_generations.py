@@ -18,10 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ENV, REPO, TINY, kill_tree, run_train, tiny_config, train_cmd
+from conftest import ENV, REPO, TINY, kill_tree, run_train, tiny_config, train_cmd, wait_gone
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import CheckpointError
-from experiment.distributed import process_alive
 from experiment.model import GPT, distillation_loss
 from experiment.teacher import Teacher, native_cpu_bf16
 
@@ -267,10 +266,7 @@ def test_generations_on_two_ranks_keep_one_record_and_a_kill_9_in_the_second_res
     _wait_for_second_generation(ws, agent)
     tree = kill_tree(agent.pid)  # the workers too: torchrun starts each in a session of its own
     agent.wait()
-    deadline = time.time() + 60
-    while any(process_alive(p) for p in tree):
-        assert time.time() < deadline, "a worker outlived its kill -9"
-        time.sleep(0.01)
+    wait_gone(tree)
     assert ckpt.complete_steps(_gen(ws, 2))[-1] < STEPS, "the kill came too late to test anything"
     assert _record(ws)["generations"][1]["outcome"] is None
     again = run_train([*args, "--workspace", ws], nproc=2)

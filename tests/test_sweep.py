@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ENV, REPO, TINY, kill_tree, run_train, write_corpus
+from conftest import ENV, REPO, TINY, kill_tree, run_train, wait_gone, write_corpus
 
 from experiment import checkpoint as ckpt
 from experiment import sweep
-from experiment.distributed import process_alive
 
 # The trainer's tiny shape (conftest.TINY) as settings every member shares.
 TINY_ENV = {"ASPECT_RATIO": "32", "HEAD_DIM": "32", "MAX_SEQ_LEN": "32", "DEVICE_BATCH_SIZE": "4",
@@ -166,10 +165,7 @@ def test_the_same_command_after_a_kill_minus_9_resumes_every_member(tmp_path):
     tree = kill_tree(first.pid)
     assert member_pid in tree
     first.wait()
-    deadline = time.time() + 60
-    while any(process_alive(pid) for pid in tree):
-        assert time.time() < deadline, [pid for pid in tree if process_alive(pid)]
-        time.sleep(0.1)
+    wait_gone(tree)
     log = (run_dir / "training.log").read_text()
     assert "received SIGTERM" not in log and "done:" not in log, log[-2000:]  # killed, not stopped
     assert max(ckpt.complete_steps(run_dir)) < 30  # killed mid-run
