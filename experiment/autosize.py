@@ -23,10 +23,10 @@ regularized model keeps gaining from passes a plain one would overfit, so the bu
 model instead of being left unspent
 (docs/performance.md, "DEPTH=auto for regularized training"). The budget branch is the same for both.
 For the first generation of GENERATIONS=auto's chain (generations.sizes_chain) the regularized data
-branch asks for GENERATION_PASSES passes instead, among the depths that hold a teacher of their own
-size: a smaller first generation that reaches its val minimum in about half the budget, and leaves
-the rest to generations of its depth distilled from it (experiment/generations.py); where no depth
-makes them, the depth is sized as one model's.
+branch asks for GENERATION_PASSES passes instead, with at least CHAIN_FLOOR tokens per parameter in
+them, among the depths that hold a teacher of their own size: a smaller first generation that reaches
+its val minimum in about half the budget, and leaves the rest to generations of its depth distilled
+from it (experiment/generations.py); where no depth makes them, the depth is sized as one model's.
 
 The tok/s: on CPU measured here, a few eager steps per depth (probe_and_choose); on CUDA predicted
 (predicted_tok_per_s: the MFU gpucheck measured on one such GPU x its peak x the GPUs, less the gradient
@@ -100,6 +100,16 @@ REG_MAX_PASSES = 32
 # with 34 (d4, 1,800 s) and 25 (d6, 3,600 s) passes, whose first stopped at its val minimum at 43-46%
 # of the budget; d6 at 1,800 s (12.7) stopped at 77%, leaving a second generation too little.
 GENERATION_PASSES = 16
+# And it must see at least this many tokens per parameter in those passes (the budget branch's floor).
+# Fitted on one cell, one seed (docs/performance.md, "The chain on small data"): on 90,000 training
+# tokens at 600 s a chain of d6 (0.54 tokens per parameter in 16 passes) served 0.009 above a chain of
+# d4 (1.8), side by side; the whole corpora's chains (d4 at 19, d6 at 5.9) keep their depths.
+CHAIN_FLOOR = MIN_TOKENS_PER_PARAM
+# A generation of GENERATIONS=auto plans its schedule for at most this many passes where the regime
+# lifts the pass cap (regime.fill): the depth above reaches its val minimum in about GENERATION_PASSES,
+# so about half way, past the early warmups. Planned for a share of many more passes, the generations
+# on 100,000 characters stopped inside the warmups, at 12-21% of their schedules (docs/performance.md).
+CHAIN_PASSES = 2 * GENERATION_PASSES
 LADDER = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64)
 PROBE_STEPS = 2  # timed steps per candidate at the run's micro-batch, after one warm-up step
 
@@ -137,6 +147,11 @@ class Candidate:
     def passes_needed(self) -> float:
         """The passes the data branch takes it at: `needs`, and for GENERATIONS=auto GENERATION_PASSES."""
         return max(self.needs, GENERATION_PASSES) if self.generations else self.needs
+
+    @property
+    def chain_tokens_per_param(self) -> float:
+        """The tokens per parameter of GENERATION_PASSES passes over the data (CHAIN_FLOOR's measure)."""
+        return GENERATION_PASSES * self.tokens / self.epochs / self.params if self.epochs else 0.0
 
     @property
     def tokens_per_param(self) -> float:
@@ -286,12 +301,13 @@ def at_rate(c: Candidate, tok_per_s: float, budget_s: float, train_tokens: int) 
 
 
 def check_prediction(candidates: list[dict], depth: int, measured: float, budget_s: float,
-                     train_tokens: int) -> str:
+                     train_tokens: int, chain: bool = False) -> str:
     """The trainer's measured tok/s at the chosen depth against the prediction it was chosen by: all
-    depths' predictions scaled by the same factor, and the rule asked again."""
+    depths' predictions scaled by the same factor, and the rule asked again (`chain`: the rule that
+    sized a chain's first generation, choose_chain, with every candidate taken to hold its teacher)."""
     cands = [Candidate(**c) for c in candidates]
     factor = measured / next(c.tok_per_s for c in cands if c.depth == depth)
-    again = choose([at_rate(c, c.tok_per_s * factor, budget_s, train_tokens) for c in cands])
+    again = (choose_chain if chain else choose)([at_rate(c, c.tok_per_s * factor, budget_s, train_tokens) for c in cands])
     head = f"auto | measured {measured:,.0f} tok/s, {factor:.2f}x the predicted: "
     if again.depth == depth:
         return head + f"at that rate the rule picks d{depth} too"
@@ -309,7 +325,8 @@ def completes(c: Candidate) -> bool:
     """The data branch: the budget makes the passes it needs (the cap's; regularized, reg_passes),
     which give at least the data's floor of tokens per parameter (regularized: REG_FLOOR)."""
     past = not c.regularized or c.budget_epochs > MAX_GOOD_EPOCHS  # the regime regularizes past PASSES only
-    return past and c.budget_epochs >= c.passes_needed and c.floor_tokens_per_param >= c.floor
+    chain = not c.generations or c.chain_tokens_per_param >= CHAIN_FLOOR
+    return past and chain and c.budget_epochs >= c.passes_needed and c.floor_tokens_per_param >= c.floor
 
 
 def sized_for_chain(c: Candidate) -> bool:
@@ -411,8 +428,9 @@ def rule(c: Candidate) -> str:
     if sized_for_chain(c):
         return (f"the budget outruns the data: GENERATIONS=auto, the largest depth the regime regularizes with at "
                 f"least {c.passes_needed:g} epochs, {REG_MIN_STEPS} steps and {c.floor:g} tokens/param (of at most "
-                f"{REG_MAX_PASSES} epochs) in the budget, so that the first generation can reach its val minimum in "
-                "about half of it and leave the rest to the next")
+                f"{REG_MAX_PASSES} epochs) in the budget and {CHAIN_FLOOR:g} tokens/param in {GENERATION_PASSES} "
+                "epochs, so that the first generation can reach its val minimum in about half of it and leave the "
+                "rest to the next")
     if completes(c) and c.regularized:
         return (f"the budget outruns the data: the largest depth the regime regularizes, more than {MAX_GOOD_EPOCHS} "
                 f"epochs, at least {REG_MIN_STEPS} steps and {c.floor:g} tokens/param (of at most {REG_MAX_PASSES} epochs) "

@@ -178,8 +178,9 @@ def shutdown_timeout(given: int, p: GpuPlan | None, log) -> int:
 
 def plan_line(cfg: TrainConfig, p: GpuPlan, world_size: int, gpu: Gpu) -> str:
     unspent = cfg.training_hours - p.hours
+    rest = "left to the next generation" if cfg.generations == "auto" else f"of the {cfg.training_hours:g}h budget unspent"
     stop = (f"stops after {p.epochs:g} passes at {p.hours:.2f}h, {unspent:.2f}h (${unspent * cfg.gpu_hourly_usd * world_size:,.0f}) "
-            f"of the {cfg.training_hours:g}h budget unspent" if p.epochs < p.budget_epochs - 1e-9
+            f"{rest}" if p.epochs < p.budget_epochs - 1e-9
             else f"trains the whole {cfg.training_hours:g}h budget, {p.epochs:.1f} passes over the data"
             + (" (less if the stop at the val minimum ends it)" if cfg.plateau_evals else ""))
     _, source, measured_on = autosize.mfu_table(gpu.name)

@@ -100,14 +100,14 @@ def plan_regime(cfg: TrainConfig, unset: list[str], config: GPTConfig | None, gp
                 train_tokens: int, run_dir: Path, resume_step: int | None, default_cap: float, log) -> float:
     """The regime's settings where the pre-flight can know them (experiment/regime.py): a resume's from
     its checkpoint; a fresh run's on a GPU whose peak is known, from the predicted tok/s the trainer
-    predicts too. Elsewhere the trainer measures. Returns the default pass cap: 0 where the regime
-    lifts it, so the repeat guard leaves a run regularized for its passes alone."""
+    predicts too. Elsewhere the trainer measures. Returns the default pass cap: the regime's where it
+    sets it (0: lifted, so the repeat guard leaves a run regularized for its passes alone)."""
     if resume_step is not None:
         regime.keep(cfg, unset, ckpt.read_meta(run_dir, resume_step)["train_config"])
     elif unset and config is not None and gpu is not None and gpu.peak is not None:
         passes, how = regime.estimate_passes(cfg, config, train_tokens, gpu, world_size, None, None, unset)
         log("preflight | " + regime.line(passes, regime.fill(cfg, unset, passes), how))
-    return 0.0 if "max_epochs" in unset and cfg.max_epochs == 0 else default_cap
+    return cfg.max_epochs if "max_epochs" in unset and cfg.max_epochs is not None else default_cap
 
 
 def source_lines(cfg: TrainConfig, prepared: Prepared, weights: list[float] | None) -> list[str]:

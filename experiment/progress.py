@@ -83,9 +83,10 @@ def plan_from_measured_rate(t: Trainer, loop: Loop, rate: float) -> None:
     t.log(plan)
     t.report.note("plan", plan.removeprefix("planner | "))
     if to_cap < left:
+        rest = ("left to the next generation (GENERATIONS=auto)" if cfg.generations == "auto"
+                else "of the budget unspent (MAX_EPOCHS=0 trains the whole budget)")
         t.log(f"planner | MAX_EPOCHS={cfg.max_epochs:g}: the data's passes end about {to_cap / 3600:.3f}h from now; the "
-              f"run stops there with about {unspent_text(t, left - to_cap)} of the budget unspent (MAX_EPOCHS=0 "
-              "trains the whole budget)")
+              f"run stops there with about {unspent_text(t, left - to_cap)} {rest}")
     total = min(st.tokens_seen + rate * left, t.max_tokens)
     chained = t.teacher is not None and cfg.generations == "auto"  # its share is what the generations left
     for line in autosize.data_lines(cfg.depth, launch.make_config(cfg, t.prepared), total, train_tokens,
@@ -98,4 +99,5 @@ def plan_from_measured_rate(t: Trainer, loop: Loop, rate: float) -> None:
             t.log(line)
     auto = t.run_meta["auto"] or {}
     if auto.get("how") == "predicted" and t.resume_step is None:
-        t.log(autosize.check_prediction(auto["candidates"], cfg.depth, rate, t.budget_seconds, train_tokens))
+        t.log(autosize.check_prediction(auto["candidates"], cfg.depth, rate, t.budget_seconds, train_tokens,
+                                        bool(auto.get("chain"))))

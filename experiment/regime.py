@@ -5,7 +5,8 @@ about 4 passes repeated tokens are worth less and less (Muennighoff et al. 2023)
 regularization its val loss bottoms out early, so the stop at the val minimum leaves most of the
 budget unspent. There the settings a run leaves to the regime take RECIPE: attention dropout 0.2,
 the weight average (AVERAGE=ema) and no pass cap (MAX_EPOCHS=0: the stop at the val minimum ends the
-run, as it guards every run). The CPU screens that chose it: docs/performance.md, "Defaults by
+run, as it guards every run; a generation of GENERATIONS=auto caps its schedule at
+autosize.CHAIN_PASSES passes instead). The CPU screens that chose it: docs/performance.md, "Defaults by
 regime". At PASSES or fewer they take OFF, so such a run's step is the plain one: no dropout in the
 graph, no average, the data's pass cap.
 
@@ -113,10 +114,18 @@ def fill(cfg, unset: list[str], passes: float) -> dict[str, object]:
     limited = passes > PASSES
     chosen = {name: (RECIPE if limited else OFF)[name] for name in unset if name in OFF}
     if limited and "max_epochs" in unset:
-        chosen["max_epochs"] = RECIPE["max_epochs"]
+        chosen["max_epochs"] = pass_cap(cfg)
     for name, value in chosen.items():
         setattr(cfg, name, value)
     return chosen
+
+
+def pass_cap(cfg) -> float:
+    """The recipe's MAX_EPOCHS: none (0), and for a generation of GENERATIONS=auto, whose share is all
+    the budget the generations before it left, autosize.CHAIN_PASSES: its schedule is planned for the
+    passes it is likely to use, not for the whole rest of the budget (the next generation gets what it
+    leaves)."""
+    return float(autosize.CHAIN_PASSES) if cfg.generations == "auto" else RECIPE["max_epochs"]
 
 
 def keep(cfg, unset: list[str], train_config: dict) -> dict[str, object]:

@@ -649,8 +649,9 @@ def test_generations_auto_sizes_the_first_generation_for_sixteen_passes_on_the_m
     runs = [({2: 84_225, 4: 18_850, 6: 6_525, 8: 2_967}, 1800, 991_356, 8, 4),  # code: d4 34, d6 11.8 passes
             ({2: 88_489, 4: 18_933, 6: 7_008, 8: 3_133, 10: 1_518}, 3600, 991_356, 8, 6),  # code: d6 25.4, d8 11.4
             ({2: 95_820, 4: 19_195, 6: 6_861, 8: 3_062, 10: 1_621}, 1800, 1_003_856, 8, 4),  # prose: d4 34.4, d6 12.3
-            # 100,000 characters at 600 s, where generations gained 0.04 over one d6: d6 already makes 36 passes
-            ({2: 57_871, 4: 13_817, 6: 5_446, 8: 2_342}, 600, 90_000, 6, 6)]
+            # 100,000 characters at 600 s: one model d6 (36 passes); the chain d4, as d6 sees 0.54 tokens
+            # per parameter in 16 passes, under CHAIN_FLOOR (a chain of d6 served 0.009 above one of d4)
+            ({2: 57_871, 4: 13_817, 6: 5_446, 8: 2_342}, 600, 90_000, 6, 4)]
     for rates, budget, train, alone, chain in runs:
         cands = lambda reg: [candidate(cpu(d), r, budget, train, 4096, reg) for d, r in rates.items()]
         one, first = choose(cands(True)), choose_chain(cands(True))
@@ -660,6 +661,10 @@ def test_generations_auto_sizes_the_first_generation_for_sixteen_passes_on_the_m
         assert choose_chain(cands(False)) == choose(cands(False))  # the plain rule: no generations sizing
         # a depth that would not hold its teacher is no chain's
         assert choose_chain(cands(True), holds=lambda c: c.depth < chain).depth < chain
+    # the trainer asks the chain's rule again at its measured rate (check_prediction), not one model's
+    dicts = [dataclasses.asdict(candidate(cpu(d), r, 600, 90_000, 4096, True)) for d, r in runs[-1][0].items()]
+    assert "at that rate the rule picks d4 too" in autosize.check_prediction(dicts, 4, 13_817, 600, 90_000, chain=True)
+    assert "warning: at that rate the rule picks d6" in autosize.check_prediction(dicts, 4, 13_817, 600, 90_000)
     # the boundary: exactly 16 passes taken, fewer not; the steps' passes still bind where they are more
     reg = lambda budget_epochs, train=10_000: dataclasses.replace(
         candidate(cpu(2), budget_epochs * train, 1.0, train, 1, True), generations=True)
@@ -670,6 +675,12 @@ def test_generations_auto_sizes_the_first_generation_for_sixteen_passes_on_the_m
     assert [round(c.budget_epochs, 1) for c in few] == [15.0, 5.6] and not any(map(autosize.eligible, few))
     assert choose_chain(few) == choose(few) and choose(few).depth == 6  # d6: 5.6 passes, 0.6 tokens/param
     assert "GENERATIONS" not in autosize.rule(choose_chain(few)) and choose_chain(few, holds=lambda c: False).depth == 6
+    # CHAIN_FLOOR: at least one token per parameter in the 16 passes, exactly one taken
+    assert autosize.CHAIN_FLOOR == autosize.MIN_TOKENS_PER_PARAM == 1.0
+    floor = dataclasses.replace(reg(60.0), params=16 * 10_000)
+    assert floor.chain_tokens_per_param == 1.0 and autosize.completes(floor) and autosize.sized_for_chain(floor)
+    assert not autosize.completes(dataclasses.replace(floor, params=floor.params + 1))
+    assert autosize.completes(dataclasses.replace(floor, params=floor.params + 1, generations=False))  # one model's
     # a candidate kept in a checkpoint's meta comes back with its sizing (check_prediction)
     assert Candidate(**dataclasses.asdict(reg(16.0))) == reg(16.0)
 
@@ -687,7 +698,8 @@ def test_generations_auto_sizes_only_depths_that_fit_beside_a_teacher_of_their_o
     floor = min(memory.plan_memory(gpu(56), 8, 1, 2048, p, c, teacher_params=autosize.count_params(gpu(56))).total
                 for p, c in memory.MODES)
     assert autosize.holds_own_teacher(gpu(56), 8, floor) and not autosize.holds_own_teacher(gpu(56), 8, floor - 1)
-    args = (gpu, 989e12, 8, gib80, 62 * 3600, 332_500_000, 350.0, H100, 524288, True)
+    # 855M training tokens for 100 h: d64 makes 20.6 passes with 1.06 tokens/param in 16 (CHAIN_FLOOR)
+    args = (gpu, 989e12, 8, gib80, 100 * 3600, 855_000_000, 350.0, H100, 524288, True)
     one, cands = autosize.predict_and_choose(*args)
     first, same = autosize.predict_and_choose(*args, generations=True)
     assert same == cands and not any(c.generations for c in cands) and 64 in [c.depth for c in cands]
@@ -698,10 +710,10 @@ def test_generations_auto_sizes_only_depths_that_fit_beside_a_teacher_of_their_o
     monkeypatch.setattr(autosize, "measure_tok_per_s", lambda config, batch, device: rates[config.depth])
     monkeypatch.setattr(autosize.torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=gib80))
     monkeypatch.setattr(autosize.torch.cuda, "empty_cache", lambda: None)
-    probe = lambda **kw: autosize.probe_and_choose(gpu, 1, torch.device("cuda"), 8, 62 * 3600, 332_500_000, 524288,
+    probe = lambda **kw: autosize.probe_and_choose(gpu, 1, torch.device("cuda"), 8, 100 * 3600, 855_000_000, 524288,
                                                    True, **kw)[0].depth
     assert (probe(), probe(generations=True)) == (64, 56)
-    cpu = autosize.probe_and_choose(gpu, 1, torch.device("cpu"), 8, 62 * 3600, 332_500_000, 524288, True,
+    cpu = autosize.probe_and_choose(gpu, 1, torch.device("cpu"), 8, 100 * 3600, 855_000_000, 524288, True,
                                     generations=True)[0]
     assert cpu.depth == 64 and cpu.generations  # a CPU holds any teacher
 

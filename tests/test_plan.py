@@ -60,32 +60,37 @@ def test_the_issue_example_with_the_regularizers_off_as_json_and_as_a_table():
 def test_the_issue_example_with_the_trainers_defaults_trains_a_chain_of_generations_all_31_hours():
     """The trainer's defaults regularize a data-limited run, and its launch line adds GENERATIONS=auto,
     so the plan sizes the chain's first generation (autosize.GENERATION_PASSES): the largest depth whose
-    31 h make at least 16 passes, 250 steps and 0.5 tokens/param, for the whole budget; one model alone
-    (d56, 15.2 passes) and the plain rule's d32 for 8 passes are said beside it."""
+    31 h make at least 16 passes, 250 steps and 0.5 tokens/param, with a token per parameter in 16 passes
+    (autosize.CHAIN_FLOOR: d48 sees 0.98), for the whole budget; one model alone (d56, 15.2 passes) and
+    the plain rule's d32 for 8 passes are said beside it."""
     p = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31))
     rungs = {r["depth"]: r for r in p["rungs"]}
     chosen = rungs[p["depth"]]
-    assert p["depth"] == 48 and p["hours"] == pytest.approx(31) and p["unspent_usd"] == pytest.approx(0)
+    assert p["depth"] == 40 and p["hours"] == pytest.approx(31) and p["unspent_usd"] == pytest.approx(0)
     assert chosen["budget_epochs"] >= autosize.GENERATION_PASSES > rungs[56]["budget_epochs"] > 4
     assert chosen["tokens_per_param"] >= autosize.REG_FLOOR
+    in_16 = lambda d: autosize.GENERATION_PASSES * p["train_tokens"] / rungs[d]["params"]
+    assert rungs[48]["budget_epochs"] >= autosize.GENERATION_PASSES and in_16(48) < autosize.CHAIN_FLOOR <= in_16(40)
     assert p["one_model"] == {"depth": 56, "passes": pytest.approx(rungs[56]["budget_epochs"])}
     assert rungs[64]["budget_epochs"] > 4 and rungs[64]["tokens_per_param"] < autosize.REG_FLOOR  # 0.3: too few
-    assert p["launch"] == "NPROC_PER_NODE=8 DEPTH=48 BUDGET_USD=992 GENERATIONS=auto bash experiment/run.sh"
+    assert p["launch"] == "NPROC_PER_NODE=8 DEPTH=40 BUDGET_USD=992 GENERATIONS=auto bash experiment/run.sh"
     assert (p["plain"]["depth"], p["plain"]["passes"]) == (32, pytest.approx(8)) and 3.7 < p["plain"]["hours"] < 3.9
     assert p["regime"]["regularized"] and p["regime"]["settings"]["ATTN_DROPOUT"] == 0.2
+    assert p["regime"]["settings"]["MAX_EPOCHS"] == autosize.CHAIN_PASSES  # each generation's schedule
     text = table_of(p)
     assert "GENERATIONS=auto, the largest depth the regime regularizes with at least 16 epochs" in text
-    assert "$0 unspent" in text and "d48 and what its passes buy are EXTRAPOLATED" in text
-    assert "GENERATIONS=auto: when the stop at the val minimum ends d48 with budget left" in text
-    assert "sized for it: d48, whose budget makes 19.9 passes (at least 16), where one model alone would be d56 " \
+    assert "$0 unspent" in text and "d40 and what its passes buy are EXTRAPOLATED" in text
+    assert "GENERATIONS=auto: when the stop at the val minimum (or its 32 passes, MAX_EPOCHS=32) ends d40 with budget " \
+        "left" in text and "the trainer's defaults are ATTN_DROPOUT=0.2, AVERAGE=ema, MAX_EPOCHS=32" in text
+    assert "sized for it: d40, whose budget makes 33.9 passes (at least 16), where one model alone would be d56 " \
         "(15.2 passes)" in text
-    # d48 decodes under a character a second on a 2-core CPU: a student a laptop serves, the largest fast enough
+    # d40 decodes 1.4 characters a second on a 2-core CPU: a student a laptop serves, the largest fast enough
     assert p["student"]["depth"] == 12 and p["student"]["cpu_chars_per_s"] >= LAPTOP_CHARS_PER_S
     assert rungs[16]["cpu_chars_per_s"] < LAPTOP_CHARS_PER_S and p["teacher_fits"]
-    assert "GENERATIONS=2 STUDENT_DEPTH=12 instead of GENERATIONS=auto trains two d48, then a d12 student" in text
+    assert "GENERATIONS=2 STUDENT_DEPTH=12 instead of GENERATIONS=auto trains two d40, then a d12 student" in text
     assert "launch | to stop paying when it ends, add ON_EXIT='[ \"$RUN_STATUS\" != stopped ] && runpodctl" in text
     assert f"the plain rule trains d32 for 8.0 passes, {p['plain']['hours']:.2f} h on these GPUs" in text
-    assert p["sweep"] is None  # one GPU needs 167 h for d48's passes, past the box's 31: no sweep of single-GPU members
+    assert p["sweep"] is None  # one GPU needs 168 h for d40's passes, past the box's 31: no sweep of single-GPU members
     assert "past 4 passes regularized and no pass cap" in p["rule"]
     # Sized for the hours the launch line buys: 24 h available pick d40 (d48 makes under 16 passes in them)
     short = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, hours_available=24))
@@ -95,10 +100,14 @@ def test_the_issue_example_with_the_trainers_defaults_trains_a_chain_of_generati
     off = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, regularizers="off"))
     assert off["depth"] == 32 and "never more than 8 passes" in off["rule"] and "regularized" not in off["rule"]
     assert "one_model" not in off and "GENERATIONS" not in off["launch"]
-    # twice the hours: d56 makes 30 passes beside a teacher of its size; d64 alone would not hold one
+    # twice the hours: more passes, the same d40 (d48 still sees under a token per parameter in 16)
     long = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=62))
-    assert (long["depth"], long["one_model"]["depth"]) == (56, 64) and long["teacher_fits"]
-    assert long["launch"] == "NPROC_PER_NODE=8 DEPTH=56 BUDGET_USD=1984 GENERATIONS=auto bash experiment/run.sh"
+    assert (long["depth"], long["one_model"]["depth"]) == (40, 64) and long["teacher_fits"]
+    # 900M tokens for 150 h: d64 would make 19 passes and see its token per parameter, but would not hold
+    # a teacher of its size on 8 x 80 GB; d56 (29 passes) does
+    big = plan(PlanConfig(tokens=900_000_000, gpus="8xH100-PCIe", training_hours=150))
+    assert (big["depth"], big["one_model"]["depth"]) == (56, 64) and big["teacher_fits"]
+    assert big["launch"] == "NPROC_PER_NODE=8 DEPTH=56 BUDGET_USD=4800 GENERATIONS=auto bash experiment/run.sh"
 
 
 @pytest.mark.slow
@@ -113,20 +122,20 @@ def test_the_plan_the_preflight_and_the_trainer_size_a_chain_alike():
     p = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31))
     gpus, make = parse_gpus("8xH100-PCIe"), lambda d: model_config(d, PlanConfig(), 256)
     args = (make, gpus.peak, 8, gpus.memory_bytes, 31 * 3600, p["train_tokens"], gpus.link_gbps, gpus.name, 524288, True)
-    assert autosize.predict_and_choose(*args, generations=True)[0].depth == p["depth"] == 48
+    assert autosize.predict_and_choose(*args, generations=True)[0].depth == p["depth"] == 40
     assert autosize.predict_and_choose(*args)[0].depth == p["one_model"]["depth"] == 56
     cfg = TrainConfig(generations="auto", depth="auto", training_hours=31, total_batch_size=524288, model_tag="t/gen1")
     gpu = guards.Gpu(gpus.name, gpus.peak, gpus.memory_bytes)
-    assert guards.auto_depth(cfg, make, gpu, 8, p["train_tokens"], True) == 48
+    assert guards.auto_depth(cfg, make, gpu, 8, p["train_tokens"], True) == 40
     assert guards.auto_depth(dataclasses.replace(cfg, model_tag="t/gen2"), make, gpu, 8, p["train_tokens"], True) == 56
 
 
 def test_where_one_model_already_makes_the_chains_passes_the_plan_names_no_other_depth():
     """Where DEPTH=auto's one model already makes autosize.GENERATION_PASSES, the chain's first
     generation is that model: the plan sizes it once and says no one-model depth beside it."""
-    p = plan(PlanConfig(tokens=10_000_000, gpus="1xH100-PCIe", training_hours=1))
+    p = plan(PlanConfig(tokens=1_000_000_000, gpus="8xH200", training_hours=150))
     assert p["regime"]["regularized"] and p["regime"]["budget_passes"] >= autosize.GENERATION_PASSES
-    assert "one_model" not in p and p["depth"] == 20 and "GENERATIONS=auto" in p["launch"]
+    assert "one_model" not in p and p["depth"] == 64 and "GENERATIONS=auto" in p["launch"]
 
 
 @pytest.mark.slow
@@ -137,7 +146,7 @@ def test_regularizers_as_the_environment_gives_it_and_a_budget_limited_pick_keep
     regularizers on (the regime does not regularize it)."""
     auto = "".join(["au", "to"])  # what os.environ or argv hands over
     p = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, regularizers=auto))
-    assert p["depth"] == 48 and p["regime"]["regularized"] and "past 4 passes regularized" in p["rule"]
+    assert p["depth"] == 40 and p["regime"]["regularized"] and "past 4 passes regularized" in p["rule"]
     short = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, hours_available=24,
                             regularizers=auto))
     assert (short["depth"], short["hours"]) == (40, pytest.approx(24))
@@ -170,9 +179,10 @@ def test_the_plan_says_the_regime_of_the_launch_lines_run():
     chosen = next(r for r in p["rungs"] if r["depth"] == p["depth"])
     r = p["regime"]
     assert r["gpus"] == 8 and r["budget_passes"] == pytest.approx(chosen["budget_epochs"])
-    assert r["data_limited"] and r["settings"] == {"ATTN_DROPOUT": 0.2, "AVERAGE": "ema", "MAX_EPOCHS": 0.0}
+    # the launch line's GENERATIONS=auto: each generation's schedule at most CHAIN_PASSES (regime.pass_cap)
+    assert r["data_limited"] and r["settings"] == {"ATTN_DROPOUT": 0.2, "AVERAGE": "ema", "MAX_EPOCHS": 32.0}
     assert r["usd_at_most"] == pytest.approx(992) and r["hours_at_most"] == pytest.approx(31)
-    assert "passes at d48 on 8 GPU(s), more than 4: data-limited" in "\n".join(regime_lines(p))
+    assert "passes at d40 on 8 GPU(s), more than 4: data-limited" in "\n".join(regime_lines(p))
     # With the regularizers off (the plain rule's d32): the launch line's 1 GPU for 24 h, not 8 for 31
     off = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", training_hours=31, hours_available=24,
                           regularizers="off"))
@@ -233,7 +243,7 @@ def test_a_sweep_members_settings_by_variant_and_passes():
 @pytest.mark.slow
 def test_the_plan_proposes_a_sweep_where_one_gpu_trains_the_pick_within_the_boxs_hours(monkeypatch):
     """The seed user's box with the plain rule's pick (forced here: with the trainer's defaults the plan
-    picks d48, whose passes take one GPU 167 h, so it proposes no sweep): one GPU trains d32's 8 passes in
+    picks d40, whose passes take one GPU 168 h, so it proposes no sweep): one GPU trains d32's 8 passes in
     20.9 h of the 31.25 h $1000 buys on 8, so the plan proposes 8 members, one per GPU for the box's
     whole hours: d32 and the depths beside it, each with the recipe, then with the other attention
     dropouts; the single DDP run's price beside. REGULARIZERS=off: other seeds instead of dropouts."""
@@ -454,7 +464,7 @@ def test_each_depth_says_what_serving_it_needs():
 @pytest.mark.slow
 def test_the_plan_counts_what_finished_generations_keep_on_disk():
     """GENERATIONS=auto on the launch line: each finished generation keeps its best weights (in the
-    precision the memory plan picks: fp32 for d48 on 8 x 80 GB) and best.pt in bf16; at most 8 run."""
+    precision the memory plan picks: fp32 for d40 on 8 x 80 GB) and best.pt in bf16; at most 8 run."""
     p = plan(PlanConfig(tokens=350_000_000, gpus="8xH100-PCIe", budget_usd=950))
     row = next(r for r in p["rungs"] if r["depth"] == p["depth"])
     assert "GENERATIONS=auto" in p["launch"] and row["generation_gb"] == pytest.approx(row["params"] * 6 / 1e9)

@@ -189,7 +189,8 @@ def test_the_regime_lines_say_whether_the_run_is_data_limited():
     limited = plan.regime_lines(p)
     assert len(limited) == 3 and f"more than {regime.PASSES}: data-limited" in limited[0]
     assert limited[0].endswith("at most the whole 31.00 h ($992): it may spend more than the hours above")
-    assert limited[1].startswith("recommendation | GENERATIONS=auto: when the stop at the val minimum ends d12")
+    assert limited[1].startswith("recommendation | GENERATIONS=auto: when the stop at the val minimum (or its 32 passes, "
+                                 "MAX_EPOCHS=32) ends d12")
     assert limited[2].startswith("recommendation | d12 and what its passes buy are EXTRAPOLATED")
     assert limited[2].endswith("the plain rule trains d8 for 8.0 passes, 2.50 h on these GPUs, and leaves the rest unspent")
     no_room = plan.regime_lines({**p, "teacher_fits": False})
@@ -220,7 +221,7 @@ def test_the_regime_lines_say_whether_the_run_is_data_limited():
 def test_main_prints_the_table_or_json_and_exits_2_on_bad_settings(capsys):
     assert plan.main(["--tokens", "350000000", "--json"]) == 0
     # the regularized rule (the trainer's defaults), sized for GENERATIONS=auto's chain: one model would be d56
-    assert json.loads(capsys.readouterr().out)["depth"] == 48
+    assert json.loads(capsys.readouterr().out)["depth"] == 40
     assert plan.main(["--tokens", "350000000", "--json", "--regularizers", "off"]) == 0
     assert json.loads(capsys.readouterr().out)["depth"] == 32
     assert plan.main(["--tokens", "350000000", "--regularizers", "some"]) == 2

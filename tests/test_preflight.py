@@ -73,8 +73,10 @@ def test_the_regimes_settings_are_a_resumes_own_or_predicted_where_the_gpu_is_kn
     assert plan([]) == 4.0 and plan(["max_epochs"], config=None) == 0.0
     assert plan(["max_epochs"], gpu=None) == 0.0 and plan(["max_epochs"], gpu=dataclasses.replace(H100, peak=None)) == 0.0
     assert calls == [("estimate",)]  # nothing unset, no model, no GPU, no known peak: the trainer measures
-    cfg = TrainConfig(max_epochs=3)
-    assert plan(["max_epochs"]) == 4.0  # the regime filled a cap: the data's one stands beside it
+    cfg = TrainConfig(max_epochs=32.0)  # the regime's cap for a generation of GENERATIONS=auto (regime.pass_cap)
+    assert plan(["max_epochs"]) == 32.0 and plan(["attn_dropout"]) == 4.0  # the guard takes it; a given one not
+    cfg = TrainConfig(max_epochs=None)  # nothing filled it: the data's cap
+    assert plan(["max_epochs"], config=None) == 4.0
 
 
 def test_each_source_is_said_with_its_weight_and_tokens_and_many_sources_are_warned_of():

@@ -69,6 +69,25 @@ def test_the_pass_cap_lifts_only_for_a_run_that_averages():
     assert regime.fill(cfg, unset, 100.0) == {"max_epochs": 0.0} and cfg.max_epochs == 0.0
 
 
+def test_a_generation_of_generations_auto_plans_its_schedule_for_the_chains_passes():
+    """autosize.CHAIN_PASSES: a data-limited generation of GENERATIONS=auto, whose share is all the budget
+    the ones before it left, takes MAX_EPOCHS=32 where the recipe lifts the cap; GENERATIONS=N's equal
+    shares and one model take 0; an explicit MAX_EPOCHS, AVERAGE=none or few passes keep theirs."""
+    assert autosize.CHAIN_PASSES == 2 * autosize.GENERATION_PASSES == 32
+    for generations, cap in (("auto", 32.0), (3, 0.0), (1, 0.0)):
+        cfg = _cfg("--generations", generations)
+        unset = regime.left_unset(cfg)
+        cfg.max_epochs = 8.0  # the data's pass cap, as launch.fill_pass_cap fills it before the regime
+        assert regime.fill(cfg, unset, 100.0)["max_epochs"] == cap == cfg.max_epochs, generations
+        cfg.max_epochs = 8.0
+        assert "max_epochs" not in regime.fill(cfg, unset, 4.0) and cfg.max_epochs == 8.0  # plain: the data's cap
+    for flags in (("--max_epochs", 50), ("--average", "none")):
+        cfg = _cfg("--generations", "auto", *flags)
+        unset = regime.left_unset(cfg)
+        cfg.max_epochs = cfg.max_epochs or 8.0
+        assert "max_epochs" not in regime.fill(cfg, unset, 100.0) and cfg.max_epochs in (50, 8.0), flags
+
+
 def test_a_resume_keeps_what_the_checkpoint_resolved_and_an_old_checkpoint_had_none():
     cfg = _cfg()
     unset = regime.left_unset(cfg)
@@ -248,6 +267,13 @@ def test_the_preflight_plans_the_recipe_and_the_repeat_guard_leaves_it(tmp_path,
     error, lines = run_preflight(tmp_path, "--data_dir", corpus, "--depth", 12, "--average", "none",
                                  "--max_epochs", 0, regime=True)
     assert "d12 would see the training data" in str(error)
+    # a generation of GENERATIONS=auto: the regime's cap of CHAIN_PASSES passes, which the guard takes as the cap
+    plan, lines = run_preflight(tmp_path, "--data_dir", corpus, "--depth", 12, "--generations", "auto",
+                                "--model_tag", "chain", regime=True)
+    assert isinstance(plan, dict), plan
+    assert any("data-limited: ATTN_DROPOUT=0.2, AVERAGE=ema, MAX_EPOCHS=32" in x for x in lines), lines
+    plan_line = next(x for x in lines if x.startswith("preflight | plan d12:"))
+    assert "stops after 32 passes" in plan_line and "left to the next generation" in plan_line, plan_line
     plan, lines = run_preflight(tmp_path, "--data_dir", corpus, "--depth", 12, "--training_hours", 1e-7, regime=True)
     assert isinstance(plan, dict) and any("at most 4: ATTN_DROPOUT=0, AVERAGE=none" in x for x in lines), lines
 
