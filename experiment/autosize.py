@@ -106,9 +106,10 @@ GENERATION_PASSES = 16
 # d4 (1.8), side by side; the whole corpora's chains (d4 at 19, d6 at 5.9) keep their depths.
 CHAIN_FLOOR = MIN_TOKENS_PER_PARAM
 # A generation of GENERATIONS=auto plans its schedule for at most this many passes where the regime
-# lifts the pass cap (regime.fill): the depth above reaches its val minimum in about GENERATION_PASSES,
-# so about half way, past the early warmups. Planned for a share of many more passes, the generations
-# on 100,000 characters stopped inside the warmups, at 12-21% of their schedules (docs/performance.md).
+# lifts the pass cap and another generation fits after them (regime.pass_cap): the depth above reaches
+# its val minimum in about GENERATION_PASSES, so about half way, past the early warmups. Planned for a
+# share of many more passes, the generations on 100,000 characters stopped inside the warmups, at
+# 12-21% of their schedules (docs/performance.md).
 CHAIN_PASSES = 2 * GENERATION_PASSES
 LADDER = (2, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64)
 PROBE_STEPS = 2  # timed steps per candidate at the run's micro-batch, after one warm-up step
@@ -428,7 +429,7 @@ def rule(c: Candidate) -> str:
     if sized_for_chain(c):
         return (f"the budget outruns the data: GENERATIONS=auto, the largest depth the regime regularizes with at "
                 f"least {c.passes_needed:g} epochs, {REG_MIN_STEPS} steps and {c.floor:g} tokens/param (of at most "
-                f"{REG_MAX_PASSES} epochs) in the budget and {CHAIN_FLOOR:g} tokens/param in {GENERATION_PASSES} "
+                f"{REG_MAX_PASSES} epochs) in the budget and {CHAIN_FLOOR:g} token/param in {GENERATION_PASSES} "
                 "epochs, so that the first generation can reach its val minimum in about half of it and leave the "
                 "rest to the next")
     if completes(c) and c.regularized:

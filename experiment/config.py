@@ -111,7 +111,7 @@ class TrainConfig:
                                     "for them (default 8, or 80 optimizer steps' worth, at most 16, where 8 passes make fewer: "
                                     "experiment/autosize.py; 0: none; where the budget passes over the data more than 4 times "
                                     "in a run that may average and stops at its val minimum, 0 by regime: that stop "
-                                    "ends the run; 32 for a generation of GENERATIONS=auto)")
+                                    "ends the run; 32 for a generation of GENERATIONS=auto whose budget makes at least 44.8)")
     allow: str = opt("pre-flight guards to pass on CUDA, comma-separated: demo (train on the built-in demo data), "
                      "repeat (an explicit DEPTH whose budget repeats the data more than the default cap, with MAX_EPOCHS=0 or above it), disk (less free "
                      "space than the checkpoints need)", "")

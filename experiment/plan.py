@@ -338,7 +338,7 @@ def sized(cfg: PlanConfig, gpus: Gpus, vocab: int, base: dict, best: autosize.Ca
          "mfu_from_box": gpus.measured is not None,
          "pass_cap": best.cap,
          "rule": autosize.rule(best) + (f"; past {regime.PASSES} passes regularized and no pass cap (a generation of "
-                                        f"GENERATIONS=auto: {autosize.CHAIN_PASSES}), the stop at "
+                                        f"GENERATIONS=auto: {autosize.CHAIN_PASSES} where another fits after them), the stop at "
                                         "the val minimum the guard" if best.regularized
                                         and best.budget_epochs > regime.PASSES else
                                         f"; never more than {best.cap:g} passes (repeated data is worth less and less: "
@@ -356,7 +356,7 @@ def sized(cfg: PlanConfig, gpus: Gpus, vocab: int, base: dict, best: autosize.Ca
     p["student"] = student_plan(p, cfg, gpus, vocab) if p["regime"]["regularized"] and p["teacher_fits"] else None
     p["launch"], p["run_dir"] = launch_line(p, cfg, p["recommended_gpus"])
     if p["regime"]["regularized"] and p["teacher_fits"]:  # the launch line's GENERATIONS=auto (launch_line):
-        p["regime"]["settings"]["MAX_EPOCHS"] = float(autosize.CHAIN_PASSES)  # each generation's (regime.pass_cap)
+        p["regime"]["settings"]["MAX_EPOCHS"] = regime.pass_cap("auto", p["regime"]["budget_passes"])  # the first's
     return p
 
 
@@ -526,8 +526,9 @@ def generation_lines(p: dict) -> list[str]:
     sizing = (f"; sized for it: d{p['depth']}, whose budget makes {p['regime']['budget_passes']:.1f} passes (at least "
               f"{autosize.GENERATION_PASSES}), where one model alone would be d{one['depth']} ({one['passes']:.1f} passes)"
               if one else "")
-    lines = [f"recommendation | GENERATIONS=auto: when the stop at the val minimum (or its {autosize.CHAIN_PASSES} passes, "
-             f"MAX_EPOCHS={autosize.CHAIN_PASSES}) ends d{p['depth']} with budget left, "
+    capped = p["regime"]["settings"].get("MAX_EPOCHS")  # regime.pass_cap: where another generation fits after it
+    lines = [f"recommendation | GENERATIONS=auto: when the stop at the val minimum "
+             + (f"(or its {capped:g} passes, MAX_EPOCHS={capped:g}) " if capped else "") + f"ends d{p['depth']} with budget left, "
              "the rest trains more models of its depth from scratch, each distilled from the one before; the best one "
              f"is served{sizing} (measured on a CPU only, on 100,000 to 1.1M characters: docs/training.md, \"Generations\")",
              *generation_disk_lines(p)]

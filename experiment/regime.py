@@ -5,8 +5,8 @@ about 4 passes repeated tokens are worth less and less (Muennighoff et al. 2023)
 regularization its val loss bottoms out early, so the stop at the val minimum leaves most of the
 budget unspent. There the settings a run leaves to the regime take RECIPE: attention dropout 0.2,
 the weight average (AVERAGE=ema) and no pass cap (MAX_EPOCHS=0: the stop at the val minimum ends the
-run, as it guards every run; a generation of GENERATIONS=auto caps its schedule at
-autosize.CHAIN_PASSES passes instead). The CPU screens that chose it: docs/performance.md, "Defaults by
+run, as it guards every run; a generation of GENERATIONS=auto whose budget makes enough passes for
+another generation after them caps its schedule at autosize.CHAIN_PASSES passes instead: pass_cap). The CPU screens that chose it: docs/performance.md, "Defaults by
 regime". At PASSES or fewer they take OFF, so such a run's step is the plain one: no dropout in the
 graph, no average, the data's pass cap.
 
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from experiment import autosize, guards
+from experiment import autosize, generations, guards
 from experiment import checkpoint as ckpt
 from experiment.distributed import broadcast_object
 from experiment.runlog import MAX_GOOD_EPOCHS
@@ -114,18 +114,20 @@ def fill(cfg, unset: list[str], passes: float) -> dict[str, object]:
     limited = passes > PASSES
     chosen = {name: (RECIPE if limited else OFF)[name] for name in unset if name in OFF}
     if limited and "max_epochs" in unset:
-        chosen["max_epochs"] = pass_cap(cfg)
+        chosen["max_epochs"] = pass_cap(cfg.generations, passes)
     for name, value in chosen.items():
         setattr(cfg, name, value)
     return chosen
 
 
-def pass_cap(cfg) -> float:
-    """The recipe's MAX_EPOCHS: none (0), and for a generation of GENERATIONS=auto, whose share is all
-    the budget the generations before it left, autosize.CHAIN_PASSES: its schedule is planned for the
-    passes it is likely to use, not for the whole rest of the budget (the next generation gets what it
-    leaves)."""
-    return float(autosize.CHAIN_PASSES) if cfg.generations == "auto" else RECIPE["max_epochs"]
+def pass_cap(generations_setting, passes: float) -> float:
+    """The recipe's MAX_EPOCHS for a budget of `passes`: none (0); for a generation of GENERATIONS=auto,
+    whose share is all the budget the generations before it left, autosize.CHAIN_PASSES where what
+    those passes would leave could start another generation (generations.AUTO_MIN_SHARE of them): its
+    schedule is then planned for the passes it is likely to use, not for the whole rest of the budget.
+    Under that, a cap would leave budget no generation spends, so the schedule spans the share."""
+    chain = generations_setting == "auto" and passes >= autosize.CHAIN_PASSES * (1 + generations.AUTO_MIN_SHARE)
+    return float(autosize.CHAIN_PASSES) if chain else RECIPE["max_epochs"]
 
 
 def keep(cfg, unset: list[str], train_config: dict) -> dict[str, object]:

@@ -661,6 +661,11 @@ def test_generations_auto_sizes_the_first_generation_for_sixteen_passes_on_the_m
         assert choose_chain(cands(False)) == choose(cands(False))  # the plain rule: no generations sizing
         # a depth that would not hold its teacher is no chain's
         assert choose_chain(cands(True), holds=lambda c: c.depth < chain).depth < chain
+    # CHAIN_FLOOR's measure on that data: d6 0.54 tokens per parameter in 16 passes, d4 1.8
+    small = {c.depth: c for c in (candidate(cpu(d), r, 600, 90_000, 4096, True) for d, r in runs[-1][0].items())}
+    for depth, low, high in ((6, 0.5, 0.55), (4, 1.7, 1.9)):
+        assert small[depth].chain_tokens_per_param == pytest.approx(16 * 90_000 / small[depth].params)
+        assert low < small[depth].chain_tokens_per_param < high
     # the trainer asks the chain's rule again at its measured rate (check_prediction), not one model's
     dicts = [dataclasses.asdict(candidate(cpu(d), r, 600, 90_000, 4096, True)) for d, r in runs[-1][0].items()]
     assert "at that rate the rule picks d4 too" in autosize.check_prediction(dicts, 4, 13_817, 600, 90_000, chain=True)

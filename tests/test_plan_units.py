@@ -189,8 +189,10 @@ def test_the_regime_lines_say_whether_the_run_is_data_limited():
     limited = plan.regime_lines(p)
     assert len(limited) == 3 and f"more than {regime.PASSES}: data-limited" in limited[0]
     assert limited[0].endswith("at most the whole 31.00 h ($992): it may spend more than the hours above")
-    assert limited[1].startswith("recommendation | GENERATIONS=auto: when the stop at the val minimum (or its 32 passes, "
-                                 "MAX_EPOCHS=32) ends d12")
+    assert limited[1].startswith("recommendation | GENERATIONS=auto: when the stop at the val minimum ends d12")
+    capped = {**p, "regime": {**p["regime"], "settings": {**p["regime"]["settings"], "MAX_EPOCHS": 32.0}}}
+    assert plan.regime_lines(capped)[1].startswith("recommendation | GENERATIONS=auto: when the stop at the val minimum "
+                                                   "(or its 32 passes, MAX_EPOCHS=32) ends d12")
     assert limited[2].startswith("recommendation | d12 and what its passes buy are EXTRAPOLATED")
     assert limited[2].endswith("the plain rule trains d8 for 8.0 passes, 2.50 h on these GPUs, and leaves the rest unspent")
     no_room = plan.regime_lines({**p, "teacher_fits": False})

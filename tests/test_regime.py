@@ -71,14 +71,18 @@ def test_the_pass_cap_lifts_only_for_a_run_that_averages():
 
 def test_a_generation_of_generations_auto_plans_its_schedule_for_the_chains_passes():
     """autosize.CHAIN_PASSES: a data-limited generation of GENERATIONS=auto, whose share is all the budget
-    the ones before it left, takes MAX_EPOCHS=32 where the recipe lifts the cap; GENERATIONS=N's equal
-    shares and one model take 0; an explicit MAX_EPOCHS, AVERAGE=none or few passes keep theirs."""
-    assert autosize.CHAIN_PASSES == 2 * autosize.GENERATION_PASSES == 32
-    for generations, cap in (("auto", 32.0), (3, 0.0), (1, 0.0)):
-        cfg = _cfg("--generations", generations)
+    the ones before it left, takes MAX_EPOCHS=32 where the recipe lifts the cap and another generation
+    fits after the 32 passes (at least 0.4 of them: 44.8 passes in all); under that, and for
+    GENERATIONS=N's equal shares and one model, 0; an explicit MAX_EPOCHS, AVERAGE=none or few passes
+    keep theirs."""
+    from experiment import generations
+    assert autosize.CHAIN_PASSES == 2 * autosize.GENERATION_PASSES == 32 and generations.AUTO_MIN_SHARE == 0.4
+    for generations_setting, passes, cap in (("auto", 100.0, 32.0), ("auto", 44.8, 32.0), ("auto", 44.79, 0.0),
+                                             (3, 100.0, 0.0), (1, 100.0, 0.0)):
+        cfg = _cfg("--generations", generations_setting)
         unset = regime.left_unset(cfg)
         cfg.max_epochs = 8.0  # the data's pass cap, as launch.fill_pass_cap fills it before the regime
-        assert regime.fill(cfg, unset, 100.0)["max_epochs"] == cap == cfg.max_epochs, generations
+        assert regime.fill(cfg, unset, passes)["max_epochs"] == cap == cfg.max_epochs, (generations_setting, passes)
         cfg.max_epochs = 8.0
         assert "max_epochs" not in regime.fill(cfg, unset, 4.0) and cfg.max_epochs == 8.0  # plain: the data's cap
     for flags in (("--max_epochs", 50), ("--average", "none")):
