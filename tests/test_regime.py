@@ -85,6 +85,7 @@ def test_a_generation_of_generations_auto_plans_its_schedule_for_the_chains_pass
         assert regime.fill(cfg, unset, passes)["max_epochs"] == cap == cfg.max_epochs, (generations_setting, passes)
         cfg.max_epochs = 8.0
         assert "max_epochs" not in regime.fill(cfg, unset, 4.0) and cfg.max_epochs == 8.0  # plain: the data's cap
+    assert regime.pass_cap("".join(["au", "to"]), 100.0) == 32.0  # a string built at run time: equal, not the same
     for flags in (("--max_epochs", 50), ("--average", "none")):
         cfg = _cfg("--generations", "auto", *flags)
         unset = regime.left_unset(cfg)
