@@ -359,6 +359,7 @@ def test_a_run_stops_after_max_epochs_passes_its_schedule_ended_and_says_what_it
     steps = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("step ") and "| loss" in line]
     assert steps[-1] == math.ceil(train_tokens / 2 / 256)  # the step that reaches half a pass is the last
     assert "MAX_EPOCHS=0.5: the data's passes end about" in proc.stdout
+    assert "of the budget unspent (MAX_EPOCHS=0 trains the whole budget)" in proc.stdout
     done = next(line for line in proc.stdout.splitlines() if line.startswith("done:"))
     assert proc.stdout.strip().splitlines()[-1] == done  # the last line
     used, budget = (float(x.rstrip("s")) for x in done.split("(")[1].split(")")[0].split(" of "))
@@ -366,6 +367,10 @@ def test_a_run_stops_after_max_epochs_passes_its_schedule_ended_and_says_what_it
     assert "the data's 0.5 passes are done:" in done and "of the budget unspent" in done
     unspent = float(done.split("passes are done: ")[1].split("s (")[0].replace(",", ""))
     assert unspent == pytest.approx(budget - used, abs=1)
+    # a generation of GENERATIONS=auto leaves what its passes do not use to the next one (MAX_STEPS: no next here)
+    chain = run_train([*args, "--generations", "auto", "--model_tag", "chain", "--max_steps", steps[-1]])
+    assert "the run stops there with about" in chain.stdout and "left to the next generation (GENERATIONS=auto)" \
+        in chain.stdout and "MAX_EPOCHS=0 trains the whole budget" not in chain.stdout
     last_lr = [line for line in proc.stdout.splitlines() if line.startswith(f"step {steps[-1]:06d} | loss")][0]
     assert float(last_lr.split("| lr ")[1].split()[0]) < 0.02 * 0.05  # warmdown ends with the data (matrix_lr 0.02)
     # The step line's eta is the projected end, the passes here (not the budget's 1 h minus the time used).
