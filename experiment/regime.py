@@ -6,9 +6,10 @@ regularization its val loss bottoms out early, so the stop at the val minimum le
 budget unspent. There the settings a run leaves to the regime take RECIPE: attention dropout 0.2,
 the weight average (AVERAGE=ema) and no pass cap (MAX_EPOCHS=0: the stop at the val minimum ends the
 run, as it guards every run; a generation of GENERATIONS=auto whose budget makes enough passes for
-another generation after them caps its schedule at autosize.CHAIN_PASSES passes instead: pass_cap). The CPU screens that chose it: docs/performance.md, "Defaults by
-regime". At PASSES or fewer they take OFF, so such a run's step is the plain one: no dropout in the
-graph, no average, the data's pass cap.
+another generation after them caps its schedule at autosize.CHAIN_PASSES passes instead: pass_cap).
+The CPU screens that chose it: docs/performance.md, "Defaults by regime". At PASSES or fewer they
+take OFF, so such a run's step is the plain one: no dropout in the graph, no average, the data's pass
+cap.
 
 The passes are the budget's tokens at the run's tok/s over the training tokens (fewer where MAX_STEPS
 or an explicit MAX_EPOCHS ends the run first): the tok/s predicted on a GPU whose peak is known (as
