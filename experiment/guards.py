@@ -83,11 +83,25 @@ def auto_depth(cfg: TrainConfig, make_config, gpu: Gpu, world_size: int, train_t
     return chosen.depth
 
 
-def predicted_rate(cfg: TrainConfig, config, gpu: Gpu, world_size: int) -> float:
-    """The tok/s the plan predicts for `config` on these GPUs (gpu.peak known), all GPUs together."""
+def predicted_rate(cfg: TrainConfig, config, gpu: Gpu, world_size: int, teacher_flops: float = 0.0) -> float:
+    """The tok/s the plan predicts for `config` on these GPUs (gpu.peak known), all GPUs together; a
+    generation's teacher forward (`teacher_flops` per token) in its compute, as DEPTH=auto prices it."""
     precision = checkpoint_precision(config, world_size, gpu.memory_bytes, cfg.precision)
     return autosize.predicted_tok_per_s(config, gpu.peak, world_size, link_gbps(gpu.name),
-                                        autosize.WEIGHT_BYTES[precision], cfg.total_batch_size, gpu_name=gpu.name)
+                                        autosize.WEIGHT_BYTES[precision], cfg.total_batch_size, gpu_name=gpu.name,
+                                        teacher_flops=teacher_flops)
+
+
+def teacher_flops_ahead(launch_cfg: TrainConfig, config, make_config, top: Path) -> float:
+    """The forward FLOPs per token of the next generation's teachers (its teachers' count at the
+    generations' depth, as teachers_ahead counts them; Teacher.flops_per_token), for the pre-flight's
+    regime line: the trainer prices the same into its passes. 0 for one model or a first generation,
+    and for a student after DEPTH=auto's generations, whose depth is not known here."""
+    ahead = generations.ahead(launch_cfg, top)
+    if not ahead or not ahead[0][2] or (ahead[0][1] and not isinstance(launch_cfg.depth, int)):
+        return 0.0
+    teacher = make_config(launch_cfg.depth) if isinstance(launch_cfg.depth, int) else config
+    return ahead[0][2] * autosize.flops_per_token(teacher) / 3
 
 
 def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: int,

@@ -97,7 +97,8 @@ def records_note(meta: dict) -> str:
 
 
 def plan_regime(cfg: TrainConfig, unset: list[str], config: GPTConfig | None, gpu: guards.Gpu | None, world_size: int,
-                train_tokens: int, run_dir: Path, resume_step: int | None, default_cap: float, log) -> float:
+                train_tokens: int, run_dir: Path, resume_step: int | None, default_cap: float, log,
+                teacher_flops: float = 0.0) -> float:
     """The regime's settings where the pre-flight can know them (experiment/regime.py): a resume's from
     its checkpoint; a fresh run's on a GPU whose peak is known, from the predicted tok/s the trainer
     predicts too. Elsewhere the trainer measures. Returns the default pass cap: the regime's where it
@@ -105,7 +106,8 @@ def plan_regime(cfg: TrainConfig, unset: list[str], config: GPTConfig | None, gp
     if resume_step is not None:
         regime.keep(cfg, unset, ckpt.read_meta(run_dir, resume_step)["train_config"])
     elif unset and config is not None and gpu is not None and gpu.peak is not None:
-        passes, how = regime.estimate_passes(cfg, config, train_tokens, gpu, world_size, None, None, unset)
+        passes, how = regime.estimate_passes(cfg, config, train_tokens, gpu, world_size, None, None, unset,
+                                             teacher_flops)
         log("preflight | " + regime.line(passes, regime.fill(cfg, unset, passes), how))
     return cfg.max_epochs if "max_epochs" in unset and cfg.max_epochs is not None else default_cap
 
@@ -198,14 +200,16 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
                                   regime.regularizes(cfg, unset, train_tokens))
     config = model_config(dataclasses.replace(cfg, depth=depth), prepared) if depth else None
     rewind = start_checks(cfg, run_dir, resume_step, config, prepared)
-    default_cap = plan_regime(cfg, unset, config, gpu, world_size, train_tokens, run_dir, resume_step, default_cap, log)
+    make = lambda d: model_config(dataclasses.replace(launch_cfg, depth=d), prepared)
+    teacher_flops = guards.teacher_flops_ahead(launch_cfg, config, make, top) if config else 0.0
+    default_cap = plan_regime(cfg, unset, config, gpu, world_size, train_tokens, run_dir, resume_step, default_cap, log,
+                              teacher_flops)
     eval_prompt_ids(cfg, prepared)  # an EVAL_PROMPT the vocabulary cannot spell fails here, not at the first eval
     for line in plan_lines(cfg, prepared, config, world_size, resume_step, run_dir):
         log(line)
     if rewind is not None:
         log(f"preflight | the settings extend the annealed run: it goes back to step {rewind:06d}, its newest "
             "checkpoint from before the warmdown, and trains on to a new one")
-    make = lambda d: model_config(dataclasses.replace(launch_cfg, depth=d), prepared)
     gpu_plan = (guards.gpu_plan(cfg, config, gpu, world_size, train_tokens, default_cap,
                                 guards.teachers_ahead(launch_cfg, config, make, top)) if gpu and config else None)
     if gpu_plan:

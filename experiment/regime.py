@@ -56,10 +56,13 @@ def regularizes(cfg, unset: list[str], train_tokens: int) -> bool:
 
 
 def estimate_passes(cfg, config, train_tokens: int, gpu, world_size: int, device, auto: dict | None,
-                    unset: list[str]) -> tuple[float, str]:
+                    unset: list[str], teacher_flops: float = 0.0) -> tuple[float, str]:
     """(The passes the run makes over the training data: the budget's at `config`'s tok/s, or fewer
     where MAX_STEPS or an explicit MAX_EPOCHS ends it first; how they were had). Where those bounds
-    alone keep them within PASSES nothing is measured."""
+    alone keep them within PASSES nothing is measured. A generation's teacher forward
+    (`teacher_flops` per token) is priced into the rate (DEPTH=auto's candidates have it already):
+    unpriced, a generation's passes came out about a quarter too many on CPU, and the chain's pass
+    cap could leave budget no generation spends."""
     bounds = [(math.inf, "")]
     if cfg.max_steps:
         bounds.append((cfg.max_steps * cfg.total_batch_size / train_tokens, f"in MAX_STEPS={cfg.max_steps} steps"))
@@ -69,13 +72,15 @@ def estimate_passes(cfg, config, train_tokens: int, gpu, world_size: int, device
     if bound <= PASSES:
         return bound, why
     if gpu is not None and gpu.peak is not None:  # the pre-flight's plan predicts the same
-        rate, how = guards.predicted_rate(cfg, config, gpu, world_size), "predicted"
-    elif auto:  # DEPTH=auto measured it already
+        rate, how = guards.predicted_rate(cfg, config, gpu, world_size, teacher_flops), "predicted"
+    elif auto:  # DEPTH=auto measured it already, a teacher's forward priced in (autosize.measure_and_choose)
         rate, how = next(c["tok_per_s"] for c in auto["candidates"] if c["depth"] == config.depth), auto["how"]
     else:
-        rate, how = measured_rate(cfg, config, device) * world_size, "measured"
+        rate = autosize.with_teacher(measured_rate(cfg, config, device) * world_size, config, teacher_flops)
+        how = "measured"
     passes = rate * cfg.training_hours * 3600 / train_tokens
-    return (bound, why) if bound < passes else (passes, f"at the {how} {rate:,.0f} tok/s")
+    said = f"at the {how} {rate:,.0f} tok/s" + (" (the teacher's forward priced in)" if teacher_flops else "")
+    return (bound, why) if bound < passes else (passes, said)
 
 
 def measured_rate(cfg, config, device) -> float:
@@ -89,10 +94,11 @@ def measured_rate(cfg, config, device) -> float:
 
 
 def settle(cfg, d, gpu, config, train_tokens: int, run_dir, resume_step: int | None, auto: dict | None,
-           unset: list[str], log) -> tuple[float, str | None]:
+           unset: list[str], log, teacher_flops: float = 0.0) -> tuple[float, str | None]:
     """The trainer, on every rank alike: the unset settings from the checkpoint (a resume) or by the
     regime of rank 0's estimate (every rank measures at once, so each sees the load training will
-    put on the machine). Returns (the seconds it took, counted in the budget; the line said)."""
+    put on the machine; a generation's teacher priced in). Returns (the seconds it took, counted in
+    the budget; the line said)."""
     if not unset:
         return 0.0, None
     if resume_step is not None:
@@ -103,7 +109,7 @@ def settle(cfg, d, gpu, config, train_tokens: int, run_dir, resume_step: int | N
         return 0.0, said
     t0 = time.time()
     passes, how = broadcast_object(estimate_passes(cfg, config, train_tokens, gpu, d.world_size, d.device, auto,
-                                                   unset), d)
+                                                   unset, teacher_flops), d)
     said = line(passes, fill(cfg, unset, passes), how)
     log(said)
     return time.time() - t0, said

@@ -146,8 +146,8 @@ def setup(cfg: TrainConfig, d: Dist, workspace: Path, run_dir: Path, log: RunLog
                            if cfg.depth == "auto" else (None, 0))
     launch.fill_rates(cfg, cuda, run_dir, resume_step, log)
     model_config = launch.model_config(cfg, prepared)
-    regime_seconds, regime_line = regime.settle(cfg, d, gpu, model_config, prepared.meta["split"]["train_tokens"],
-                                                run_dir, resume_step, auto, unset, log)
+    regime_seconds, regime_line = regime.settle(cfg, d, gpu, model_config, prepared.meta["split"]["train_tokens"], run_dir,
+                                                resume_step, auto, unset, log, teacher.flops_per_token() if teacher else 0)
     if resume_step is not None:
         launch.check_resume_target(run_dir, resume_step, model_config, prepared)
     # Each rank its own stream: dropout's masks differ across ranks as their data does (weights are

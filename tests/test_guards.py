@@ -271,6 +271,19 @@ def test_the_host_average_is_the_largest_over_the_generations_still_to_train(tmp
     (tmp_path / "generations.json").write_text(json.dumps({"generations": [{"outcome": "finished"}] * 2}))
     assert guards.teachers_ahead(two, config(12), config, tmp_path) == (2 * p,)
     assert guards.teachers_ahead(dataclasses.replace(two, depth="auto"), config(12), config, tmp_path) == (0,)
+    # the pre-flight's regime prices the next generation's teachers' forward, as the trainer does: the
+    # pending student's two of the run's depth; nothing for a first generation, nor for a student after
+    # DEPTH=auto's generations (their depth is not known here)
+    from experiment import autosize
+    forward = autosize.flops_per_token(config(54)) / 3
+    assert guards.teacher_flops_ahead(two, config(12), config, tmp_path) == pytest.approx(2 * forward)
+    assert guards.teacher_flops_ahead(dataclasses.replace(two, depth="auto"), config(12), config, tmp_path) == 0
+    assert guards.teacher_flops_ahead(cfg, config(54), config, tmp_path / "new") == 0
+    (tmp_path / "generations.json").write_text(json.dumps({"generations": [{"outcome": "finished"}] * 3}))
+    assert guards.teacher_flops_ahead(cfg, config(54), config, tmp_path) == pytest.approx(3 * forward)  # ensemble
+    auto_depth = dataclasses.replace(cfg, depth="auto", teacher="previous")
+    assert guards.teacher_flops_ahead(auto_depth, config(20), config, tmp_path) == \
+        pytest.approx(autosize.flops_per_token(config(20)) / 3)  # its own depth's, the chain's
 
 
 def test_a_student_larger_than_its_teachers_is_checked_with_all_of_them(tmp_path):

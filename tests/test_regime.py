@@ -4,6 +4,7 @@ was set explicitly is kept, the pre-flight says and plans the same, and a resume
 started with."""
 
 import itertools
+import json
 import math
 import re
 
@@ -147,6 +148,41 @@ def test_the_passes_come_from_max_steps_the_gpu_prediction_auto_or_a_measurement
     assert len(measured) == 3  # MAX_STEPS=100 and 45 above measured; DEPTH=auto's figure and the GPU's did not
 
 
+def test_a_generations_teacher_is_priced_into_a_measured_or_predicted_rate_and_can_lift_the_chains_cap(monkeypatch):
+    """A later generation's step also runs its teacher's forward: a measured or predicted rate is priced
+    with it (autosize.with_teacher), DEPTH=auto's candidates are not priced twice, and a share that
+    makes 44.8 passes only at the bare rate gets no 32-pass cap, whose passes would take longer than
+    planned and leave under a next generation's seconds, unspent."""
+    config = autosize.GPTConfig(vocab_size=64, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=32)
+    monkeypatch.setattr(autosize, "measure_tok_per_s", lambda c, batch, device: 1000.0)
+    cpu, step = torch.device("cpu"), autosize.flops_per_token(config)
+    cfg = _cfg("--generations", "auto", "--training_hours", 1)
+    unset = regime.left_unset(cfg)
+    cfg.max_epochs = 8.0
+    bare = regime.estimate_passes(cfg, config, 10_240, None, 1, cpu, None, unset)
+    assert bare == (pytest.approx(1000 * 3600 / 10_240), "at the measured 1,000 tok/s")
+    passes, how = regime.estimate_passes(cfg, config, 10_240, None, 1, cpu, None, unset, teacher_flops=step / 3)
+    assert passes == pytest.approx(bare[0] * 0.75) and how == "at the measured 750 tok/s (the teacher's forward priced in)"
+    auto = {"how": "measured", "candidates": [{"depth": 2, "tok_per_s": 500.0}]}  # priced when DEPTH=auto measured it
+    assert regime.estimate_passes(cfg, config, 10_240, None, 1, cpu, auto, unset, teacher_flops=step) == \
+        (pytest.approx(500 * 3600 / 10_240), "at the measured 500 tok/s (the teacher's forward priced in)")
+    gpu_cfg = _cfg("--generations", "auto", "--training_hours", 1, cuda=True)
+    bare, priced = (guards.predicted_rate(gpu_cfg, config, H100, 8, t) for t in (0.0, step))
+    # in the compute, not the communication (as DEPTH=auto's prediction prices it): above half the bare
+    # rate, which a teacher of the step's own FLOPs would leave were the whole step priced
+    assert bare / 2 < priced < bare
+    assert regime.estimate_passes(gpu_cfg, config, 10**9, H100, 8, None, auto, unset, teacher_flops=step)[0] == \
+        pytest.approx(priced * 3600 / 10**9)
+    # 50 passes at the bare rate, 37.5 with the teacher: the cap of 32 would leave 5.5, under 0.4 x 32
+    d, lines = Dist(0, 0, 1, cpu), []
+    cfg.training_hours = 50 * 10_240 / 1000 / 3600
+    regime.settle(cfg, d, None, config, 10_240, None, None, None, list(unset), lines.append)
+    assert cfg.max_epochs == 32.0
+    cfg.max_epochs, cfg.attn_dropout, cfg.average = 8.0, "auto", "auto"
+    regime.settle(cfg, d, None, config, 10_240, None, None, None, list(unset), lines.append, step / 3)
+    assert cfg.max_epochs == 0.0 and "about 37.5 passes" in lines[-1] and "teacher's forward priced in" in lines[-1]
+
+
 def test_a_measurement_takes_the_runs_micro_batch_or_one_sequence_and_frees_a_gpus_memory(monkeypatch):
     """On a GPU of unknown peak without DEVICE_BATCH_SIZE the measured step is one sequence, and the
     memory it took is handed back before the device-batch probe (a stand-in device on this CPU)."""
@@ -188,15 +224,30 @@ def test_the_line_puts_exactly_four_passes_below_the_threshold():
     assert "more than 4, data-limited: AVERAGE=ema" in regime.line(4.01, {"average": "ema"}, "x")
 
 
-def _setup(ws, corpus, *flags):
+def _setup(ws, corpus, *flags, teachers=None):
     """The trainer set up on TINY with the regime's settings unset: (trainer, the lines it said)."""
     cfg = resolve(parse_args([*map(str, TINY), *UNSET, "--data_dir", str(corpus), "--workspace", str(ws),
                               "--total_batch_size", "256", "--device", "cpu", *map(str, flags)]), cuda=False,
                   world_size=1)
     lines = []
-    t = train.setup(cfg, Dist(0, 0, 1, torch.device("cpu")), ws, ws / "checkpoints" / cfg.model_tag, lines.append)
+    t = train.setup(cfg, Dist(0, 0, 1, torch.device("cpu")), ws, ws / "checkpoints" / cfg.model_tag, lines.append,
+                    teachers=teachers)
     t.writer.close()
     return t, lines
+
+
+def test_a_generations_setup_prices_its_teachers_forward_into_the_passes(tmp_path, corpus):
+    """train.setup hands the loaded teacher's forward FLOPs to the regime: a generation's line says the
+    rate is priced, and a run without a teacher's does not."""
+    from experiment.teacher import meta_digest
+    run_train([*TINY, "--data_dir", corpus, "--workspace", tmp_path, "--max_steps", 4, "--save_every_steps", 4,
+               "--model_tag", "teacher"])
+    file = tmp_path / "checkpoints/teacher/model_000004.pt"
+    teachers = [{"generation": 1, "file": str(file), "meta_sha256": meta_digest(file)}]
+    _, taught = _setup(tmp_path, corpus, "--model_tag", "taught", "--distill_weight", 0.5, teachers=teachers)
+    _, alone = _setup(tmp_path, corpus, "--model_tag", "alone")
+    assert "(the teacher's forward priced in)" in next(x for x in taught if x.startswith("regime | "))
+    assert "priced" not in next(x for x in alone if x.startswith("regime | "))
 
 
 def test_a_data_limited_run_trains_with_the_recipe_and_says_so(tmp_path, corpus):
@@ -261,6 +312,16 @@ def test_the_preflight_plans_the_recipe_and_the_repeat_guard_leaves_it(tmp_path,
     assert isinstance(plan, dict), plan
     line = next(x for x in lines if x.startswith("preflight | regime | "))
     assert "at the predicted" in line and "data-limited: ATTN_DROPOUT=0.2, AVERAGE=ema, MAX_EPOCHS=0" in line
+    assert "priced" not in line
+    # a second generation's teacher is priced into its passes, as the trainer prices it
+    gens = tmp_path / "gens"
+    (gens / "checkpoints/d12").mkdir(parents=True)
+    (gens / "checkpoints/d12/generations.json").write_text(json.dumps({"generations": [
+        {"index": 1, "dir": "gen1", "seed": 1337, "budget_seconds": 3600.0, "teachers": [], "outcome": "finished",
+         "used_seconds": 100.0, "best": None}]}))
+    plan, taught = run_preflight(gens, "--data_dir", corpus, "--depth", 12, "--generations", "auto", regime=True)
+    assert any("generation 2 (GENERATIONS=auto) starts" in x for x in taught), taught
+    assert "(the teacher's forward priced in)" in next(x for x in taught if x.startswith("preflight | regime | "))
     plan_line = next(x for x in lines if x.startswith("preflight | plan d12:"))
     assert "trains the whole 31h budget" in plan_line and "(less if the stop at the val minimum ends it)" in plan_line
     # AVERAGE=auto counts the average in the checkpoint the plan sizes; AVERAGE=none does not
