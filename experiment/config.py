@@ -205,8 +205,9 @@ class TrainConfig:
                                  "while the one before left enough unspent (docs/training.md)", 1)
     teacher: str = opt("what a generation after the first learns from: previous (the generation before it) or "
                        "ensemble (the mean of the probabilities of all before it)", "previous")
-    distill_weight: float = opt("the teacher's share of a generation's loss, 0..1: (1 - w) x cross-entropy on the "
-                                "labels + w x T^2 x KL(teacher || student) at temperature T", 0.5)
+    distill_weight: float | None = opt("the teacher's share of a generation's loss, 0..1: (1 - w) x cross-entropy "
+                                       "on the labels + w x T^2 x KL(teacher || student) at temperature T (auto: 0.5 "
+                                       "for a generation, 1 for the STUDENT_DEPTH student)", None)
     distill_temperature: float = opt("T, the temperature of both distributions in the distillation term", 1.0)
     student_depth: int = opt("with GENERATIONS=N: after the N generations, a student of this depth (smaller, so "
                              "that a laptop serves it) distilled from the ensemble of all of them, with an equal "
@@ -346,7 +347,7 @@ def check_generations(cfg: TrainConfig) -> None:
         raise ConfigError(f"--generations must be auto or a number >= 1 (1: one model), got {cfg.generations!r}")
     if cfg.teacher not in ("previous", "ensemble"):
         raise ConfigError(f"--teacher must be previous or ensemble, got {cfg.teacher!r}")
-    if not 0 <= cfg.distill_weight <= 1:
+    if cfg.distill_weight is not None and not 0 <= cfg.distill_weight <= 1:
         raise ConfigError(f"--distill_weight must lie in [0, 1], got {cfg.distill_weight}")
     if not (math.isfinite(cfg.distill_temperature) and cfg.distill_temperature > 0):
         raise ConfigError(f"--distill_temperature must be a finite number > 0, got {cfg.distill_temperature}")

@@ -394,7 +394,7 @@ def test_a_student_comes_after_the_generations_learns_from_all_of_them_at_its_de
     record = {"generations": [dict(g) for g in done]}
     (top / "generations.json").write_text(json.dumps(record))
     cfg = TrainConfig(generations=2, student_depth=1, depth=4, teacher="previous", training_hours=1000 / 3600,
-                      model_tag="run")
+                      model_tag="run", distill_temperature=2.0)
     gen_cfg, gen_dir, line = generations.pending(cfg, top)
     assert gen_dir == top / "gen3" and "generation 3 of 3 (the student, d1) starts" in line and gen_cfg.depth == 1
     g = generations.begin(top, record, 3, cfg, 1000.0)
@@ -410,6 +410,15 @@ def test_a_student_comes_after_the_generations_learns_from_all_of_them_at_its_de
     assert generations.ahead(dataclasses.replace(cfg, generations=1, student_depth=None), tmp_path) == [(1, False, 0)]
     assert generations.generation_config(cfg, g).depth == 1
     assert generations.generation_config(cfg, {**done[1], "distill": None}).depth == 4  # the run's depth
+    # DISTILL_WEIGHT=auto: the student learns from the ensemble alone, a generation half from the labels;
+    # one given is every generation's; a begun generation keeps the weight it recorded
+    assert g["distill"] == [1.0, 2.0] and gen_cfg.distill_weight == 1.0
+    assert generations.generation_config(cfg, g).distill_weight == 1.0
+    assert generations.generation_config(cfg, {**done[1], "distill": None}).distill_weight == 0.5
+    given = dataclasses.replace(cfg, distill_weight=0.7)
+    assert [generations.distill_weight(given, k) for k in (2, 3)] == [0.7, 0.7]
+    assert generations.generation_config(given, g).distill_weight == 1.0
+    assert generations.generation_config(given, {**done[1], "distill": None}).distill_weight == 0.7
     # the first of three equal shares, the student's counted
     assert generations.share({"generations": []}, 1, cfg, 900.0) == pytest.approx(300)
     assert generations.winner(generations.read_record(top))["index"] == 2  # the student has no best yet
