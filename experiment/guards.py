@@ -95,26 +95,29 @@ def predicted_rate(cfg: TrainConfig, config, gpu: Gpu, world_size: int, teacher_
 def teacher_flops_ahead(launch_cfg: TrainConfig, config, make_config, top: Path) -> float:
     """The forward FLOPs per token of the next generation's teachers (its teachers' count at the
     generations' depth, as teachers_ahead counts them; Teacher.flops_per_token), for the pre-flight's
-    regime line: the trainer prices the same into its passes. 0 for one model or a first generation,
-    and for a student after DEPTH=auto's generations, whose depth is not known here."""
+    regime and plan lines: the trainer prices the same into its passes. 0 for one model or a first
+    generation, and for a student after DEPTH=auto's generations, whose depth is not known here.
+    Under DEPTH=auto the teachers are taken at the next generation's depth: a chain's (chain_depth);
+    elsewhere each generation chose its own, so the figure is an estimate."""
     ahead = generations.ahead(launch_cfg, top)
-    if not ahead or not ahead[0][2] or (ahead[0][1] and not isinstance(launch_cfg.depth, int)):
+    if not ahead or (ahead[0][1] and not isinstance(launch_cfg.depth, int)):
         return 0.0
     teacher = make_config(launch_cfg.depth) if isinstance(launch_cfg.depth, int) else config
     return ahead[0][2] * autosize.flops_per_token(teacher) / 3
 
 
 def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: int,
-             default_cap: float, teachers: tuple[int, ...] = (0,)) -> GpuPlan | None:
+             default_cap: float, teachers: tuple[int, ...] = (0,), teacher_flops: float = 0.0) -> GpuPlan | None:
     """The plan line's and the guards' figures for `config`; `teachers`: the teachers' parameters
-    beside it in each generation still to train (teachers_ahead). The weight average's host memory is
+    beside it in each generation still to train (teachers_ahead); `teacher_flops`: the next one's
+    teachers' forward, priced into its rate as the regime prices it. The weight average's host memory is
     the largest over them: it does not grow with the teachers (one can move the mode to bf16, where
     the average fits on the GPU again, and teachers that fit no mode leave nothing planned)."""
     if gpu.peak is None:
         return None
     average = cfg.average != "none"  # AVERAGE=auto counts it: the trainer's regime may turn it on
     precision = checkpoint_precision(config, world_size, gpu.memory_bytes, cfg.precision)
-    rate = predicted_rate(cfg, config, gpu, world_size)
+    rate = predicted_rate(cfg, config, gpu, world_size, teacher_flops)
     budget_epochs = rate * cfg.training_hours * 3600 / train_tokens
     assert cfg.max_epochs is not None, "the pass cap is set with the data (launch.fill_pass_cap)"
     epochs = min(budget_epochs, cfg.max_epochs or budget_epochs)

@@ -211,7 +211,8 @@ def preflight(cfg: TrainConfig, world_size: int, node_rank: int, wait_minutes: f
         log(f"preflight | the settings extend the annealed run: it goes back to step {rewind:06d}, its newest "
             "checkpoint from before the warmdown, and trains on to a new one")
     gpu_plan = (guards.gpu_plan(cfg, config, gpu, world_size, train_tokens, default_cap,
-                                guards.teachers_ahead(launch_cfg, config, make, top)) if gpu and config else None)
+                                guards.teachers_ahead(launch_cfg, config, make, top), teacher_flops)
+                if gpu and config else None)
     if gpu_plan:
         log(guards.plan_line(cfg, gpu_plan, world_size, gpu))
         log(guards.staging_line(cfg, gpu_plan, world_size, nproc_per_node or world_size, host_available_bytes()))

@@ -73,7 +73,7 @@ def estimate_passes(cfg, config, train_tokens: int, gpu, world_size: int, device
         return bound, why
     if gpu is not None and gpu.peak is not None:  # the pre-flight's plan predicts the same
         rate, how = guards.predicted_rate(cfg, config, gpu, world_size, teacher_flops), "predicted"
-    elif auto:  # DEPTH=auto measured it already, a teacher's forward priced in (autosize.measure_and_choose)
+    elif auto:  # DEPTH=auto measured it already, a teacher priced in (autosize.probe_and_choose)
         rate, how = next(c["tok_per_s"] for c in auto["candidates"] if c["depth"] == config.depth), auto["how"]
     else:
         rate = autosize.with_teacher(measured_rate(cfg, config, device) * world_size, config, teacher_flops)

@@ -276,8 +276,13 @@ def test_the_host_average_is_the_largest_over_the_generations_still_to_train(tmp
     # DEPTH=auto's generations (their depth is not known here)
     from experiment import autosize
     forward = autosize.flops_per_token(config(54)) / 3
-    assert guards.teacher_flops_ahead(two, config(12), config, tmp_path) == pytest.approx(2 * forward)
+    assert guards.teacher_flops_ahead(two, config(12), config, tmp_path) == 2 * autosize.flops_per_token(config(54)) / 3
     assert guards.teacher_flops_ahead(dataclasses.replace(two, depth="auto"), config(12), config, tmp_path) == 0
+    one_done = tmp_path / "one"  # a generation next, the student after it: DEPTH=auto prices the generation's
+    one_done.mkdir()
+    (one_done / "generations.json").write_text(json.dumps({"generations": [{"outcome": "finished"}]}))
+    assert guards.teacher_flops_ahead(dataclasses.replace(two, depth="auto"), config(20), config, one_done) == \
+        pytest.approx(autosize.flops_per_token(config(20)) / 3)
     assert guards.teacher_flops_ahead(cfg, config(54), config, tmp_path / "new") == 0
     (tmp_path / "generations.json").write_text(json.dumps({"generations": [{"outcome": "finished"}] * 3}))
     assert guards.teacher_flops_ahead(cfg, config(54), config, tmp_path) == pytest.approx(3 * forward)  # ensemble
