@@ -98,10 +98,11 @@ def records_note(meta: dict) -> str:
 
 def plan_regime(cfg: TrainConfig, unset: list[str], config: GPTConfig | None, gpu: guards.Gpu | None, world_size: int,
                 train_tokens: int, run_dir: Path, resume_step: int | None, default_cap: float, log,
-                teacher_flops: float = 0.0) -> float:
+                teacher_flops: float) -> float:
     """The regime's settings where the pre-flight can know them (experiment/regime.py): a resume's from
     its checkpoint; a fresh run's on a GPU whose peak is known, from the predicted tok/s the trainer
-    predicts too. Elsewhere the trainer measures. Returns the default pass cap: the regime's where it
+    predicts too, a later generation's teachers (`teacher_flops` per token) priced in as the trainer
+    prices them. Elsewhere the trainer measures. Returns the default pass cap: the regime's where it
     sets it (0: lifted, so the repeat guard leaves a run regularized for its passes alone)."""
     if resume_step is not None:
         regime.keep(cfg, unset, ckpt.read_meta(run_dir, resume_step)["train_config"])

@@ -62,7 +62,7 @@ def test_the_regimes_settings_are_a_resumes_own_or_predicted_where_the_gpu_is_kn
     cfg, config = TrainConfig(max_epochs=0), tiny_config()
 
     def plan(unset, config=config, gpu=H100, resume=None):
-        return preflight.plan_regime(cfg, unset, config, gpu, 8, 10**6, tmp_path, resume, 4.0, lines.append)
+        return preflight.plan_regime(cfg, unset, config, gpu, 8, 10**6, tmp_path, resume, 4.0, lines.append, 0.0)
 
     assert plan(["max_epochs"], resume=5) == 0.0 and calls == [("keep", {"step": 5})] and lines == []
     calls.clear()
