@@ -92,20 +92,6 @@ def predicted_rate(cfg: TrainConfig, config, gpu: Gpu, world_size: int, teacher_
                                         teacher_flops=teacher_flops)
 
 
-def teacher_flops_ahead(launch_cfg: TrainConfig, config, make_config, top: Path) -> float:
-    """The forward FLOPs per token of the next generation's teachers (its teachers' count at the
-    generations' depth, as teachers_ahead counts them; Teacher.flops_per_token), for the pre-flight's
-    regime and plan lines: the trainer prices the same into its passes. 0 for one model or a first
-    generation, and for a student after DEPTH=auto's generations, whose depth is not known here.
-    Under DEPTH=auto the teachers are taken at the next generation's depth: a chain's (chain_depth);
-    elsewhere each generation chose its own, so the figure is an estimate."""
-    ahead = generations.ahead(launch_cfg, top)
-    if not ahead or (ahead[0][1] and not isinstance(launch_cfg.depth, int)):
-        return 0.0
-    teacher = make_config(launch_cfg.depth) if isinstance(launch_cfg.depth, int) else config
-    return ahead[0][2] * autosize.flops_per_token(teacher) / 3
-
-
 def gpu_plan(cfg: TrainConfig, config, gpu: Gpu, world_size: int, train_tokens: int,
              default_cap: float, teachers: tuple[int, ...] = (0,), teacher_flops: float = 0.0) -> GpuPlan | None:
     """The plan line's and the guards' figures for `config`; `teachers`: the teachers' parameters
@@ -137,13 +123,31 @@ def teachers_ahead(launch_cfg: TrainConfig, config, make_config, top: Path) -> t
     DEPTH=auto's generations: (0,), their depth is not known here."""
     ahead = generations.ahead(launch_cfg, top)
     pending_student = ahead[0][1] if ahead else False
-    if isinstance(launch_cfg.depth, int):
-        params = count_params(make_config(launch_cfg.depth))
-    elif pending_student:
+    teacher = teacher_config(launch_cfg, config, make_config, pending_student)
+    if teacher is None:
         return (0,)
-    else:
-        params = count_params(config)
+    params = count_params(teacher)
     return tuple(n * params for _, is_student, n in ahead if is_student == pending_student) or (0,)
+
+
+def teacher_config(launch_cfg: TrainConfig, config, make_config, student: bool):
+    """The model a generation's teachers are, as the pre-flight can know it: the run's DEPTH, else
+    `config`, the next generation's own (DEPTH=auto); None for a student after DEPTH=auto's
+    generations, whose depth is not known here."""
+    if isinstance(launch_cfg.depth, int):
+        return make_config(launch_cfg.depth)
+    return None if student else config
+
+
+def teacher_flops_ahead(launch_cfg: TrainConfig, config, make_config, top: Path) -> float:
+    """The forward FLOPs per token of the next generation's teachers (its teachers' count at
+    teacher_config's depth; Teacher.flops_per_token), for the pre-flight's regime and plan lines: the
+    trainer prices the same into its passes. 0 for one model or a first generation, and for a student
+    after DEPTH=auto's generations. Under DEPTH=auto the teachers are taken at the next generation's
+    depth: a chain's (chain_depth); elsewhere each generation chose its own, so the figure is an estimate."""
+    ahead = generations.ahead(launch_cfg, top)
+    teacher = teacher_config(launch_cfg, config, make_config, ahead[0][1]) if ahead else None
+    return ahead[0][2] * autosize.flops_per_token(teacher) / 3 if teacher else 0.0
 
 
 def generations_fit(cfg: TrainConfig, make_config, gpu: Gpu, world_size: int, top: Path) -> None:
