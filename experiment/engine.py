@@ -3,9 +3,9 @@
 A request's tokens never depend on who else is in the batch. Prefill and context rebuilds run the
 model's own forward over one request's tokens (as GPT.generate does); each later token is one
 decode step for every running request at once, in which every matmul runs on blocks of a fixed
-number of rows (block_linear) and attention is one bmm entry per (row, head) over a span rounded up
-to DECODE_SPAN_STEP, so a row's sums are the same whatever the batch. The model module knows
-nothing of this file; the server (experiment/server.py) schedules a Batch from one engine thread.
+number of rows (block_linear) and each row attends in products of its own (row_attention), so a
+row's sums are the same whatever the batch. The model module knows nothing of this file; the
+server (experiment/server.py) schedules a Batch from one engine thread.
 
 An ensemble is several models decoded as one: each runs its own prefill and decode steps on its own
 KV cache, and the token is drawn from the mean of their next-token probabilities (mix_logits). Each
@@ -54,22 +54,32 @@ class KVSlots:
         self.v[:, dst, :, :n] = self.v[:, src, :, :n]
 
 
-# Decode attention spans a multiple of this many positions: a whole number of SIMD vectors, so the
-# masked tail never changes how the vector loops split a row's sums.
+# A row's attention spans its own position rounded up to a multiple of this many: a few shapes for
+# the BLAS to plan, each a whole number of SIMD vectors.
 DECODE_SPAN_STEP = 64
 
 
-def invariant_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch.bmm (N, M, K) @ (N, K, P), each batch entry computed the same way whatever N.
+def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int) -> torch.Tensor:
+    """One row's attention: q (H, 1, D) at position pos over its own slot's keys and values (H, T, D),
+    those after pos masked out. (H, 1, D).
 
-    Each entry is an independent product of fixed shape, except that the CPU BLAS (oneDNN) runs a
-    lone bf16/fp16 entry as a plain GEMM that sums in another order (11 rows in 4,096 differed in
-    the last bit): such a batch of one runs as two, the entry twice. (fp32 goes to MKL, whose lone
-    entry matches; the tests check both.)
+    Each row is its own pair of bmm calls, whose shapes depend on nothing but its position, so its
+    bits cannot depend on the batch. One bmm over every (row, head) of the batch did: the CPU BLAS
+    plans a batched product by its batch count, and a row's sums changed with how many rows ran
+    beside it (fp32, one head of 128 at 300 positions; bf16 on an AMD EPYC). A row also reads only
+    its own span, not the longest row's: a d12 decode step of 1 to 32 rows at positions 100-1,000
+    took 0.55-1.01x the time of the one batch-wide bmm on a 2-core Xeon (fp32 and bf16).
     """
-    if a.size(0) == 1 and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.bmm(a.expand(2, -1, -1), b.expand(2, -1, -1))[:1]
-    return torch.bmm(a, b)
+    span = min(keys.size(1), -(-(pos + 1) // DECODE_SPAN_STEP) * DECODE_SPAN_STEP)
+    keys = keys[:, :span]
+    # The faster product for each dtype on that Xeon: in bf16, q @ keys^T made the 32-row step 1.4x
+    # the batch-wide bmm's time (keys^T is a strided operand the BLAS copies); in fp32 it is the faster
+    scores = (torch.bmm(q, keys.transpose(1, 2)) if q.dtype == torch.float32
+              else torch.bmm(keys, q.transpose(1, 2)).transpose(1, 2))  # (H, 1, span)
+    # fp32 softmax also under bf16 weights, as SDPA keeps its softmax in fp32
+    scores = scores.float() * q.size(-1) ** -0.5
+    scores[..., pos + 1 :] = -float("inf")
+    return torch.bmm(scores.softmax(dim=-1).to(values.dtype), values[:, :span])
 
 
 # Decode matmuls run on blocks of exactly this many rows (zero-padded), whatever the batch.
@@ -96,30 +106,22 @@ def block_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
 
 
 def decode_attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVSlots,
-                     pos: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """One new token for each of the cache's first B slots: x (B, 1, C), row b at position pos[b];
-    cos/sin (B, 1, 1, D/2); hidden (B, 1, 1, span) masks the positions after each row's own."""
+                     positions: list[int]) -> torch.Tensor:
+    """One new token for each of the cache's first B slots: x (B, 1, C), row b at position
+    positions[b]; cos/sin (B, 1, 1, D/2)."""
     B, _, C = x.shape
-    H, D, span = attn.n_head, attn.head_dim, hidden.size(-1)
+    H, D = attn.n_head, attn.head_dim
     q = block_linear(x, attn.c_q).view(B, 1, H, D).transpose(1, 2)  # (B, H, 1, D)
     k = block_linear(x, attn.c_k).view(B, 1, H, D).transpose(1, 2)
     v = block_linear(x, attn.c_v).view(B, 1, H, D).transpose(1, 2)
     q, k = apply_rope(rms_norm(q), cos, sin), apply_rope(rms_norm(k), cos, sin)
-    rows = torch.arange(B, device=x.device)
+    rows, pos = torch.arange(B, device=x.device), torch.tensor(positions, device=x.device)
     cache.k[attn.layer, rows, :, pos] = k[:, :, 0]  # (B, H, D): each row's slot at its own position
     cache.v[attn.layer, rows, :, pos] = v[:, :, 0]
-    keys = cache.k[attn.layer, :B, :, :span].flatten(0, 1)  # (B*H, span, D), a view
-    values = cache.v[attn.layer, :B, :, :span].flatten(0, 1)
-    # Every (row, head) is its own bmm entry over the first `span` positions, those after its own
-    # masked out. Its scores are dot products over D, whatever span; its masked positions add
-    # exact zeros at the end of the softmax and value sums, so its output is bit-identical for
-    # any span (a multiple of DECODE_SPAN_STEP) and any batch. (SDPA is not: its kernel splits the
-    # keys into blocks by length and rescales the partial sums. Per row over its own prefix it
-    # is exact, but then it costs a kernel launch per row.)
-    scores = invariant_bmm(q.reshape(B * H, 1, D), keys.transpose(1, 2)).view(B, H, 1, span)
-    # fp32 softmax also under bf16 weights, as SDPA keeps its softmax in fp32
-    probs = (scores.float() * D**-0.5).masked_fill(hidden, -float("inf")).softmax(dim=-1).to(values.dtype)
-    y = invariant_bmm(probs.view(B * H, 1, span), values).view(B, H, 1, D)
+    # Row by row (see row_attention); SDPA is not batch-invariant either: its kernel splits the keys
+    # into blocks by length and rescales the partial sums.
+    y = torch.stack([row_attention(q[b], cache.k[attn.layer, b], cache.v[attn.layer, b], p)
+                     for b, p in enumerate(positions)])  # (B, H, 1, D)
     return block_linear(y.transpose(1, 2).reshape(B, 1, C), attn.c_proj)
 
 
@@ -129,8 +131,8 @@ def decode_mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
 
 
 def decode_block(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVSlots,
-                 pos: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    x = x + decode_attention(block.attn, rms_norm(x), cos, sin, cache, pos, hidden)
+                 positions: list[int]) -> torch.Tensor:
+    x = x + decode_attention(block.attn, rms_norm(x), cos, sin, cache, positions)
     return x + decode_mlp(block.mlp, rms_norm(x))
 
 
@@ -147,9 +149,6 @@ def decode_step(model: GPT, tokens: list[int], positions: list[int], cache: KVSl
         raise ValueError(f"position {max(positions)} is past max_seq_len {model.config.max_seq_len}")
     device = model.wte.weight.device
     pos = torch.tensor(positions, device=device)
-    # Attention reads the first `span` positions of every slot: the longest row's, rounded up.
-    span = min(model.config.max_seq_len, -(-(max(positions) + 1) // DECODE_SPAN_STEP) * DECODE_SPAN_STEP)
-    hidden = (torch.arange(span, device=device) > pos[:, None])[:, None, None]  # (B, 1, 1, span)
     cos, sin = model.rope_cos[pos][:, None, None], model.rope_sin[pos][:, None, None]  # (B, 1, 1, D/2)
     idx = torch.tensor(tokens, device=device)[:, None]  # (B, 1)
     bigram = None
@@ -158,7 +157,7 @@ def decode_step(model: GPT, tokens: list[int], positions: list[int], cache: KVSl
         bigram = bigram_rows(prev, idx, model.config.bigram_vocab, model.config.bigram_rows)
     x = model.embed(idx, bigram)  # (B, 1, C)
     for block in model.blocks:
-        x = decode_block(block, x, cos, sin, cache, pos, hidden)
+        x = decode_block(block, x, cos, sin, cache, positions)
     return block_linear(rms_norm(x), model.lm_head).float()[:, 0]  # fp32 logits, as forward
 
 
