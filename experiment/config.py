@@ -209,9 +209,10 @@ class TrainConfig:
                                        "on the labels + w x T^2 x KL(teacher || student) at temperature T (auto: 0.5 "
                                        "for a generation, 1 for the STUDENT_DEPTH student)", None)
     distill_temperature: float = opt("T, the temperature of both distributions in the distillation term", 1.0)
-    student_depth: int = opt("with GENERATIONS=N: after the N generations, a student of this depth (smaller, so "
-                             "that a laptop serves it) distilled from the ensemble of all of them, with an equal "
-                             "share of the budget; it is the model served (0: none)", 0)
+    student_depth: int = opt("after the generations, a student of this depth (smaller, so that a laptop serves "
+                             "it) distilled from the ensemble of all of them; it is the model served. Its budget: "
+                             "with GENERATIONS=N an equal share, with auto a quarter of the budget and what the "
+                             "chain left (0: none)", 0)
     seed: int = opt("init and data-order seed (generation k adds k - 1)", 1337)
     compile: str = opt("torch.compile: auto (on with CUDA), on, off", "auto")
     ddp_graph_split: int = opt("1: a compiled DDP step is split into one graph per gradient bucket, so each bucket's "
@@ -353,9 +354,9 @@ def check_generations(cfg: TrainConfig) -> None:
         raise ConfigError(f"--distill_temperature must be a finite number > 0, got {cfg.distill_temperature}")
     if not isinstance(cfg.student_depth, int) or cfg.student_depth < 0:
         raise ConfigError(f"--student_depth must be a depth >= 1 (0: no student), got {cfg.student_depth!r}")
-    if cfg.student_depth and not (isinstance(cfg.generations, int) and cfg.generations >= 2):
-        raise ConfigError(f"--student_depth needs GENERATIONS=N of at least 2 (the student learns from the ensemble of "
-                          f"N generations and trains after them), got --generations {cfg.generations}")
+    if cfg.student_depth and not (cfg.generations == "auto" or isinstance(cfg.generations, int) and cfg.generations >= 2):
+        raise ConfigError(f"--student_depth needs GENERATIONS=auto or N of at least 2 (the student learns from the "
+                          f"ensemble of the generations and trains after them), got --generations {cfg.generations}")
     if cfg.generations != 1 and cfg.init_from:
         raise ConfigError("--generations other than 1 with --init_from: each generation starts from scratch; "
                           "fine-tune one model (GENERATIONS=1) instead")

@@ -57,6 +57,9 @@ AUTO_MIN_SHARE = 0.4
 # past the labels' val minimum: 462 steps against 282; docs/performance.md).
 GENERATION_WEIGHT = 0.5
 STUDENT_WEIGHT = 1.0
+# GENERATIONS=auto with STUDENT_DEPTH: the chain's generations leave this part of the budget to the
+# student, which gets it and whatever the chain left when it ends (docs/training.md).
+STUDENT_RESERVE = 0.25
 
 
 def read_record(top: Path) -> dict:
@@ -83,27 +86,37 @@ def check_layout(cfg: TrainConfig, top: Path) -> None:
 
 def count(cfg: TrainConfig) -> int:
     """The most generations this launch may train (a STUDENT_DEPTH student is one more, the last)."""
-    return AUTO_MAX_GENERATIONS if cfg.generations == "auto" else cfg.generations + (1 if cfg.student_depth else 0)
+    return (AUTO_MAX_GENERATIONS if cfg.generations == "auto" else cfg.generations) + (1 if cfg.student_depth else 0)
 
 
-def student(cfg: TrainConfig, k: int) -> dict:
-    """Generation k's record fields when it is the STUDENT_DEPTH student (the last of count(cfg)): its
-    depth, and the ensemble of all generations before it as its teacher, whatever TEACHER says."""
-    return {"student": True, "depth": cfg.student_depth} if cfg.student_depth and k == count(cfg) else {}
+def is_student(record: dict, k: int, cfg: TrainConfig, budget: float) -> bool:
+    """Whether generation k (begun, or the next to begin) is the STUDENT_DEPTH student: the last of
+    count(cfg) with GENERATIONS=N; with auto, the one after the chain ends (chain_share)."""
+    gens = record["generations"]
+    if k <= len(gens):
+        return bool(gens[k - 1].get("student"))
+    if not cfg.student_depth or k < 2:
+        return False
+    return chain_share(record, k, cfg, budget) is None if cfg.generations == "auto" else k == count(cfg)
 
 
-def distill_weight(cfg: TrainConfig, k: int) -> float:
-    """Generation k's DISTILL_WEIGHT: the one given, else (auto) STUDENT_WEIGHT for the STUDENT_DEPTH
+def student_fields(cfg: TrainConfig) -> dict:
+    """The record fields of a STUDENT_DEPTH student: its depth (and that it followed an auto chain)."""
+    return {"student": True, "depth": cfg.student_depth, **({"auto": True} if cfg.generations == "auto" else {})}
+
+
+def distill_weight(cfg: TrainConfig, student: bool) -> float:
+    """A generation's DISTILL_WEIGHT: the one given, else (auto) STUDENT_WEIGHT for the STUDENT_DEPTH
     student and GENERATION_WEIGHT for a generation."""
     if cfg.distill_weight is not None:
         return cfg.distill_weight
-    return STUDENT_WEIGHT if student(cfg, k) else GENERATION_WEIGHT
+    return STUDENT_WEIGHT if student else GENERATION_WEIGHT
 
 
-def teacher_kind(cfg: TrainConfig, k: int) -> str | None:
+def teacher_kind(cfg: TrainConfig, k: int, student: bool) -> str | None:
     """What teaches generation k: none (the first), the ensemble of all before it (the STUDENT_DEPTH
     student, whatever TEACHER says), else TEACHER (previous or ensemble)."""
-    return None if k == 1 else "ensemble" if student(cfg, k) else cfg.teacher
+    return None if k == 1 else "ensemble" if student else cfg.teacher
 
 
 def teachers_held(k: int, kind: str | None) -> int:
@@ -115,9 +128,18 @@ def teachers_held(k: int, kind: str | None) -> int:
 
 def ahead(cfg: TrainConfig, top: Path) -> list[tuple[int, bool, int]]:
     """Each generation of the run in `top` not done yet, the next first: (k, whether it is the
-    STUDENT_DEPTH student, how many models of the generations' depth teach it). One model: [(1, False, 0)]."""
-    done = sum(g["outcome"] is not None for g in read_record(top)["generations"])
-    return [(k, bool(student(cfg, k)), teachers_held(k, teacher_kind(cfg, k))) for k in range(done + 1, count(cfg) + 1)]
+    STUDENT_DEPTH student, how many models of the generations' depth teach it). One model: [(1, False, 0)].
+    Past the next one, an auto chain's student is taken as the last of count(cfg)."""
+    record = read_record(top)
+    gens, out = record["generations"], []
+    for k in range(sum(g["outcome"] is not None for g in gens) + 1, count(cfg) + 1):
+        known = k <= len(gens) + 1
+        student = (is_student(record, k, cfg, cfg.training_hours * 3600) if known
+                   else bool(cfg.student_depth) and k == count(cfg))
+        out.append((k, student, teachers_held(k, teacher_kind(cfg, k, student))))
+        if student:
+            break
+    return out
 
 
 def of(cfg: TrainConfig) -> str:
@@ -128,27 +150,44 @@ def check_student(record: dict, cfg: TrainConfig) -> None:
     """A begun student is the run's last model: a relaunch names the run as it began (GENERATIONS and
     STUDENT_DEPTH); another count would take the student for a generation and train more after it."""
     begun = [g for g in record["generations"] if g.get("student")]
-    if begun and (count(cfg) != begun[-1]["index"] or cfg.student_depth != begun[-1]["depth"]):
-        g = begun[-1]
+    if not begun:
+        return
+    g = begun[-1]
+    same = cfg.generations == "auto" if g.get("auto") else count(cfg) == g["index"]
+    if not same or cfg.student_depth != g["depth"]:
         raise ConfigError(f"this run's student (gen{g['index']}, d{g['depth']}) has begun, after {g['index'] - 1} "
-                          f"generations: relaunch it with GENERATIONS={g['index'] - 1} STUDENT_DEPTH={g['depth']}, "
-                          "or set another MODEL_TAG")
+                          f"generations: relaunch it with GENERATIONS={'auto' if g.get('auto') else g['index'] - 1} "
+                          f"STUDENT_DEPTH={g['depth']}, or set another MODEL_TAG")
 
 
 def share(record: dict, k: int, cfg: TrainConfig, budget: float) -> float | None:
-    """Generation k's budget seconds; None when that is too little to train a useful generation.
-    GENERATIONS=N: an equal share of what the generations before it left. auto: all they left, when
-    that is at least AUTO_MIN_SHARE of what the first used (it stopped at its val minimum, or its passes
-    were done), and none after MAX_STEPS ended the one before (the user bounded each generation)."""
+    """Generation k's budget seconds; None when that is too little to train a useful generation, and
+    for any after the student. GENERATIONS=N: an equal share of what the generations before it left.
+    auto: chain_share; its student, all that the chain left."""
     gens = record["generations"][: k - 1]
+    if any(g.get("student") for g in gens):
+        return None
     left = budget - sum(g["used_seconds"] for g in gens)
     if cfg.generations == "auto":
-        if not gens:
-            return left
-        enough = left >= max(MIN_SHARE_SECONDS, AUTO_MIN_SHARE * gens[0]["used_seconds"])
-        return left if enough and gens[-1]["outcome"] != MAX_STEPS_OUTCOME else None
+        if is_student(record, k, cfg, budget):
+            return left if left >= MIN_SHARE_SECONDS else None
+        return chain_share(record, k, cfg, budget)
     seconds = left / (count(cfg) - k + 1)
     return seconds if seconds >= max(MIN_SHARE_SECONDS, MIN_SHARE_FRACTION * budget / count(cfg)) else None
+
+
+def chain_share(record: dict, k: int, cfg: TrainConfig, budget: float) -> float | None:
+    """GENERATIONS=auto: generation k of the chain gets all the generations before it left (less the
+    student's reserve, STUDENT_RESERVE of the budget, with STUDENT_DEPTH), when that is at least
+    AUTO_MIN_SHARE of what the first used (it stopped at its val minimum, or its passes were done);
+    none after MAX_STEPS ended the one before (the user bounded each generation), nor past
+    AUTO_MAX_GENERATIONS."""
+    gens = record["generations"][: k - 1]
+    left = budget * (1 - (STUDENT_RESERVE if cfg.student_depth else 0)) - sum(g["used_seconds"] for g in gens)
+    if not gens:
+        return left
+    enough = left >= max(MIN_SHARE_SECONDS, AUTO_MIN_SHARE * gens[0]["used_seconds"])
+    return left if enough and k <= AUTO_MAX_GENERATIONS and gens[-1]["outcome"] != MAX_STEPS_OUTCOME else None
 
 
 def sizes_chain(cfg: TrainConfig) -> bool:
@@ -183,10 +222,10 @@ def chain_depth(top: Path, done: list[dict], cfg: TrainConfig) -> dict:
     return {"depth": depth} if sized else {}
 
 
-def head(top: Path, done: list[dict], k: int, cfg: TrainConfig, seconds: float) -> dict:
+def head(top: Path, done: list[dict], k: int, cfg: TrainConfig, seconds: float, student: bool) -> dict:
     """What generation k's record begins with (the pre-flight shows it before `begin` writes it)."""
     return {"index": k, "dir": f"gen{k}", "seed": cfg.seed + k - 1, "budget_seconds": seconds,
-            **chain_depth(top, done, cfg), **student(cfg, k)}
+            **(student_fields(cfg) if student else chain_depth(top, done, cfg))}
 
 
 def teachers_for(top: Path, done: list[dict], how: str) -> list[dict]:
@@ -225,9 +264,11 @@ def begin(top: Path, record: dict, k: int, cfg: TrainConfig, budget: float, worl
     seconds = share(record, k, cfg, budget)
     if seconds is None:
         return None
-    how = teacher_kind(cfg, k)
-    g = {**head(top, done, k, cfg, seconds), "teacher": how, "teachers": teachers_for(top, done, how) if done else [],
-         "distill": [distill_weight(cfg, k), cfg.distill_temperature] if done else None,
+    student = is_student(record, k, cfg, budget)
+    how = teacher_kind(cfg, k, student)
+    g = {**head(top, done, k, cfg, seconds, student), "teacher": how,
+         "teachers": teachers_for(top, done, how) if done else [],
+         "distill": [distill_weight(cfg, student), cfg.distill_temperature] if done else None,
          "began": time.time(), "outcome": None, "used_seconds": None, "best": None}
     record["generations"].append(g)
     record["budget_seconds"], record["world_size"] = budget, world_size
@@ -246,11 +287,14 @@ def title(g: dict) -> str:
 
 def generation_config(cfg: TrainConfig, g: dict) -> TrainConfig:
     """The one-model config generation g trains with: its seed and budget; its run directory and
-    TensorBoard logs under the run's (model_tag <tag>/gen<k>)."""
-    distill = g["distill"] or [distill_weight(cfg, g["index"]), cfg.distill_temperature]
+    TensorBoard logs under the run's (model_tag <tag>/gen<k>). The student of an auto chain trains
+    as GENERATIONS=N's would, N the generations before it: nothing follows it, so neither the chain's
+    pass cap nor its "left to the next generation" applies."""
+    distill = g["distill"] or [distill_weight(cfg, bool(g.get("student"))), cfg.distill_temperature]
+    after_chain = {"generations": g["index"] - 1} if g.get("auto") else {}
     return dataclasses.replace(cfg, seed=g["seed"], training_hours=g["budget_seconds"] / 3600, budget_usd=None,
                                model_tag=f"{cfg.model_tag}/{g['dir']}", distill_weight=distill[0],
-                               distill_temperature=distill[1], depth=g.get("depth", cfg.depth))
+                               distill_temperature=distill[1], depth=g.get("depth", cfg.depth), **after_chain)
 
 
 def pending(cfg: TrainConfig, top: Path, world_size: int | None = None) -> tuple[TrainConfig | None, Path | None, str]:
@@ -264,6 +308,8 @@ def pending(cfg: TrainConfig, top: Path, world_size: int | None = None) -> tuple
     check_student(record, cfg)
     gens = record["generations"]
     done = [g for g in gens if g["outcome"] is not None]
+    if any(g.get("student") for g in done):
+        return None, None, f"preflight | the run in {top} is done: its student (the last model) has trained"
     if len(done) >= count(cfg):
         return None, None, (f"preflight | all {count(cfg)} generations in {top} are done; a larger GENERATIONS "
                             "(and budget) adds more")
@@ -272,10 +318,11 @@ def pending(cfg: TrainConfig, top: Path, world_size: int | None = None) -> tuple
         g, how = gens[k - 1], "resumes"
         check_teachers(top, g)
     else:
-        seconds = share(record, k, cfg, cfg.training_hours * 3600)
+        budget = cfg.training_hours * 3600
+        seconds = share(record, k, cfg, budget)
         if seconds is None:
             return None, None, f"preflight | no budget left for generation {k} {of(cfg)} in {top}"
-        g, how = {**head(top, done, k, cfg, seconds), "distill": None}, "starts"
+        g, how = {**head(top, done, k, cfg, seconds, is_student(record, k, cfg, budget)), "distill": None}, "starts"
     line = (f"preflight | generation {k} {of(cfg)}{' (the student, d%d)' % g['depth'] if g.get('student') else ''} "
             f"{how} in {top / g['dir']}: seed {g['seed']}, "
             f"{g['budget_seconds']:.0f}s of the budget" + (f", {len(done)} done" if done else ""))
@@ -319,6 +366,8 @@ def run_all(cfg: TrainConfig, d: Dist, workspace: Path, top: Path, log: RunLog, 
     for k in range(1, count(cfg) + 1):
         record = on_rank_0(d, lambda: read_record(top))
         gens = record["generations"]
+        if any(g.get("student") and g["outcome"] is not None for g in gens):
+            break  # the student is the last model
         if k <= len(gens) and gens[k - 1]["outcome"] is not None:
             continue  # done in an earlier launch
         on_rank_0(d, lambda: (check_world(record, cfg, d.world_size), check_student(record, cfg)))

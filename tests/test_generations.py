@@ -367,7 +367,7 @@ def test_a_generation_begins_with_its_share_its_seed_and_its_teachers(tmp_path, 
     assert gen_cfg.model_tag == "run/gen4" and gen_cfg.budget_usd is None
     assert [t["generation"] for t in g["teachers"]] == expected
     # the count the pre-flight's memory check holds beside generation 4 (guards.generations_fit)
-    assert generations.teachers_held(4, generations.teacher_kind(cfg, 4)) == len(expected)
+    assert generations.teachers_held(4, generations.teacher_kind(cfg, 4, False)) == len(expected)
     assert g["teachers"][-1]["file"] == "gen3/model_000030.pt"
     assert g["teachers"][-1]["meta_sha256"] == hashlib.sha256(ckpt.meta_path(top / "gen3", 30).read_bytes()).hexdigest()
     assert generations.read_record(top)["generations"][3] == g  # written before the generation trains
@@ -395,18 +395,18 @@ def test_a_student_comes_after_the_generations_learns_from_all_of_them_at_its_de
     (top / "generations.json").write_text(json.dumps(record))
     cfg = TrainConfig(generations=2, student_depth=1, depth=4, teacher="previous", training_hours=1000 / 3600,
                       model_tag="run", distill_temperature=2.0)
+    assert generations.ahead(dataclasses.replace(cfg, generations=3, teacher="ensemble"), top) == [(3, False, 2),
+                                                                                                  (4, True, 3)]
     gen_cfg, gen_dir, line = generations.pending(cfg, top)
     assert gen_dir == top / "gen3" and "generation 3 of 3 (the student, d1) starts" in line and gen_cfg.depth == 1
     g = generations.begin(top, record, 3, cfg, 1000.0)
     assert g["student"] and g["depth"] == 1 and g["teacher"] == "ensemble"
     assert [t["generation"] for t in g["teachers"]] == [1, 2] and g["budget_seconds"] == pytest.approx(700)
     # the count the pre-flight's check and the plan's student line hold beside it
-    assert generations.teachers_held(3, generations.teacher_kind(cfg, 3)) == 2
+    assert generations.teachers_held(3, generations.teacher_kind(cfg, 3, True)) == 2
     # what is left to train (the pre-flight's checks): the begun student, with both; one more
     # generation before it with three; one model alone
     assert generations.ahead(cfg, top) == [(3, True, 2)]
-    assert generations.ahead(dataclasses.replace(cfg, generations=3, teacher="ensemble"), top) == [(3, False, 2),
-                                                                                                  (4, True, 3)]
     assert generations.ahead(dataclasses.replace(cfg, generations=1, student_depth=None), tmp_path) == [(1, False, 0)]
     assert generations.generation_config(cfg, g).depth == 1
     assert generations.generation_config(cfg, {**done[1], "distill": None}).depth == 4  # the run's depth
@@ -416,7 +416,7 @@ def test_a_student_comes_after_the_generations_learns_from_all_of_them_at_its_de
     assert generations.generation_config(cfg, g).distill_weight == 1.0
     assert generations.generation_config(cfg, {**done[1], "distill": None}).distill_weight == 0.5
     given = dataclasses.replace(cfg, distill_weight=0.7)
-    assert [generations.distill_weight(given, k) for k in (2, 3)] == [0.7, 0.7]
+    assert [generations.distill_weight(given, student) for student in (False, True)] == [0.7, 0.7]
     assert generations.generation_config(given, g).distill_weight == 1.0
     assert generations.generation_config(given, {**done[1], "distill": None}).distill_weight == 0.7
     # the first of three equal shares, the student's counted
@@ -433,7 +433,8 @@ def test_a_student_comes_after_the_generations_learns_from_all_of_them_at_its_de
         with pytest.raises(ConfigError, match=r"student \(gen3, d1\) has begun.*GENERATIONS=2 STUDENT_DEPTH=1"):
             generations.pending(dataclasses.replace(cfg, **other), top)
     generations.pending(cfg, top)  # the same settings resume it
-    for bad in (dict(generations="auto"), dict(generations=1), dict(student_depth=-2)):
+    check_generations(TrainConfig(generations="auto", student_depth=1))  # after the auto chain
+    for bad in (dict(generations=1), dict(student_depth=-2)):
         with pytest.raises(ConfigError, match="--student_depth"):
             check_generations(TrainConfig(**{"generations": 2, "student_depth": 1, **bad}))
 
@@ -492,6 +493,57 @@ def test_auto_begins_a_generation_after_one_that_stopped_at_its_val_minimum_with
     shutil.rmtree(top)
     assert generations.run_all(cfg, d, tmp_path, top, RunLog(None), time.time(), run_one) == 0
     assert [k for k, *_ in calls] == [1]
+
+
+def test_under_auto_a_student_trains_after_the_chain_on_its_reserve_and_what_the_chain_left(tmp_path):
+    """GENERATIONS=auto STUDENT_DEPTH: the chain's generations share the budget less STUDENT_RESERVE;
+    when the next would get too little, the student trains on the rest, taught by the ensemble of the
+    whole chain, as GENERATIONS=N's student would (no chain pass cap); nothing trains after it, and a
+    relaunch with another setting is refused."""
+    from experiment import generations
+    from experiment.config import ConfigError, TrainConfig
+    from experiment.distributed import Dist
+    from experiment.runlog import RunLog
+    top = tmp_path / "run"
+    ends = {1: ("finished: the val loss stopped improving ...", 300.0, 1.46),
+            2: ("finished: the budget is spent", 140.0, 1.43), 3: ("finished: the budget is spent", 160.0, 1.40)}
+    calls = []
+
+    def run_one(cfg, d, workspace, gen_dir, log, launched, teachers):
+        k = int(gen_dir.name[3:])
+        calls.append((k, round(cfg.training_hours * 3600, 6), [t["generation"] for t in teachers], cfg.depth,
+                       cfg.distill_weight, cfg.generations))
+        outcome, used, loss = ends[k]
+        return 0, outcome, _fake_generation(top, k, 10 * k, loss, used)["used_seconds"]
+
+    cfg = TrainConfig(generations="auto", student_depth=2, depth=4, training_hours=600 / 3600, model_tag="run")
+    assert generations.count(cfg) == generations.AUTO_MAX_GENERATIONS + 1
+    assert generations.ahead(cfg, top)[0] == (1, False, 0)
+    d = Dist(0, 0, 1, torch.device("cpu"))
+    assert generations.run_all(cfg, d, tmp_path, top, RunLog(None), time.time(), run_one) == 0
+    # 600 s, 150 of them the student's: gen1 450; gen2 the 150 gen1 left (>= 0.4 x 300); then 10 s
+    # would be left to a third: the student gets them and its 150
+    assert calls == [(1, 450.0, [], 4, 0.5, "auto"), (2, 150.0, [1], 4, 0.5, "auto"), (3, 160.0, [1, 2], 2, 1.0, 2)]
+    record = generations.read_record(top)
+    assert record["generations"][2]["student"] and record["generations"][2]["auto"]
+    assert json.loads((top / "best.json").read_text())["generation"] == 3  # the student is served
+    gen_cfg, gen_dir, line = generations.pending(cfg, top)
+    assert gen_cfg is None and "its student (the last model) has trained" in line
+    assert generations.run_all(cfg, d, tmp_path, top, RunLog(None), time.time(), run_one) == 0 and len(calls) == 3
+    for other in (dict(generations=2), dict(student_depth=3), dict(student_depth=0)):
+        with pytest.raises(ConfigError, match=r"student \(gen3, d2\) has begun.*GENERATIONS=auto STUDENT_DEPTH=2"):
+            generations.pending(dataclasses.replace(cfg, **other), top)
+    # the pre-flight's look at a run whose chain has ended: the student is next, with every generation
+    record["generations"] = record["generations"][:2]
+    (top / "generations.json").write_text(json.dumps(record))
+    assert generations.ahead(cfg, top) == [(3, True, 2)]
+    gen_cfg, gen_dir, line = generations.pending(cfg, top)
+    assert "generation 3 (GENERATIONS=auto) (the student, d2) starts" in line and gen_cfg.depth == 2
+    assert gen_cfg.training_hours * 3600 == pytest.approx(160.0) and gen_cfg.generations == 2
+    # without STUDENT_DEPTH the same chain takes all 600 s and the third would get 160 s (>= 120)
+    plain = dataclasses.replace(cfg, student_depth=0)
+    assert generations.share(record, 3, plain, 600.0) == pytest.approx(160.0)
+    assert not generations.is_student(record, 3, plain, 600.0)
 
 
 @pytest.mark.parametrize("generations,depth,teacher,chained,later", [
