@@ -201,8 +201,9 @@ class TrainConfig:
     generations: int | str = opt("models trained one after another in the run directory (gen1/, gen2/, ...), each "
                                  "from scratch with its own seed on the labels and a teacher's predictions; the best "
                                  "one is served. A number N: N generations sharing the budget equally (1: one model, "
-                                 "no teacher). auto: the first generation gets the whole budget, and another begins "
-                                 "while the one before left enough unspent (docs/training.md)", 1)
+                                 "no teacher). auto: the first generation gets the whole budget (less STUDENT_DEPTH's "
+                                 "quarter), and another begins while the one before left enough unspent "
+                                 "(docs/training.md)", 1)
     teacher: str = opt("what a generation after the first learns from: previous (the generation before it) or "
                        "ensemble (the mean of the probabilities of all before it)", "previous")
     distill_weight: float | None = opt("the teacher's share of a generation's loss, 0..1: (1 - w) x cross-entropy "

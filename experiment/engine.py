@@ -115,6 +115,7 @@ def decode_attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: t
     k = block_linear(x, attn.c_k).view(B, 1, H, D).transpose(1, 2)
     v = block_linear(x, attn.c_v).view(B, 1, H, D).transpose(1, 2)
     q, k = apply_rope(rms_norm(q), cos, sin), apply_rope(rms_norm(k), cos, sin)
+    q = q.contiguous()  # each row's (H, 1, D) laid out alike whatever B
     rows, pos = torch.arange(B, device=x.device), torch.tensor(positions, device=x.device)
     cache.k[attn.layer, rows, :, pos] = k[:, :, 0]  # (B, H, D): each row's slot at its own position
     cache.v[attn.layer, rows, :, pos] = v[:, :, 0]

@@ -12,7 +12,9 @@ val minimum, or the data's passes are done) buys the next generation instead.
     <run_dir>/report.md          the generations side by side
 
 The budget: generation k starts with an equal share of what the generations before it left,
-(budget - used) / (generations left), recorded when it begins so that a resume keeps its schedule.
+(budget - used) / (generations left); with GENERATIONS=auto, all they left (less STUDENT_RESERVE of
+the budget for a STUDENT_DEPTH student, which trains on that and the rest when the chain ends).
+Recorded when it begins, so that a resume keeps its schedule.
 A teacher's forward passes run inside the step, so its cost is the student's budget's.
 A kill at any moment resumes the generation it hit (its checkpoints, its recorded teacher); a
 launch with more GENERATIONS (and budget) adds generations. train.py stays a loop of one model:
@@ -58,7 +60,9 @@ AUTO_MIN_SHARE = 0.4
 GENERATION_WEIGHT = 0.5
 STUDENT_WEIGHT = 1.0
 # GENERATIONS=auto with STUDENT_DEPTH: the chain's generations leave this part of the budget to the
-# student, which gets it and whatever the chain left when it ends (docs/training.md).
+# student, which gets it and whatever the chain left when it ends (docs/training.md). Chosen, not
+# screened: GENERATIONS=N's students had a fifth to a seventh and learned most of their teachers'
+# gain; one value measured (docs/performance.md).
 STUDENT_RESERVE = 0.25
 
 
@@ -132,10 +136,13 @@ def ahead(cfg: TrainConfig, top: Path) -> list[tuple[int, bool, int]]:
     Past the next one, an auto chain's student is taken as the last of count(cfg)."""
     record = read_record(top)
     gens, out = record["generations"], []
+    if any(g.get("student") and g["outcome"] is not None for g in gens):
+        return []  # the student was the last
+    settled = all(g["outcome"] is not None for g in gens)  # what the chain left is known
     for k in range(sum(g["outcome"] is not None for g in gens) + 1, count(cfg) + 1):
-        known = k <= len(gens) + 1
-        student = (is_student(record, k, cfg, cfg.training_hours * 3600) if known
-                   else bool(cfg.student_depth) and k == count(cfg))
+        known = k <= len(gens) or (k == len(gens) + 1 and settled)
+        budget = math.inf if cfg.training_hours is None else cfg.training_hours * 3600  # None: not resolved yet
+        student = (is_student(record, k, cfg, budget) if known else bool(cfg.student_depth) and k == count(cfg))
         out.append((k, student, teachers_held(k, teacher_kind(cfg, k, student))))
         if student:
             break
@@ -153,7 +160,7 @@ def check_student(record: dict, cfg: TrainConfig) -> None:
     if not begun:
         return
     g = begun[-1]
-    same = cfg.generations == "auto" if g.get("auto") else count(cfg) == g["index"]
+    same = (cfg.generations == "auto") == bool(g.get("auto")) and (g.get("auto") or count(cfg) == g["index"])
     if not same or cfg.student_depth != g["depth"]:
         raise ConfigError(f"this run's student (gen{g['index']}, d{g['depth']}) has begun, after {g['index'] - 1} "
                           f"generations: relaunch it with GENERATIONS={'auto' if g.get('auto') else g['index'] - 1} "
@@ -289,7 +296,9 @@ def generation_config(cfg: TrainConfig, g: dict) -> TrainConfig:
     """The one-model config generation g trains with: its seed and budget; its run directory and
     TensorBoard logs under the run's (model_tag <tag>/gen<k>). The student of an auto chain trains
     as GENERATIONS=N's would, N the generations before it: nothing follows it, so neither the chain's
-    pass cap nor its "left to the next generation" applies."""
+    pass cap nor its "left to the next generation" applies. (With a chain of one that is
+    GENERATIONS=1 beside STUDENT_DEPTH, a pair check_generations refuses in a launch's settings: a
+    generation's config is never checked as one.)"""
     distill = g["distill"] or [distill_weight(cfg, bool(g.get("student"))), cfg.distill_temperature]
     after_chain = {"generations": g["index"] - 1} if g.get("auto") else {}
     return dataclasses.replace(cfg, seed=g["seed"], training_hours=g["budget_seconds"] / 3600, budget_usd=None,

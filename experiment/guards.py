@@ -155,8 +155,9 @@ def generations_fit(cfg: TrainConfig, make_config, gpu: Gpu, world_size: int, to
     before it, or with TEACHER=ensemble all before it; a STUDENT_DEPTH student all N). One that fits
     these GPUs in no memory mode is refused now, before the generations before it spend their shares
     (the trainer would find it only at that generation's start). The generations of the run in `top`
-    that are done are not checked again. GENERATIONS=auto: its second generation (one teacher); an
-    ensemble's later ones are checked at their start. DEPTH=auto picks a depth that fits beside its
+    that are done are not checked again. GENERATIONS=auto: its second generation (one teacher), and
+    a STUDENT_DEPTH student once it is next (every generation of the chain teaches it); an
+    ensemble's later ones, and a student not yet known to be next, are checked at their start. DEPTH=auto picks a depth that fits beside its
     teacher itself (a chain's first generation, one that holds a teacher of its size:
     autosize.holds_own_teacher; a STUDENT_DEPTH student beside DEPTH=auto's is checked at its start).
     make_config(depth): the model config of that depth."""
@@ -164,8 +165,9 @@ def generations_fit(cfg: TrainConfig, make_config, gpu: Gpu, world_size: int, to
     if n == 1 or not isinstance(cfg.depth, int):
         return
     params = count_params(make_config(cfg.depth))
-    for k, is_student, held in generations.ahead(cfg, top):
-        if k == 1 or (n == "auto" and k > 2):
+    ahead = generations.ahead(cfg, top)
+    for k, is_student, held in ahead:
+        if k == 1 or (n == "auto" and k > 2 and not (is_student and k == ahead[0][0])):
             continue
         model = make_config(cfg.student_depth if is_student else cfg.depth)
         name = f"the student (d{model.depth})" if is_student else f"generation {k}"

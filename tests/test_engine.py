@@ -45,7 +45,7 @@ def previous(seqs: list[list[int]]) -> list[int]:
 def test_decode_step_is_batch_invariant_and_agrees_with_forward(dtype, bigram):
     model = tiny(seq=160, bigram=bigram).to(dtype)
     rng = random.Random(0)
-    # alone, these attend over spans of 64, 128 and 160 positions; together, all over 160
+    # each attends over its own span (64, 128 or 160 positions), alone or together
     seqs = [[rng.randrange(ALLOWED) for _ in range(n)] for n in (1, 7, 70, 160, 130, 3)]  # one fills the context
     batched = decode_step(model, [s[-1] for s in seqs], [len(s) - 1 for s in seqs], prefilled(model, seqs),
                           previous(seqs))

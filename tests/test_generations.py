@@ -530,10 +530,17 @@ def test_under_auto_a_student_trains_after_the_chain_on_its_reserve_and_what_the
     gen_cfg, gen_dir, line = generations.pending(cfg, top)
     assert gen_cfg is None and "its student (the last model) has trained" in line
     assert generations.run_all(cfg, d, tmp_path, top, RunLog(None), time.time(), run_one) == 0 and len(calls) == 3
-    for other in (dict(generations=2), dict(student_depth=3), dict(student_depth=0)):
+    for other in (dict(generations=2), dict(generations=8), dict(student_depth=3), dict(student_depth=0)):
         with pytest.raises(ConfigError, match=r"student \(gen3, d2\) has begun.*GENERATIONS=auto STUDENT_DEPTH=2"):
             generations.pending(dataclasses.replace(cfg, **other), top)
-    # the pre-flight's look at a run whose chain has ended: the student is next, with every generation
+    assert generations.ahead(cfg, top) == []  # nothing after the student
+    # the pre-flight's look at a run killed in gen2: what the chain leaves is not known yet, so
+    # the student is taken as the last it may be
+    running = {"generations": [record["generations"][0], {**record["generations"][1], "outcome": None,
+                                                          "used_seconds": None}]}
+    (top / "generations.json").write_text(json.dumps(running))
+    assert generations.ahead(cfg, top) == [(2, False, 1), *((k, False, 1) for k in range(3, 9)), (9, True, 8)]
+    # ... and at a run whose chain has ended: the student is next, with every generation
     record["generations"] = record["generations"][:2]
     (top / "generations.json").write_text(json.dumps(record))
     assert generations.ahead(cfg, top) == [(3, True, 2)]

@@ -373,6 +373,17 @@ def test_only_the_generations_left_are_checked_and_auto_checks_its_second(tmp_pa
     with pytest.raises(ConfigError, match=f"GENERATIONS=3: generation 3 holds d{two} "):
         generations_fit(dataclasses.replace(auto, depth=two, teacher="ensemble", generations=3), config, H100, 8,
                         tmp_path)
+    # an auto chain's student is checked once it is next, beside every generation of the chain: a
+    # student of `two`'s depth fits beside one, not two; not yet known to be next, it is not checked
+    chain = dataclasses.replace(auto, depth=two, student_depth=two, training_hours=1000 / 3600)
+    generations_fit(chain, config, H100, 8, tmp_path)
+    gens = [{"index": k, "outcome": "finished", "used_seconds": 375.0} for k in (1, 2)]  # all 750 s the chain has
+    (tmp_path / "generations.json").write_text(json.dumps({"generations": gens}))
+    assert generations.ahead(chain, tmp_path) == [(3, True, 2)]
+    with pytest.raises(ConfigError, match=f"GENERATIONS=auto: the student \\(d{two}\\) holds d{two} and "
+                                          f"{2 * count_params(config(two)):,} parameters of teachers"):
+        generations_fit(chain, config, H100, 8, tmp_path)
+    (tmp_path / "generations.json").unlink()
     # DEPTH=auto picks a depth that fits beside its teacher itself: nothing to check, whatever GENERATIONS
     for n in (2, "auto"):
         generations_fit(dataclasses.replace(auto, depth="auto", generations=n), config, H100, 8, tmp_path)
