@@ -59,6 +59,10 @@ AUTO_MIN_SHARE = 0.4
 # past the labels' val minimum: 462 steps against 282; docs/performance.md).
 GENERATION_WEIGHT = 0.5
 STUDENT_WEIGHT = 1.0
+# ATTN_DROPOUT unset: the student trains without it, whatever the regime. Its targets are the
+# ensemble's probabilities, not the labels it would overfit; paired on the same teachers (100,000
+# characters, two seeds), it served 0.005-0.006 lower than with the regime's 0.2 (docs/performance.md).
+STUDENT_ATTN_DROPOUT = 0.0
 # GENERATIONS=auto with STUDENT_DEPTH: the chain's generations leave this part of the budget to the
 # student, which gets it and whatever the chain left when it ends (docs/training.md). Chosen, not
 # screened: GENERATIONS=N's students had a fifth to a seventh and learned most of their teachers'
@@ -105,8 +109,11 @@ def is_student(record: dict, k: int, cfg: TrainConfig, budget: float) -> bool:
 
 
 def student_fields(cfg: TrainConfig) -> dict:
-    """The record fields of a STUDENT_DEPTH student: its depth (and that it followed an auto chain)."""
-    return {"student": True, "depth": cfg.student_depth, **({"auto": True} if cfg.generations == "auto" else {})}
+    """The record fields of a STUDENT_DEPTH student: its depth, that it followed an auto chain, and
+    with ATTN_DROPOUT unset its attention dropout (STUDENT_ATTN_DROPOUT; recorded, so that a student
+    begun without the field resumes as it began)."""
+    return {"student": True, "depth": cfg.student_depth, **({"auto": True} if cfg.generations == "auto" else {}),
+            **({"attn_dropout": STUDENT_ATTN_DROPOUT} if cfg.attn_dropout is None else {})}
 
 
 def distill_weight(cfg: TrainConfig, student: bool) -> float:
@@ -294,16 +301,19 @@ def title(g: dict) -> str:
 
 def generation_config(cfg: TrainConfig, g: dict) -> TrainConfig:
     """The one-model config generation g trains with: its seed and budget; its run directory and
-    TensorBoard logs under the run's (model_tag <tag>/gen<k>). The student of an auto chain trains
+    TensorBoard logs under the run's (model_tag <tag>/gen<k>). A student trains with the attention
+    dropout its record holds (student_fields) unless ATTN_DROPOUT is given. The student of an auto chain trains
     as GENERATIONS=N's would, N the generations before it: nothing follows it, so neither the chain's
     pass cap nor its "left to the next generation" applies. (With a chain of one that is
     GENERATIONS=1 beside STUDENT_DEPTH, a pair check_generations refuses in a launch's settings: a
     generation's config is never checked as one.)"""
     distill = g["distill"] or [distill_weight(cfg, bool(g.get("student"))), cfg.distill_temperature]
     after_chain = {"generations": g["index"] - 1} if g.get("auto") else {}
+    no_dropout = {"attn_dropout": g["attn_dropout"]} if "attn_dropout" in g and cfg.attn_dropout is None else {}
     return dataclasses.replace(cfg, seed=g["seed"], training_hours=g["budget_seconds"] / 3600, budget_usd=None,
                                model_tag=f"{cfg.model_tag}/{g['dir']}", distill_weight=distill[0],
-                               distill_temperature=distill[1], depth=g.get("depth", cfg.depth), **after_chain)
+                               distill_temperature=distill[1], depth=g.get("depth", cfg.depth), **after_chain,
+                               **no_dropout)
 
 
 def pending(cfg: TrainConfig, top: Path, world_size: int | None = None) -> tuple[TrainConfig | None, Path | None, str]:

@@ -409,6 +409,13 @@ def test_a_student_comes_after_the_generations_learns_from_all_of_them_at_its_de
     assert generations.ahead(cfg, top) == [(3, True, 2)]
     assert generations.ahead(dataclasses.replace(cfg, generations=1, student_depth=None), tmp_path) == [(1, False, 0)]
     assert generations.generation_config(cfg, g).depth == 1
+    # the student trains without attention dropout unless ATTN_DROPOUT is given; a generation by regime
+    assert generations.generation_config(cfg, g).attn_dropout == 0.0
+    assert generations.generation_config(cfg, {**done[1], "distill": None}).attn_dropout is None
+    assert generations.generation_config(dataclasses.replace(cfg, attn_dropout=0.1), g).attn_dropout == 0.1
+    before = {k: v for k, v in g.items() if k != "attn_dropout"}  # a student begun before the rule: as it began
+    assert generations.generation_config(cfg, before).attn_dropout is None
+    assert "attn_dropout" not in generations.student_fields(dataclasses.replace(cfg, attn_dropout=0.2))
     assert generations.generation_config(cfg, {**done[1], "distill": None}).depth == 4  # the run's depth
     # DISTILL_WEIGHT=auto: the student learns from the ensemble alone, a generation half from the labels;
     # one given is every generation's; a begun generation keeps the weight it recorded
