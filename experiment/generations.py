@@ -110,10 +110,12 @@ def is_student(record: dict, k: int, cfg: TrainConfig, budget: float) -> bool:
 
 def student_fields(cfg: TrainConfig) -> dict:
     """The record fields of a STUDENT_DEPTH student: its depth, that it followed an auto chain, and
-    with ATTN_DROPOUT unset its attention dropout (STUDENT_ATTN_DROPOUT; recorded, so that a student
-    begun without the field resumes as it began)."""
+    its attention dropout (ATTN_DROPOUT as given, else STUDENT_ATTN_DROPOUT; recorded, so that a
+    relaunch without ATTN_DROPOUT keeps it, and a student begun before the field resumes with what
+    its checkpoint resolved)."""
+    dropout = STUDENT_ATTN_DROPOUT if cfg.attn_dropout is None else cfg.attn_dropout
     return {"student": True, "depth": cfg.student_depth, **({"auto": True} if cfg.generations == "auto" else {}),
-            **({"attn_dropout": STUDENT_ATTN_DROPOUT} if cfg.attn_dropout is None else {})}
+            "attn_dropout": dropout}
 
 
 def distill_weight(cfg: TrainConfig, student: bool) -> float:
@@ -290,6 +292,11 @@ def begin(top: Path, record: dict, k: int, cfg: TrainConfig, budget: float, worl
     return g
 
 
+def dropout_text(cfg: TrainConfig, g: dict) -> str:
+    """The student's recorded attention dropout, where it sets it (the regime line leaves it out)."""
+    return f"attention dropout {g['attn_dropout']:g} (the student's)" if "attn_dropout" in g and cfg.attn_dropout is None else ""
+
+
 def names(g: dict) -> str:
     return " + ".join(f"gen{t['generation']}" for t in g["teachers"])
 
@@ -342,9 +349,10 @@ def pending(cfg: TrainConfig, top: Path, world_size: int | None = None) -> tuple
         if seconds is None:
             return None, None, f"preflight | no budget left for generation {k} {of(cfg)} in {top}"
         g, how = {**head(top, done, k, cfg, seconds, is_student(record, k, cfg, budget)), "distill": None}, "starts"
+    dropout = dropout_text(cfg, g)
     line = (f"preflight | generation {k} {of(cfg)}{' (the student, d%d)' % g['depth'] if g.get('student') else ''} "
-            f"{how} in {top / g['dir']}: seed {g['seed']}, "
-            f"{g['budget_seconds']:.0f}s of the budget" + (f", {len(done)} done" if done else ""))
+            f"{how} in {top / g['dir']}: seed {g['seed']}, " + (f"{dropout}, " if dropout else "")
+            + f"{g['budget_seconds']:.0f}s of the budget" + (f", {len(done)} done" if done else ""))
     return generation_config(cfg, g), top / g["dir"], line
 
 
@@ -398,6 +406,7 @@ def run_all(cfg: TrainConfig, d: Dist, workspace: Path, top: Path, log: RunLog, 
         log(f"generations | generation {k} {of(cfg)}" + (f" | the student, d{g['depth']}" if g.get("student") else
                                                            f" | d{g['depth']}, the first's" if g.get("depth") else "")
             + f" | seed {g['seed']} | budget {g['budget_seconds']:.1f}s"
+            + (f" | {dropout_text(cfg, g)}" if dropout_text(cfg, g) else "")
             + (f" | teacher {names(g)} (distill weight {g['distill'][0]:g}, temperature {g['distill'][1]:g})"
                if g["teachers"] else " | no teacher"))
         gen_dir = top / g["dir"]

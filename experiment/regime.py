@@ -4,7 +4,7 @@ A run whose budget would pass over its training data more than PASSES times is d
 about 4 passes repeated tokens are worth less and less (Muennighoff et al. 2023), and without
 regularization its val loss bottoms out early, so the stop at the val minimum leaves most of the
 budget unspent. There the settings a run leaves to the regime take RECIPE: attention dropout 0.2
-(a STUDENT_DEPTH student's is 0 before the regime sees it: generations.STUDENT_ATTN_DROPOUT),
+(a STUDENT_DEPTH student's is its record's, 0 unless ATTN_DROPOUT is given: generations.student_fields),
 the weight average (AVERAGE=ema) and no pass cap (MAX_EPOCHS=0: the stop at the val minimum ends the
 run, as it guards every run; a generation of GENERATIONS=auto whose budget makes enough passes for
 another generation after them caps its schedule at autosize.CHAIN_PASSES passes instead: pass_cap).

@@ -399,6 +399,7 @@ def test_a_student_comes_after_the_generations_learns_from_all_of_them_at_its_de
                                                                                                   (4, True, 3)]
     gen_cfg, gen_dir, line = generations.pending(cfg, top)
     assert gen_dir == top / "gen3" and "generation 3 of 3 (the student, d1) starts" in line and gen_cfg.depth == 1
+    assert gen_cfg.attn_dropout == 0.0 and "attention dropout 0 (the student's)" in line  # the pre-flight's view
     g = generations.begin(top, record, 3, cfg, 1000.0)
     assert g["student"] and g["depth"] == 1 and g["teacher"] == "ensemble"
     assert [t["generation"] for t in g["teachers"]] == [1, 2] and g["budget_seconds"] == pytest.approx(700)
@@ -415,7 +416,9 @@ def test_a_student_comes_after_the_generations_learns_from_all_of_them_at_its_de
     assert generations.generation_config(dataclasses.replace(cfg, attn_dropout=0.1), g).attn_dropout == 0.1
     before = {k: v for k, v in g.items() if k != "attn_dropout"}  # a student begun before the rule: as it began
     assert generations.generation_config(cfg, before).attn_dropout is None
-    assert "attn_dropout" not in generations.student_fields(dataclasses.replace(cfg, attn_dropout=0.2))
+    # one given at the launch that begins the student is recorded: a relaunch without it keeps it
+    given_record = generations.student_fields(dataclasses.replace(cfg, attn_dropout=0.2))
+    assert generations.generation_config(cfg, {**g, **given_record}).attn_dropout == 0.2
     assert generations.generation_config(cfg, {**done[1], "distill": None}).depth == 4  # the run's depth
     # DISTILL_WEIGHT=auto: the student learns from the ensemble alone, a generation half from the labels;
     # one given is every generation's; a begun generation keeps the weight it recorded
@@ -440,6 +443,15 @@ def test_a_student_comes_after_the_generations_learns_from_all_of_them_at_its_de
         with pytest.raises(ConfigError, match=r"student \(gen3, d1\) has begun.*GENERATIONS=2 STUDENT_DEPTH=1"):
             generations.pending(dataclasses.replace(cfg, **other), top)
     generations.pending(cfg, top)  # the same settings resume it
+    # a student begun after GENERATIONS=8 sits where auto's would (the ninth): auto does not resume it
+    eight = tmp_path / "eight"
+    eight.mkdir()
+    gens = [{"index": k, "outcome": "finished"} for k in range(1, 9)] + [{"index": 9, "outcome": None, "student": True,
+                                                                          "depth": 1}]
+    (eight / "generations.json").write_text(json.dumps({"generations": gens}))
+    with pytest.raises(ConfigError, match=r"student \(gen9, d1\) has begun.*GENERATIONS=8 STUDENT_DEPTH=1"):
+        generations.check_student(generations.read_record(eight), dataclasses.replace(cfg, generations="auto"))
+    generations.check_student(generations.read_record(eight), dataclasses.replace(cfg, generations=8))
     check_generations(TrainConfig(generations="auto", student_depth=1))  # after the auto chain
     for bad in (dict(generations=1), dict(student_depth=-2)):
         with pytest.raises(ConfigError, match="--student_depth"):
@@ -533,6 +545,7 @@ def test_under_auto_a_student_trains_after_the_chain_on_its_reserve_and_what_the
     assert calls == [(1, 450.0, [], 4, 0.5, "auto"), (2, 150.0, [1], 4, 0.5, "auto"), (3, 160.0, [1, 2], 2, 1.0, 2)]
     record = generations.read_record(top)
     assert record["generations"][2]["student"] and record["generations"][2]["auto"]
+    assert record["generations"][2]["attn_dropout"] == 0.0
     assert json.loads((top / "best.json").read_text())["generation"] == 3  # the student is served
     gen_cfg, gen_dir, line = generations.pending(cfg, top)
     assert gen_cfg is None and "its student (the last model) has trained" in line
