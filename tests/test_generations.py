@@ -567,6 +567,25 @@ def test_under_auto_a_student_trains_after_the_chain_on_its_reserve_and_what_the
     gen_cfg, gen_dir, line = generations.pending(cfg, top)
     assert "generation 3 (GENERATIONS=auto) (the student, d2) starts" in line and gen_cfg.depth == 2
     assert gen_cfg.training_hours * 3600 == pytest.approx(160.0) and gen_cfg.generations == 2
+    # the record decides for a begun generation, whatever the budget now says: none of three begun
+    # chain generations is the student, even on a budget that would leave the chain no share
+    three = {"generations": [{"used_seconds": 300.0, "outcome": "finished"}] * 3}
+    assert not any(generations.is_student(three, k, cfg, 300.0) for k in (1, 2, 3))
+    # a chain that ended after its first: the student is the second
+    one = {"generations": [{"used_seconds": 440.0, "outcome": "finished: the val loss stopped improving"}]}
+    assert generations.is_student(one, 2, cfg, 600.0) and not generations.is_student(one, 2, cfg, 1200.0)
+    # the pre-flight's look: after gen1 the chain goes on (its budget in seconds); a begun student is
+    # the student while it runs
+    (top / "generations.json").write_text(json.dumps({"generations": [record["generations"][0]]}))
+    assert generations.ahead(cfg, top)[0] == (2, False, 1)
+    begun = {"index": 3, "student": True, "depth": 2, "auto": True, "outcome": None, "used_seconds": None}
+    (top / "generations.json").write_text(json.dumps({"generations": [*record["generations"], begun]}))
+    assert generations.ahead(cfg, top) == [(3, True, 2)]
+    (top / "generations.json").write_text(json.dumps(record))
+    # a student with under a second left is not begun (a relaunch on a smaller budget)
+    spent = {"generations": [{"used_seconds": 599.5, "outcome": "finished: the budget is spent"}]}
+    assert generations.is_student(spent, 2, cfg, 600.0) and generations.share(spent, 2, cfg, 600.0) is None
+    assert generations.share(spent, 2, cfg, 601.0) == pytest.approx(1.5)
     # without STUDENT_DEPTH the same chain takes all 600 s and the third would get 160 s (>= 120)
     plain = dataclasses.replace(cfg, student_depth=0)
     assert generations.share(record, 3, plain, 600.0) == pytest.approx(160.0)
