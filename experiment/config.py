@@ -355,7 +355,8 @@ def check_generations(cfg: TrainConfig) -> None:
         raise ConfigError(f"--distill_temperature must be a finite number > 0, got {cfg.distill_temperature}")
     if not isinstance(cfg.student_depth, int) or cfg.student_depth < 0:
         raise ConfigError(f"--student_depth must be a depth >= 1 (0: no student), got {cfg.student_depth!r}")
-    if cfg.student_depth and not (cfg.generations == "auto" or isinstance(cfg.generations, int) and cfg.generations >= 2):
+    several = cfg.generations == "auto" or isinstance(cfg.generations, int) and cfg.generations >= 2
+    if cfg.student_depth and not several:
         raise ConfigError(f"--student_depth needs GENERATIONS=auto or N of at least 2 (the student learns from the "
                           f"ensemble of the generations and trains after them), got --generations {cfg.generations}")
     if cfg.generations != 1 and cfg.init_from:

@@ -106,9 +106,9 @@ def block_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
 
 
 def decode_attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVSlots,
-                     positions: list[int]) -> torch.Tensor:
+                     pos: torch.Tensor, positions: list[int]) -> torch.Tensor:
     """One new token for each of the cache's first B slots: x (B, 1, C), row b at position
-    positions[b]; cos/sin (B, 1, 1, D/2)."""
+    positions[b] (pos: the same on the device); cos/sin (B, 1, 1, D/2)."""
     B, _, C = x.shape
     H, D = attn.n_head, attn.head_dim
     q = block_linear(x, attn.c_q).view(B, 1, H, D).transpose(1, 2)  # (B, H, 1, D)
@@ -116,7 +116,7 @@ def decode_attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: t
     v = block_linear(x, attn.c_v).view(B, 1, H, D).transpose(1, 2)
     q, k = apply_rope(rms_norm(q), cos, sin), apply_rope(rms_norm(k), cos, sin)
     q = q.contiguous()  # each row's (H, 1, D) laid out alike whatever B
-    rows, pos = torch.arange(B, device=x.device), torch.tensor(positions, device=x.device)
+    rows = torch.arange(B, device=x.device)
     cache.k[attn.layer, rows, :, pos] = k[:, :, 0]  # (B, H, D): each row's slot at its own position
     cache.v[attn.layer, rows, :, pos] = v[:, :, 0]
     # Row by row (see row_attention); SDPA is not batch-invariant either: its kernel splits the keys
@@ -132,8 +132,8 @@ def decode_mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
 
 
 def decode_block(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVSlots,
-                 positions: list[int]) -> torch.Tensor:
-    x = x + decode_attention(block.attn, rms_norm(x), cos, sin, cache, positions)
+                 pos: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    x = x + decode_attention(block.attn, rms_norm(x), cos, sin, cache, pos, positions)
     return x + decode_mlp(block.mlp, rms_norm(x))
 
 
@@ -158,7 +158,7 @@ def decode_step(model: GPT, tokens: list[int], positions: list[int], cache: KVSl
         bigram = bigram_rows(prev, idx, model.config.bigram_vocab, model.config.bigram_rows)
     x = model.embed(idx, bigram)  # (B, 1, C)
     for block in model.blocks:
-        x = decode_block(block, x, cos, sin, cache, positions)
+        x = decode_block(block, x, cos, sin, cache, pos, positions)
     return block_linear(rms_norm(x), model.lm_head).float()[:, 0]  # fp32 logits, as forward
 
 

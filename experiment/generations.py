@@ -108,6 +108,11 @@ def is_student(record: dict, k: int, cfg: TrainConfig, budget: float) -> bool:
     return chain_share(record, k, cfg, budget) is None if cfg.generations == "auto" else k == count(cfg)
 
 
+def student_done(record: dict) -> bool:
+    """Whether the run's student has trained: it is the last model, nothing trains after it."""
+    return any(g.get("student") and g["outcome"] is not None for g in record["generations"])
+
+
 def student_fields(cfg: TrainConfig) -> dict:
     """The record fields of a STUDENT_DEPTH student: its depth, that it followed an auto chain, and
     its attention dropout (ATTN_DROPOUT as given, else STUDENT_ATTN_DROPOUT; recorded, so that a
@@ -145,12 +150,13 @@ def ahead(cfg: TrainConfig, top: Path) -> list[tuple[int, bool, int]]:
     Past the next one, an auto chain's student is taken as the last of count(cfg)."""
     record = read_record(top)
     gens, out = record["generations"], []
-    if any(g.get("student") and g["outcome"] is not None for g in gens):
-        return []  # the student was the last
-    settled = all(g["outcome"] is not None for g in gens)  # what the chain left is known
-    for k in range(sum(g["outcome"] is not None for g in gens) + 1, count(cfg) + 1):
+    if student_done(record):
+        return []
+    done = sum(g["outcome"] is not None for g in gens)
+    settled = done == len(gens)  # what the chain left is known
+    budget = math.inf if cfg.training_hours is None else cfg.training_hours * 3600  # None: not resolved yet
+    for k in range(done + 1, count(cfg) + 1):
         known = k <= len(gens) or (k == len(gens) + 1 and settled)
-        budget = math.inf if cfg.training_hours is None else cfg.training_hours * 3600  # None: not resolved yet
         student = (is_student(record, k, cfg, budget) if known else bool(cfg.student_depth) and k == count(cfg))
         out.append((k, student, teachers_held(k, teacher_kind(cfg, k, student))))
         if student:
@@ -292,9 +298,16 @@ def begin(top: Path, record: dict, k: int, cfg: TrainConfig, budget: float, worl
     return g
 
 
+def recorded_dropout(cfg: TrainConfig, g: dict) -> float | None:
+    """The attention dropout generation g's record sets (a student's: student_fields), unless the
+    launch gives ATTN_DROPOUT; None: the launch's setting stands."""
+    return g["attn_dropout"] if "attn_dropout" in g and cfg.attn_dropout is None else None
+
+
 def dropout_text(cfg: TrainConfig, g: dict) -> str:
-    """The student's recorded attention dropout, where it sets it (the regime line leaves it out)."""
-    return f"attention dropout {g['attn_dropout']:g} (the student's)" if "attn_dropout" in g and cfg.attn_dropout is None else ""
+    """The recorded attention dropout in words, where it is set (the regime line leaves it out)."""
+    dropout = recorded_dropout(cfg, g)
+    return "" if dropout is None else f"attention dropout {dropout:g} (the student's)"
 
 
 def names(g: dict) -> str:
@@ -309,14 +322,15 @@ def title(g: dict) -> str:
 def generation_config(cfg: TrainConfig, g: dict) -> TrainConfig:
     """The one-model config generation g trains with: its seed and budget; its run directory and
     TensorBoard logs under the run's (model_tag <tag>/gen<k>). A student trains with the attention
-    dropout its record holds (student_fields) unless ATTN_DROPOUT is given. The student of an auto chain trains
-    as GENERATIONS=N's would, N the generations before it: nothing follows it, so neither the chain's
+    dropout its record holds (recorded_dropout). The student of an auto chain trains as
+    GENERATIONS=N's would, N the generations before it: nothing follows it, so neither the chain's
     pass cap nor its "left to the next generation" applies. (With a chain of one that is
     GENERATIONS=1 beside STUDENT_DEPTH, a pair check_generations refuses in a launch's settings: a
     generation's config is never checked as one.)"""
     distill = g["distill"] or [distill_weight(cfg, bool(g.get("student"))), cfg.distill_temperature]
     after_chain = {"generations": g["index"] - 1} if g.get("auto") else {}
-    no_dropout = {"attn_dropout": g["attn_dropout"]} if "attn_dropout" in g and cfg.attn_dropout is None else {}
+    dropout = recorded_dropout(cfg, g)
+    no_dropout = {} if dropout is None else {"attn_dropout": dropout}
     return dataclasses.replace(cfg, seed=g["seed"], training_hours=g["budget_seconds"] / 3600, budget_usd=None,
                                model_tag=f"{cfg.model_tag}/{g['dir']}", distill_weight=distill[0],
                                distill_temperature=distill[1], depth=g.get("depth", cfg.depth), **after_chain,
@@ -334,7 +348,7 @@ def pending(cfg: TrainConfig, top: Path, world_size: int | None = None) -> tuple
     check_student(record, cfg)
     gens = record["generations"]
     done = [g for g in gens if g["outcome"] is not None]
-    if any(g.get("student") for g in done):
+    if student_done(record):
         return None, None, f"preflight | the run in {top} is done: its student (the last model) has trained"
     if len(done) >= count(cfg):
         return None, None, (f"preflight | all {count(cfg)} generations in {top} are done; a larger GENERATIONS "
@@ -393,8 +407,8 @@ def run_all(cfg: TrainConfig, d: Dist, workspace: Path, top: Path, log: RunLog, 
     for k in range(1, count(cfg) + 1):
         record = on_rank_0(d, lambda: read_record(top))
         gens = record["generations"]
-        if any(g.get("student") and g["outcome"] is not None for g in gens):
-            break  # the student is the last model
+        if student_done(record):
+            break
         if k <= len(gens) and gens[k - 1]["outcome"] is not None:
             continue  # done in an earlier launch
         on_rank_0(d, lambda: (check_world(record, cfg, d.world_size), check_student(record, cfg)))
@@ -403,10 +417,11 @@ def run_all(cfg: TrainConfig, d: Dist, workspace: Path, top: Path, log: RunLog, 
             log(f"generations | no budget left for generation {k} {of(cfg)}")
             break
         d.set_timeout(PHASE_TIMEOUTS["setup"])  # the last generation's loop left the step's
+        dropout = dropout_text(cfg, g)
         log(f"generations | generation {k} {of(cfg)}" + (f" | the student, d{g['depth']}" if g.get("student") else
                                                            f" | d{g['depth']}, the first's" if g.get("depth") else "")
             + f" | seed {g['seed']} | budget {g['budget_seconds']:.1f}s"
-            + (f" | {dropout_text(cfg, g)}" if dropout_text(cfg, g) else "")
+            + (f" | {dropout}" if dropout else "")
             + (f" | teacher {names(g)} (distill weight {g['distill'][0]:g}, temperature {g['distill'][1]:g})"
                if g["teachers"] else " | no teacher"))
         gen_dir = top / g["dir"]

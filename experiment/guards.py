@@ -157,10 +157,10 @@ def generations_fit(cfg: TrainConfig, make_config, gpu: Gpu, world_size: int, to
     (the trainer would find it only at that generation's start). The generations of the run in `top`
     that are done are not checked again. GENERATIONS=auto: its second generation (one teacher), and
     a STUDENT_DEPTH student once it is next (every generation of the chain teaches it); an
-    ensemble's later ones, and a student not yet known to be next, are checked at their start. DEPTH=auto picks a depth that fits beside its
-    teacher itself (a chain's first generation, one that holds a teacher of its size:
-    autosize.holds_own_teacher; a STUDENT_DEPTH student beside DEPTH=auto's is checked at its start).
-    make_config(depth): the model config of that depth."""
+    ensemble's later ones, and a student not yet known to be next, are checked at their start.
+    DEPTH=auto picks a depth that fits beside its teacher itself (a chain's first generation, one
+    that holds a teacher of its size: autosize.holds_own_teacher; a STUDENT_DEPTH student beside
+    DEPTH=auto's is checked at its start). make_config(depth): the model config of that depth."""
     n = cfg.generations
     if n == 1 or not isinstance(cfg.depth, int):
         return
