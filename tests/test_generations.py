@@ -452,6 +452,8 @@ def test_a_student_comes_after_the_generations_learns_from_all_of_them_at_its_de
     with pytest.raises(ConfigError, match=r"student \(gen9, d1\) has begun.*GENERATIONS=8 STUDENT_DEPTH=1"):
         generations.check_student(generations.read_record(eight), dataclasses.replace(cfg, generations="auto"))
     generations.check_student(generations.read_record(eight), dataclasses.replace(cfg, generations=8))
+    with pytest.raises(ConfigError, match=r"GENERATIONS=8 STUDENT_DEPTH=1"):  # fewer generations than it followed
+        generations.check_student(generations.read_record(eight), dataclasses.replace(cfg, generations=7))
     check_generations(TrainConfig(generations="auto", student_depth=1))  # after the auto chain
     for bad in (dict(generations=1), dict(student_depth=-2)):
         with pytest.raises(ConfigError, match="--student_depth"):
@@ -523,6 +525,7 @@ def test_under_auto_a_student_trains_after_the_chain_on_its_reserve_and_what_the
     from experiment.config import ConfigError, TrainConfig
     from experiment.distributed import Dist
     from experiment.runlog import RunLog
+    from experiment.stopping import MAX_STEPS_OUTCOME
     top = tmp_path / "run"
     ends = {1: ("finished: the val loss stopped improving ...", 300.0, 1.46),
             2: ("finished: the budget is spent", 140.0, 1.43), 3: ("finished: the budget is spent", 160.0, 1.40)}
@@ -582,6 +585,14 @@ def test_under_auto_a_student_trains_after_the_chain_on_its_reserve_and_what_the
     (top / "generations.json").write_text(json.dumps({"generations": [*record["generations"], begun]}))
     assert generations.ahead(cfg, top) == [(3, True, 2)]
     (top / "generations.json").write_text(json.dumps(record))
+    # the chain ends after 8 generations, and after one that MAX_STEPS ended (the last, not the first)
+    eight_done = {"generations": [{"used_seconds": 10.0, "outcome": "finished"}] * 8}
+    assert generations.chain_share(eight_done, 8, cfg, 6000.0) is not None
+    assert generations.chain_share(eight_done, 9, cfg, 6000.0) is None
+    assert generations.is_student(eight_done, 9, cfg, 6000.0)
+    bounded = {"generations": [{"used_seconds": 10.0, "outcome": "finished"},
+                               {"used_seconds": 10.0, "outcome": MAX_STEPS_OUTCOME}]}
+    assert generations.chain_share(bounded, 3, cfg, 6000.0) is None
     # a student with under a second left is not begun (a relaunch on a smaller budget)
     spent = {"generations": [{"used_seconds": 599.5, "outcome": "finished: the budget is spent"}]}
     assert generations.is_student(spent, 2, cfg, 600.0) and generations.share(spent, 2, cfg, 600.0) is None
