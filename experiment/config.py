@@ -134,7 +134,8 @@ class TrainConfig:
                                  "file: its tail; docs/data.md)", 0.05)
     model_tag: str | None = opt("run directory name (default d<depth>, or auto)")
     resume: str = opt("auto: latest complete checkpoint; never; or a step number", "auto")
-    save_every_minutes: float | None = opt("checkpoint cadence (default 60 with CUDA, 1 without)")
+    save_every_minutes: float | None = opt("checkpoint cadence (default 60 with CUDA, 1 without); at least 9x the latest "
+                                           "eval's seconds, since a save brings an eval (stopping.EVAL_SHARE)")
     save_every_steps: int = opt("also checkpoint every N steps (0: off)", 0)
     keep_last: int = opt("complete checkpoints kept (at least 1), plus the best", 3)
     keep_best_optimizer: int = opt("1: a best checkpoint older than the last keep_last keeps its optimizer "
@@ -144,7 +145,8 @@ class TrainConfig:
                           "0: training waits for every save", 1)
     save_write_mbps: float = opt("cap checkpoint writes at this many MB/s per rank (0: no cap); stands in for a "
                                  "slow volume in tests and benchmarks", 0.0)
-    eval_every_minutes: float | None = opt("eval cadence (default 30 with CUDA, 0.5 without)")
+    eval_every_minutes: float | None = opt("eval cadence (default 30 with CUDA, 0.5 without); at least 9x the latest eval's "
+                                           "seconds, so that these evals take at most a tenth of the time (stopping.EVAL_SHARE)")
     eval_every_steps: int = opt("also eval every N steps (0: off)", 0)
     eval_every_epochs: float = opt("also eval every this many passes over the training data (0: off), so that "
                                    "evals see the val minimum on small data too", EVAL_EVERY_EPOCHS)

@@ -386,14 +386,12 @@ def train_loop(t: Trainer) -> int:
 def maybe_eval(t: Trainer, loop: Loop) -> None:
     """Eval over all ranks, best tracking, the eval report and the stop at the val minimum
     (plateau_check; every rank saw the same reduced val loss, so all agree)."""
-    cfg, st, step = t.cfg, t.st, t.st.step
-    t0 = time.time()
-    raw = evaluate(t.model, t.prepared, cfg.max_seq_len, cfg.device_batch_size, cfg.eval_tokens, t.d, t.weights)
-    average = None
+    cfg, st, step, t0 = t.cfg, t.st, t.st.step, time.time()
+    args = (t.model, t.prepared, cfg.max_seq_len, cfg.device_batch_size, cfg.eval_tokens, t.d, t.weights)
+    raw, average = evaluate(*args), None
     if t.opt.average is not None:
         with t.opt.average.swapped_in():
-            average = evaluate(t.model, t.prepared, cfg.max_seq_len, cfg.device_batch_size, cfg.eval_tokens, t.d,
-                               t.weights)
+            average = evaluate(*args)
     # The better of the two is what this step's checkpoint holds, what best tracks and what the stop
     # at the val minimum watches: every rank saw the same reduced losses, so all choose alike. A step
     # saved already (a preemption's save, which skips the eval a resume runs now) is not written again:
@@ -403,7 +401,7 @@ def maybe_eval(t: Trainer, loop: Loop) -> None:
     loop.val_loss, val_bpc, by_source = average if loop.weights == "average" else raw
     values = metric.at_eval(t, loop)
     loop.score = t.best_by.score(loop.val_loss, values)
-    st.last_eval_step, st.last_eval_tokens, loop.last_eval_time = step, st.tokens_seen, time.time()
+    st.last_eval_step, st.last_eval_tokens = step, st.tokens_seen
     if step > 0 and loop.score < st.best_score:
         st.set_best((loop.val_loss, step, loop.weights, loop.score))
     t.report.add(report_eval(step, raw, average, loop.weights, st, t.eval_coverage, t.log, t.writer)
@@ -413,7 +411,9 @@ def maybe_eval(t: Trainer, loop: Loop) -> None:
     t.report.write(st, "running")
     if step > 0 and cfg.plateau_evals and loop.end is None:  # the final eval decides nothing
         plateau_check(t, loop)
-    st.eval_seconds = max(st.eval_seconds, time.time() - t0)
+    loop.last_eval_time = time.time()  # the clock's cadence counts from the eval's end (stopping.eval_stretch)
+    loop.eval_seconds = loop.last_eval_time - t0
+    st.eval_seconds = max(st.eval_seconds, loop.eval_seconds)
 
 
 def finish(t: Trainer, loop: Loop) -> None:

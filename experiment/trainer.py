@@ -85,10 +85,11 @@ class Loop:
     data_state: dict  # the data position before it, so a resume replays it
     started: float  # time.time() at the loop's start
     used_at_start: float  # budget seconds used by earlier runs of this model
-    last_eval_time: float
+    last_eval_time: float  # the latest eval's end
     last_save_time: float
     last_saved_step: int  # the latest save begun
     last_complete_step: int  # the latest save completed
+    eval_seconds: float = 0.0  # the latest eval's duration in this process (stopping.eval_stretch)
     reserve_seconds: float = 0.0  # measured: the final eval + save + one step fit in what is left
     val_loss: float = math.nan  # the latest eval's, of the weights it chose (`weights`)
     weights: str = "raw"  # which weights the latest eval chose, and a save writes: "raw", or "average" (AVERAGE)

@@ -117,7 +117,7 @@ def test_decide_gives_every_rank_rank_0s_flags_and_progress():
     cfg = decide_cfg(eval_every_minutes=1.0, save_every_minutes=1.0, seq_warmup_frac=0.3, batch_warmup_frac=0.3)
     st = RunState(step=5, used_seconds=70.0)
     t = decide_trainer(cfg, st, rank=1, world=2)
-    loop = SimpleNamespace(last_eval_time=0.0, last_save_time=0.0, reserve_seconds=0.0)
+    loop = SimpleNamespace(eval_seconds=0.0, last_eval_time=0.0, last_save_time=0.0, reserve_seconds=0.0)
     t.d.all_reduce = lambda flags, op: flags  # one rank's own view, before the reduce
     assert stopping.decide(t, loop, 15, writing=True) == (0, 0, 0, 15, 1, 0, 0, 0)
     assert loop.progress == 0.0 and st.warmup_progress == 0.0
@@ -137,7 +137,7 @@ def test_the_last_step_is_max_steps_or_the_pass_caps_or_any_past_them():
     def last(step, tokens, max_steps=10**9, max_tokens=math.inf):
         t = decide_trainer(decide_cfg(), RunState(step=step, tokens_seen=tokens), max_steps=max_steps,
                            max_tokens=max_tokens)
-        loop = SimpleNamespace(last_eval_time=now, last_save_time=now, reserve_seconds=0.0)
+        loop = SimpleNamespace(eval_seconds=0.0, last_eval_time=now, last_save_time=now, reserve_seconds=0.0)
         return stopping.decide(t, loop, 0)[0]
 
     assert [last(s, 0, max_steps=5) for s in (4, 5, 6)] == [0, 1, 1]  # 6: a resume past a lowered MAX_STEPS
@@ -149,7 +149,7 @@ def test_a_save_due_by_the_clock_is_paid_for_before_the_budget_ends():
     now = time.time()
     for used, last in ((96.0, 0), (97.0, 1)):  # 97 + a 3 s save reaches the 100 s budget
         t = decide_trainer(decide_cfg(save_every_minutes=1.0), RunState(step=5, used_seconds=used, save_seconds=3.0))
-        loop = SimpleNamespace(last_eval_time=now, last_save_time=now - 120, reserve_seconds=0.0)
+        loop = SimpleNamespace(eval_seconds=0.0, last_eval_time=now, last_save_time=now - 120, reserve_seconds=0.0)
         assert stopping.decide(t, loop, 0)[:3] == (last, 0, 1), used
 
 
@@ -158,7 +158,7 @@ def test_a_resumes_pending_restart_charge_is_paid_for_before_its_first_step():
     carry past the budget is not trained. Before, a relaunch of a run that had ended 0.07 s short of
     its 10 s budget trained one more step and was charged its 1.0 s setup: 10.9 s of 10."""
     now = time.time()
-    loop = SimpleNamespace(last_eval_time=now, last_save_time=now, reserve_seconds=0.5)
+    loop = SimpleNamespace(eval_seconds=0.0, last_eval_time=now, last_save_time=now, reserve_seconds=0.5)
     for used, lost, setup, last in ((98.0, 0.0, 1.0, 0), (98.0, 0.0, 1.5, 1), (97.0, 2.0, 0.5, 1),
                                     (96.0, 2.0, 1.0, 0), (99.4, 0.0, 0.0, 0)):
         t = decide_trainer(decide_cfg(), RunState(step=735, used_seconds=used))
@@ -171,7 +171,7 @@ def test_saves_are_due_by_steps_from_step_1_and_evals_at_step_0():
     now = time.time()
     for step, evals, saves in ((0, 1, 0), (1, 0, 0), (3, 0, 1), (4, 0, 0), (6, 0, 1)):
         t = decide_trainer(cfg, RunState(step=step, used_seconds=1.0))
-        loop = SimpleNamespace(last_eval_time=now, last_save_time=now, reserve_seconds=0.0)
+        loop = SimpleNamespace(eval_seconds=0.0, last_eval_time=now, last_save_time=now, reserve_seconds=0.0)
         assert stopping.decide(t, loop, 0)[1:3] == (evals, saves), step
     cfg.eval_every_steps, cfg.save_every_steps = 2, 0
     for step, evals in ((2, 1), (3, 0), (4, 1)):
@@ -196,7 +196,8 @@ def test_evals_and_saves_are_due_by_the_clock_from_the_minute_they_are_set_to(mo
     monkeypatch.setattr(stopping.time, "time", lambda: 10_000.0)
     t = decide_trainer(decide_cfg(eval_every_minutes=2.0, save_every_minutes=3.0), RunState(step=5, used_seconds=1.0))
     for ago, due in ((119.0, (0, 0)), (120.0, (1, 0)), (179.0, (1, 0)), (180.0, (1, 1))):
-        loop = SimpleNamespace(last_eval_time=10_000.0 - ago, last_save_time=10_000.0 - ago, reserve_seconds=0.0)
+        loop = SimpleNamespace(eval_seconds=0.0, last_eval_time=10_000.0 - ago, last_save_time=10_000.0 - ago,
+                               reserve_seconds=0.0)
         assert stopping.decide(t, loop, 0)[1:3] == due, ago
 
 
@@ -209,3 +210,28 @@ def test_the_runs_end_keeps_room_for_the_final_eval_save_export_and_step():
     t = trainer(RunState(eval_seconds=3.0, step_seconds=0.5), first_save=20.0)
     t.export_share = 0.25
     assert stopping.final_reserve(t) == pytest.approx(3.0 + 20.0 * 1.25 + 0.5)
+
+
+def test_a_slow_eval_stretches_the_clocks_cadence_so_evals_take_at_most_a_tenth(monkeypatch):
+    """EVAL_EVERY_MINUTES=0.5 with a 12 s eval (a d8's on 2 CPU cores) would spend 29% of the run
+    evaluating: the next clock-driven eval waits 9 x 12 = 108 s, and so does the next save by the clock,
+    which brings an eval. The process's latest eval sets it; before its first, the run's slowest (a
+    resume's checkpoint). The evals and saves by steps stand."""
+    monkeypatch.setattr(stopping.time, "time", lambda: 10_000.0)
+    cfg = decide_cfg(eval_every_minutes=0.5)
+
+    def due(latest, slowest, eval_ago=0.0, save_ago=0.0):
+        t = decide_trainer(cfg, RunState(step=50, used_seconds=1.0, eval_seconds=slowest))
+        loop = SimpleNamespace(eval_seconds=latest, last_eval_time=10_000.0 - eval_ago,
+                               last_save_time=10_000.0 - save_ago, reserve_seconds=0.0)
+        return stopping.decide(t, loop, 0)[1:3]
+
+    for latest, slowest, ago, expected in ((12.0, 12.0, 107.0, 0), (12.0, 12.0, 108.0, 1), (1.0, 12.0, 31.0, 1),
+                                           (1.0, 1.0, 29.0, 0), (0.0, 12.0, 107.0, 0), (0.0, 12.0, 108.0, 1),
+                                           (0.0, 0.0, 30.0, 1)):
+        assert due(latest, slowest, eval_ago=ago)[0] == expected, (latest, slowest, ago)
+    cfg.save_every_minutes = 1.0  # a save brings an eval: the clock's saves wait as long
+    for latest, ago, expected in ((12.0, 107.0, 0), (12.0, 108.0, 1), (1.0, 60.0, 1), (1.0, 59.0, 0)):
+        assert due(latest, latest, save_ago=ago)[1] == expected, (latest, ago)
+    cfg.eval_every_steps, cfg.save_every_steps = 10, 25
+    assert due(12.0, 12.0) == (1, 1)

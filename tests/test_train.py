@@ -517,7 +517,7 @@ def test_an_eval_due_when_the_budget_has_no_room_for_another_makes_this_step_the
         t = SimpleNamespace(cfg=cfg, d=Dist(0, 0, 1, torch.device("cpu")), st=st, max_steps=10**9, budget_seconds=100.0,
                             max_tokens=math.inf, saver=saver, first_save_seconds=1.0, eval_every_tokens=math.inf,
                             restart_lost=0.0, restart_setup=0.0)
-        loop = SimpleNamespace(last_eval_time=now - eval_ago, last_save_time=now, reserve_seconds=4.0)
+        loop = SimpleNamespace(eval_seconds=0.0, last_eval_time=now - eval_ago, last_save_time=now, reserve_seconds=4.0)
         assert stopping.decide(t, loop, 0)[:2] == (last, int(eval_ago > 60)), (eval_ago, used)
         assert loop.progress == used / 96.0  # the schedule's progress, rank 0's, rides with the decisions
         # 92-95 s of 96 s (the budget less the reserve): past 60%, the warmdown begins here, unless the run ends
