@@ -161,10 +161,12 @@ def maybe_save(t: Trainer, loop: Loop, save_due: bool, preempted: bool, writing:
                              "raw" if preempted else loop.weights)
     t.saver.begin(step, *share, background=not final,
                   context={"final": final})
-    # A save at an eval's step counts from that eval's end, as the eval clock does: the two clocks come due
-    # at one step, not an eval's length apart, which would bring a second eval at the next step for the save.
-    loop.last_saved_step = step  # a failed save is retried when due again
-    loop.last_save_time = loop.last_eval_time if t.st.last_eval_step == step else time.time()
+    # Counted from here, after any wait for the write before and a blocking write: a slow save pushes the next
+    # one back. A save at an eval's step moves the eval clock here too, so that both come due at one step and
+    # the save does not bring a second eval one step after the clock's.
+    loop.last_saved_step, loop.last_save_time = step, time.time()  # a failed save is retried when due again
+    if t.st.last_eval_step == step:
+        loop.last_eval_time = loop.last_save_time
     if not t.saver.pending.background:  # written already (the final save, or staging is off): on every rank
         finish_save(t, loop, wait=True)
 

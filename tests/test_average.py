@@ -387,6 +387,34 @@ def test_a_step_saved_before_its_eval_stands_for_its_raw_weights(monkeypatch):
                                                                                           "average")
 
 
+def test_an_evals_clock_counts_from_its_end_and_its_seconds_are_the_latest_and_the_slowest(monkeypatch):
+    """The clock's next eval waits from the end of this one (stopping.eval_stretch), by this process's
+    latest eval; the run's slowest is what the reserve and a resume's first cadence take."""
+    clock = {"now": 1000.0}
+
+    def evaluate(*args):  # each of the two evals (raw, average) takes 5 s
+        clock["now"] += 5.0
+        return (2.0, 1.0, None)
+
+    def report_write(*args):  # so does writing the report, after the evals
+        clock["now"] += 5.0
+
+    monkeypatch.setattr(train.time, "time", lambda: clock["now"])
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    st = ckpt.RunState(step=9, best_val=3.0, best_step=3, best_score=3.0, eval_seconds=30.0)
+    cfg = SimpleNamespace(max_seq_len=32, device_batch_size=4, eval_tokens=512, sample_tokens=0, plateau_evals=0)
+    t = SimpleNamespace(cfg=cfg, st=st, opt=SimpleNamespace(average=_Swap()), model=None, prepared=None, d=CPU,
+                        weights=None, report=SimpleNamespace(add=lambda r: None, write=report_write),
+                        eval_coverage=(512, 1000, False), log=lambda line: None, writer=_Writer(), metric=None,
+                        best_by=BestBy())
+    loop = _loop(6)
+    train.maybe_eval(t, loop)
+    assert (loop.last_eval_time, loop.eval_seconds, st.eval_seconds) == (1015.0, 15.0, 30.0)
+    st.eval_seconds = 10.0
+    train.maybe_eval(t, loop)
+    assert (loop.last_eval_time, loop.eval_seconds, st.eval_seconds) == (1030.0, 15.0, 15.0)
+
+
 def test_repairing_best_json_names_the_weights_that_step_holds(tmp_path):
     for step, weights in ((2, "raw"), (4, "average")):
         meta = {"step": step, "val_loss": 2.0, "state": {"best_val": 2.0, "best_step": 2}, "world_size": 1,

@@ -529,13 +529,14 @@ def test_a_save_is_made_when_due_at_the_end_or_at_a_new_best_and_never_twice_for
     saving.maybe_save(t, loop, save_due=True, preempted=False)
     assert asked == [(5, loop.val_loss, "raw")] and t.saver.pending.background  # due: in the background
     assert loop.last_saved_step == 5 and loop.last_save_time >= before and loop.last_complete_step == -1
+    assert loop.last_eval_time < before  # no eval at step 5: the eval clock stays
     saving.maybe_save(t, loop, save_due=True, preempted=False)
     assert len(asked) == 1  # this step's save is begun already
     t.st.step, t.st.best_step = 6, 6
-    t.st.last_eval_step, loop.last_eval_time = 6, before - 50.0  # its eval's end: the save clock counts from it
+    t.st.last_eval_step, loop.last_eval_time = 6, before - 50.0  # an eval at this step
     saving.maybe_save(t, loop, save_due=False, preempted=False)  # a new best: saved, step 5's completed first
     assert [a[0] for a in asked] == [5, 6] and loop.last_complete_step == 5 and t.saver.pending.step == 6
-    assert loop.last_save_time == before - 50.0
+    assert loop.last_eval_time == loop.last_save_time >= before  # both clocks from the save, after the wait
     t.st.step = 7
     loop.stop(0, "finished")
     saving.maybe_save(t, loop, save_due=False, preempted=False)  # the final save: written and completed here
