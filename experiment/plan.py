@@ -540,7 +540,8 @@ def generation_lines(p: dict) -> list[str]:
                      f"d{st['depth']} student taught by both, a third of the budget each, and serves the student: "
                      f"{st['serve_gb']:.2f} GB, {st['cpu_chars_per_s']:.0f} ch/s"
                      + ("" if st["cpu_measured"] else " (scaled)") + ". MEASURED ON A CPU ONLY: how much of their quality a student "
-                     "keeps (a d2 of three d4 generations on 100,000 characters: 42% of their ensemble's gain; "
+                     "keeps (a d2 of three d4 generations on 100,000 characters: 42% of their ensemble's gain; a d6 "
+                     "of a d8 and a d4 generation on 1.1M characters: 25%; "
                      "Kim et al. 2025: 83% at 8x smaller; docs/performance.md)")
     return lines
 
