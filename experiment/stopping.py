@@ -30,10 +30,9 @@ EVAL_SHARE = 0.1
 
 def eval_stretch(t: Trainer, loop: Loop) -> float:
     """The least seconds from the latest eval (its end, or its step's save) to the next clock-driven eval
-    or save: the latest eval's
-    seconds times (1 - EVAL_SHARE) / EVAL_SHARE. Before this process's first eval, the slowest of the
-    run's (a resume's checkpoint holds it); the latest after it, so that one slow eval does not stretch
-    the rest of the run."""
+    or save: the latest eval's seconds times (1 - EVAL_SHARE) / EVAL_SHARE. Before this process's first
+    eval, the slowest of the run's (a resume's checkpoint holds it); the latest after it, so that one
+    slow eval does not stretch the rest of the run."""
     return (loop.eval_seconds or t.st.eval_seconds) * (1 - EVAL_SHARE) / EVAL_SHARE
 
 

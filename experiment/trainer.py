@@ -85,7 +85,7 @@ class Loop:
     data_state: dict  # the data position before it, so a resume replays it
     started: float  # time.time() at the loop's start
     used_at_start: float  # budget seconds used by earlier runs of this model
-    last_eval_time: float  # the latest eval's end, or the start of its step's save (saving.maybe_save)
+    last_eval_time: float  # the latest eval's end, or its step's save once begun (saving.maybe_save)
     last_save_time: float
     last_saved_step: int  # the latest save begun
     last_complete_step: int  # the latest save completed

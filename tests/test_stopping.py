@@ -228,7 +228,7 @@ def test_a_slow_eval_stretches_the_clocks_cadence_so_evals_take_at_most_a_tenth(
 
     for latest, slowest, ago, expected in ((12.0, 12.0, 107.0, 0), (12.0, 12.0, 108.0, 1), (1.0, 12.0, 31.0, 1),
                                            (1.0, 1.0, 29.0, 0), (0.0, 12.0, 107.0, 0), (0.0, 12.0, 108.0, 1),
-                                           (0.0, 0.0, 30.0, 1)):
+                                           (0.0, 0.0, 30.0, 1), (12.5, 12.5, 112.2, 0), (12.5, 12.5, 112.5, 1)):
         assert due(latest, slowest, eval_ago=ago)[0] == expected, (latest, slowest, ago)
     cfg.save_every_minutes = 1.0  # a save brings an eval: the clock's saves wait as long
     for latest, ago, expected in ((12.0, 107.0, 0), (12.0, 108.0, 1), (1.0, 60.0, 1), (1.0, 59.0, 0)):
