@@ -521,6 +521,9 @@ def publish_best(top: Path, record: dict, log: RunLog) -> None:
         except OSError:
             shutil.copyfile(src, tmp)
         os.replace(tmp, out)
+        # A rename onto another link of the same file does nothing and leaves tmp (POSIX): the winner
+        # unchanged since the last refresh.
+        tmp.unlink(missing_ok=True)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         log(f"warning: {out} not written ({e}); {src} holds the same model")

@@ -4,7 +4,8 @@ A run whose budget would pass over its training data more than PASSES times is d
 about 4 passes repeated tokens are worth less and less (Muennighoff et al. 2023), and without
 regularization its val loss bottoms out early, so the stop at the val minimum leaves most of the
 budget unspent. There the settings a run leaves to the regime take RECIPE: attention dropout 0.2
-(a STUDENT_DEPTH student's is its record's, 0 unless ATTN_DROPOUT is given: generations.student_fields),
+(a STUDENT_DEPTH student's is its record's, 0 unless ATTN_DROPOUT is given: generations.student_fields;
+a taught generation's share of at most TAUGHT_PASSES passes takes none),
 the weight average (AVERAGE=ema) and no pass cap (MAX_EPOCHS=0: the stop at the val minimum ends the
 run, as it guards every run; a generation of GENERATIONS=auto whose budget makes enough passes for
 another generation after them caps its schedule at autosize.CHAIN_PASSES passes instead: pass_cap).
@@ -32,6 +33,14 @@ from experiment.runlog import MAX_GOOD_EPOCHS
 
 PASSES = MAX_GOOD_EPOCHS
 RECIPE = {"attn_dropout": 0.2, "average": "ema", "max_epochs": 0.0}
+# A generation taught by another (half its loss on the teacher's predictions) whose share makes at most
+# this many passes trains without attention dropout. Paired on one first generation (whole Tiny
+# Shakespeare, d4, a share of 6 passes) the second served 1.4279 without it, 1.4503 with it (above
+# its teacher's 1.4449); on 100,000 characters (shares of 45-52 passes) it served 0.011 higher without:
+# there it stops at its val minimum, as one model does (docs/performance.md, "A taught generation
+# without attention dropout"). Between 6 and 45 passes nothing is measured: twice PASSES, which the
+# first generations ran past before their val minimum (8.6 passes here).
+TAUGHT_PASSES = 2 * PASSES
 OFF = {"attn_dropout": 0.0, "average": "none"}  # MAX_EPOCHS keeps the data's cap (launch.fill_pass_cap)
 SETTINGS = tuple(RECIPE)
 UNSET = (None, "auto")  # what a setting left to the regime holds until it is resolved
@@ -111,16 +120,20 @@ def settle(cfg, d, gpu, config, train_tokens: int, run_dir, resume_step: int | N
     t0 = time.time()
     passes, how = broadcast_object(estimate_passes(cfg, config, train_tokens, gpu, d.world_size, d.device, auto,
                                                    unset, teacher_flops), d)
-    said = line(passes, fill(cfg, unset, passes), how)
+    said = line(passes, fill(cfg, unset, passes, teacher_flops > 0), how)
     log(said)
     return time.time() - t0, said
 
 
-def fill(cfg, unset: list[str], passes: float) -> dict[str, object]:
+def fill(cfg, unset: list[str], passes: float, taught: bool = False) -> dict[str, object]:
     """Set the unset settings by the regime that `passes` puts the run in; returns those set. MAX_EPOCHS
-    is left to it only in a run that may average (left_unset): the recipe was measured so."""
+    is left to it only in a run that may average (left_unset): the recipe was measured so. A taught
+    generation (`taught`: a teacher's forward in its step) of at most TAUGHT_PASSES passes takes the
+    recipe without attention dropout."""
     limited = passes > PASSES
     chosen = {name: (RECIPE if limited else OFF)[name] for name in unset if name in OFF}
+    if taught and passes <= TAUGHT_PASSES and "attn_dropout" in chosen:
+        chosen["attn_dropout"] = OFF["attn_dropout"]
     if limited and "max_epochs" in unset:
         chosen["max_epochs"] = pass_cap(cfg.generations, passes)
     for name, value in chosen.items():

@@ -378,6 +378,9 @@ def test_a_generation_begins_with_its_share_its_seed_and_its_teachers(tmp_path, 
     assert json.loads((top / "best.json").read_text()) == {**done[1]["best"], "generation": 2, "dir": "gen2"}
     assert (top / "best.pt").read_bytes() == b"gen2" and os.path.samefile(top / "best.pt", top / "gen2/best.pt")
     assert ckpt.generation_winner(top) == top / "gen2"
+    generations.publish_best(top, generations.read_record(top), print)  # the same winner again: no temp link left
+    assert sorted(p.name for p in top.iterdir() if p.name.startswith(".")) == []
+    assert os.path.samefile(top / "best.pt", top / "gen2/best.pt") and os.stat(top / "best.pt").st_nlink == 2
     (top / "gen2/best.pt").unlink()  # the winner without its export: no best.pt of another generation's
     generations.publish_best(top, generations.read_record(top), print)
     assert not (top / "best.pt").exists() and json.loads((top / "best.json").read_text())["generation"] == 2

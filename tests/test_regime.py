@@ -220,6 +220,31 @@ def test_settle_counts_its_seconds_and_a_resume_or_nothing_left_costs_none(monke
     assert len(lines) == 1  # nothing kept, nothing said
 
 
+def test_a_taught_generation_of_few_passes_takes_the_recipe_without_attention_dropout(monkeypatch, tmp_path):
+    """regime.TAUGHT_PASSES: a generation with a teacher whose share makes more than 4 passes and at
+    most 8 trains with the weight average and no attention dropout; past 8, or without a teacher, the
+    whole recipe; an explicit ATTN_DROPOUT is kept. settle hands a teacher's forward on as `taught`."""
+    assert regime.TAUGHT_PASSES == 2 * regime.PASSES == 8
+    for passes, taught, dropout, average in ((8.0, True, 0.0, "ema"), (8.01, True, 0.2, "ema"), (6.0, False, 0.2, "ema"),
+                                             (4.0, True, 0.0, "none"), (4.01, True, 0.0, "ema")):
+        cfg = _cfg()
+        unset = regime.left_unset(cfg)
+        cfg.max_epochs = 8.0
+        regime.fill(cfg, unset, passes, taught)
+        assert (cfg.attn_dropout, cfg.average, cfg.max_epochs) == (dropout, average, 8.0 if average == "none" else 0.0)
+    cfg = _cfg("--attn_dropout", "0.1")
+    assert regime.fill(cfg, regime.left_unset(cfg), 6.0, True) == {"average": "ema", "max_epochs": 0.0}
+    assert cfg.attn_dropout == 0.1
+    config = autosize.GPTConfig(vocab_size=64, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=32)
+    monkeypatch.setattr(autosize, "measure_tok_per_s", lambda c, batch, device: 1000.0)
+    d = Dist(0, 0, 1, torch.device("cpu"))
+    for teacher_flops, dropout in ((0.0, 0.2), (1.0, 0.0)):  # 6.0 passes over 600,000 tokens in the hour
+        cfg, lines = _cfg("--training_hours", 1), []
+        regime.settle(cfg, d, None, config, 600_000, tmp_path, None, None, regime.left_unset(cfg), lines.append,
+                      teacher_flops)
+        assert cfg.attn_dropout == dropout and f"ATTN_DROPOUT={dropout:g}," in lines[-1], lines
+
+
 def test_the_line_puts_exactly_four_passes_below_the_threshold():
     assert "at most 4: ATTN_DROPOUT=0" in regime.line(4.0, {"attn_dropout": 0.0}, "at the measured 1 tok/s")
     assert "more than 4, data-limited: AVERAGE=ema" in regime.line(4.01, {"average": "ema"}, "x")
