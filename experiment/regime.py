@@ -60,7 +60,10 @@ def left_unset(cfg) -> list[str]:
 def regularizes(cfg, unset: list[str], train_tokens: int) -> bool:
     """Whether a data-limited run takes the whole recipe (every one of its settings left to the
     regime, and no MAX_STEPS that keeps it within PASSES passes, where the regime leaves it plain):
-    DEPTH=auto's data branch for regularized training assumes it (autosize.reg_passes)."""
+    DEPTH=auto's data branch for regularized training assumes it (autosize.reg_passes). A taught
+    generation of at most TAUGHT_PASSES passes then trains without its attention dropout (fill): a
+    later generation sized by DEPTH=auto (GENERATIONS=N; an auto chain keeps the first one's depth)
+    is sized as if it had it, not measured."""
     bounded = cfg.max_steps and cfg.max_steps * cfg.total_batch_size / train_tokens <= PASSES
     return set(SETTINGS) <= set(unset) and not bounded
 
@@ -120,9 +123,15 @@ def settle(cfg, d, gpu, config, train_tokens: int, run_dir, resume_step: int | N
     t0 = time.time()
     passes, how = broadcast_object(estimate_passes(cfg, config, train_tokens, gpu, d.world_size, d.device, auto,
                                                    unset, teacher_flops), d)
-    said = line(passes, fill(cfg, unset, passes, teacher_flops > 0), how)
+    said = line(passes, fill(cfg, unset, passes, taught(cfg, teacher_flops)), how)
     log(said)
     return time.time() - t0, said
+
+
+def taught(cfg, teacher_flops: float) -> bool:
+    """Whether this run learns from a teacher: its forward is in the step (`teacher_flops`) and the
+    distillation term has a weight (DISTILL_WEIGHT=0 runs the teacher but learns from the labels alone)."""
+    return teacher_flops > 0 and bool(cfg.distill_weight)
 
 
 def fill(cfg, unset: list[str], passes: float, taught: bool = False) -> dict[str, object]:

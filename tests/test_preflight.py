@@ -56,18 +56,23 @@ def test_the_regimes_settings_are_a_resumes_own_or_predicted_where_the_gpu_is_kn
     calls, lines = [], []
     monkeypatch.setattr(regime, "keep", lambda cfg, unset, train_config: calls.append(("keep", train_config)))
     monkeypatch.setattr(regime, "estimate_passes", lambda *args: calls.append(("estimate",)) or (12.0, "predicted"))
-    monkeypatch.setattr(regime, "fill", lambda cfg, unset, passes: {"passes": passes})
+    monkeypatch.setattr(regime, "fill", lambda cfg, unset, passes, taught: {"passes": passes, "taught": taught})
     monkeypatch.setattr(regime, "line", lambda passes, chosen, how: f"regime {passes} {chosen} {how}")
     monkeypatch.setattr(ckpt, "read_meta", lambda run_dir, step: {"train_config": {"step": step}})
     cfg, config = TrainConfig(max_epochs=0), tiny_config()
 
-    def plan(unset, config=config, gpu=H100, resume=None):
-        return preflight.plan_regime(cfg, unset, config, gpu, 8, 10**6, tmp_path, resume, 4.0, lines.append, 0.0)
+    def plan(unset, config=config, gpu=H100, resume=None, teacher_flops=0.0):
+        return preflight.plan_regime(cfg, unset, config, gpu, 8, 10**6, tmp_path, resume, 4.0, lines.append,
+                                     teacher_flops)
 
     assert plan(["max_epochs"], resume=5) == 0.0 and calls == [("keep", {"step": 5})] and lines == []
     calls.clear()
     assert plan(["max_epochs"]) == 0.0 and calls == [("estimate",)]
-    assert lines == ["preflight | regime 12.0 {'passes': 12.0} predicted"]
+    assert lines == ["preflight | regime 12.0 {'passes': 12.0, 'taught': False} predicted"]
+    cfg.distill_weight = 0.5  # a generation with a teacher: the regime hears it is taught
+    assert plan(["max_epochs"], teacher_flops=1e6) == 0.0
+    assert lines[-1] == "preflight | regime 12.0 {'passes': 12.0, 'taught': True} predicted"
+    cfg.distill_weight, calls[:] = None, []
     calls.clear()
     assert plan(["attn_dropout"]) == 4.0  # MAX_EPOCHS given: the data's cap stands
     assert plan([]) == 4.0 and plan(["max_epochs"], config=None) == 0.0

@@ -238,8 +238,9 @@ def test_a_taught_generation_of_few_passes_takes_the_recipe_without_attention_dr
     config = autosize.GPTConfig(vocab_size=64, depth=2, aspect_ratio=32, head_dim=32, max_seq_len=32)
     monkeypatch.setattr(autosize, "measure_tok_per_s", lambda c, batch, device: 1000.0)
     d = Dist(0, 0, 1, torch.device("cpu"))
-    for teacher_flops, dropout in ((0.0, 0.2), (1.0, 0.0)):  # 6.0 passes over 600,000 tokens in the hour
-        cfg, lines = _cfg("--training_hours", 1), []
+    # 6.0 passes over 600,000 tokens in the hour; DISTILL_WEIGHT=0 runs the teacher but learns from the labels
+    for teacher_flops, weight, dropout in ((0.0, 0.5, 0.2), (1.0, 0.5, 0.0), (1.0, 0.0, 0.2)):
+        cfg, lines = _cfg("--training_hours", 1, "--distill_weight", weight), []
         regime.settle(cfg, d, None, config, 600_000, tmp_path, None, None, regime.left_unset(cfg), lines.append,
                       teacher_flops)
         assert cfg.attn_dropout == dropout and f"ATTN_DROPOUT={dropout:g}," in lines[-1], lines
