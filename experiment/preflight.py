@@ -109,7 +109,8 @@ def plan_regime(cfg: TrainConfig, unset: list[str], config: GPTConfig | None, gp
     elif unset and config is not None and gpu is not None and gpu.peak is not None:
         passes, how = regime.estimate_passes(cfg, config, train_tokens, gpu, world_size, None, None, unset,
                                              teacher_flops)
-        log("preflight | " + regime.line(passes, regime.fill(cfg, unset, passes, regime.taught(cfg, teacher_flops)), how))
+        chosen = regime.fill(cfg, unset, passes, regime.is_taught(cfg, teacher_flops))
+        log("preflight | " + regime.line(passes, chosen, how))
     return cfg.max_epochs if "max_epochs" in unset and cfg.max_epochs is not None else default_cap
 
 

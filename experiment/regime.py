@@ -123,12 +123,12 @@ def settle(cfg, d, gpu, config, train_tokens: int, run_dir, resume_step: int | N
     t0 = time.time()
     passes, how = broadcast_object(estimate_passes(cfg, config, train_tokens, gpu, d.world_size, d.device, auto,
                                                    unset, teacher_flops), d)
-    said = line(passes, fill(cfg, unset, passes, taught(cfg, teacher_flops)), how)
+    said = line(passes, fill(cfg, unset, passes, is_taught(cfg, teacher_flops)), how)
     log(said)
     return time.time() - t0, said
 
 
-def taught(cfg, teacher_flops: float) -> bool:
+def is_taught(cfg, teacher_flops: float) -> bool:
     """Whether this run learns from a teacher: its forward is in the step (`teacher_flops`) and the
     distillation term has a weight (DISTILL_WEIGHT=0 runs the teacher but learns from the labels alone)."""
     return teacher_flops > 0 and bool(cfg.distill_weight)
@@ -137,8 +137,8 @@ def taught(cfg, teacher_flops: float) -> bool:
 def fill(cfg, unset: list[str], passes: float, taught: bool = False) -> dict[str, object]:
     """Set the unset settings by the regime that `passes` puts the run in; returns those set. MAX_EPOCHS
     is left to it only in a run that may average (left_unset): the recipe was measured so. A taught
-    generation (`taught`: a teacher's forward in its step) of at most TAUGHT_PASSES passes takes the
-    recipe without attention dropout."""
+    generation of at most TAUGHT_PASSES passes takes the
+    recipe without attention dropout (`taught`: is_taught)."""
     limited = passes > PASSES
     chosen = {name: (RECIPE if limited else OFF)[name] for name in unset if name in OFF}
     if taught and passes <= TAUGHT_PASSES and "attn_dropout" in chosen:

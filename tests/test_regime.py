@@ -225,13 +225,15 @@ def test_a_taught_generation_of_few_passes_takes_the_recipe_without_attention_dr
     most 8 trains with the weight average and no attention dropout; past 8, or without a teacher, the
     whole recipe; an explicit ATTN_DROPOUT is kept. settle hands a teacher's forward on as `taught`."""
     assert regime.TAUGHT_PASSES == 2 * regime.PASSES == 8
-    for passes, taught, dropout, average in ((8.0, True, 0.0, "ema"), (8.01, True, 0.2, "ema"), (6.0, False, 0.2, "ema"),
-                                             (4.0, True, 0.0, "none"), (4.01, True, 0.0, "ema")):
+    for passes, taught, dropout, average in ((8.0, True, 0.0, "ema"), (8.01, True, 0.2, "ema"),
+                                             (6.0, False, 0.2, "ema"), (4.0, True, 0.0, "none"),
+                                             (4.01, True, 0.0, "ema")):
         cfg = _cfg()
         unset = regime.left_unset(cfg)
         cfg.max_epochs = 8.0
         regime.fill(cfg, unset, passes, taught)
-        assert (cfg.attn_dropout, cfg.average, cfg.max_epochs) == (dropout, average, 8.0 if average == "none" else 0.0)
+        cap = 8.0 if average == "none" else 0.0
+        assert (cfg.attn_dropout, cfg.average, cfg.max_epochs) == (dropout, average, cap), passes
     cfg = _cfg("--attn_dropout", "0.1")
     assert regime.fill(cfg, regime.left_unset(cfg), 6.0, True) == {"average": "ema", "max_epochs": 0.0}
     assert cfg.attn_dropout == 0.1
