@@ -26,6 +26,7 @@ def final_reserve(t: Trainer) -> float:
 # steps: one every 30 s spent 29% of an hour's budget evaluating. The evals and saves by steps and the
 # evals by passes (EVAL_EVERY_STEPS, SAVE_EVERY_STEPS, EVAL_EVERY_EPOCHS) keep their cadence.
 EVAL_SHARE = 0.1
+EVAL_STRETCH = (1 - EVAL_SHARE) / EVAL_SHARE  # an eval's seconds to the next clock-driven one: 9
 
 
 def eval_stretch(t: Trainer, loop: Loop) -> float:
@@ -33,7 +34,7 @@ def eval_stretch(t: Trainer, loop: Loop) -> float:
     or save: the latest eval's seconds times (1 - EVAL_SHARE) / EVAL_SHARE. Before this process's first
     eval, the slowest of the run's (a resume's checkpoint holds it); the latest after it, so that one
     slow eval does not stretch the rest of the run."""
-    return (loop.eval_seconds or t.st.eval_seconds) * (1 - EVAL_SHARE) / EVAL_SHARE
+    return (loop.eval_seconds or t.st.eval_seconds) * EVAL_STRETCH
 
 
 def decide(t: Trainer, loop: Loop, signum: int, writing: bool = False) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ from experiment import checkpoint as ckpt
 from experiment.checkpoint import RunState
 from experiment.dataloader import Prepared
 from experiment.report import RunReport, loss_svg
+from experiment.stopping import EVAL_SHARE
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -105,6 +106,7 @@ def test_the_trainer_writes_the_report_and_samples_from_the_eval_prompt(tmp_path
     md = (run_dir / "report.md").read_text()
     assert md.startswith("# Run report: d2\n\nfinished: max_steps reached | step 6")
     assert "## Evals (the latest 3 of 3)" in md and "## Checkpoint saves" in md and "## Latest samples" in md
+    assert f"(or {(1 - EVAL_SHARE) / EVAL_SHARE:g}x a slower eval)" in md  # the clock's cadence, from its share
     kinds = [json.loads(line)["kind"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert kinds.count("train") == 6 and kinds.count("eval") == 3 and kinds.count("save") == 2
 
