@@ -187,7 +187,7 @@ class TrainConfig:
     attn_dropout: float | None = opt("dropout on the attention weights (SDPA's dropout_p), in training only (0: off; "
                                      "default by regime: 0.2 where the budget passes over the data more than 4 "
                                      "times, else 0: experiment/regime.py; a STUDENT_DEPTH student, and a taught "
-                                     "generation whose budget makes at most 8 passes: 0)")
+                                     "generation whose budget makes at most 10 passes: 0)")
     average: str = opt("weight average kept beside the weights: ema (a power-function EMA over the last "
                        "average_width of the run, evaluated beside the raw weights at every eval; the better "
                        "of the two is the one saved as best and served), none, or auto (by regime: ema where "

@@ -222,10 +222,10 @@ def test_settle_counts_its_seconds_and_a_resume_or_nothing_left_costs_none(monke
 
 def test_a_taught_generation_of_few_passes_takes_the_recipe_without_attention_dropout(monkeypatch, tmp_path):
     """regime.TAUGHT_PASSES: a generation with a teacher whose share makes more than 4 passes and at
-    most 8 trains with the weight average and no attention dropout; past 8, or without a teacher, the
+    most 10 trains with the weight average and no attention dropout; past 10, or without a teacher, the
     whole recipe; an explicit ATTN_DROPOUT is kept. settle hands a teacher's forward on as `taught`."""
-    assert regime.TAUGHT_PASSES == 2 * regime.PASSES == 8
-    for passes, taught, dropout, average in ((8.0, True, 0.0, "ema"), (8.01, True, 0.2, "ema"),
+    assert regime.TAUGHT_PASSES == 10
+    for passes, taught, dropout, average in ((10.0, True, 0.0, "ema"), (10.01, True, 0.2, "ema"),
                                              (6.0, False, 0.2, "ema"), (4.0, True, 0.0, "none"),
                                              (4.01, True, 0.0, "ema")):
         cfg = _cfg()
