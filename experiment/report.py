@@ -314,7 +314,8 @@ def run_facts(cfg: TrainConfig, d: Dist, model: GPT, prepared: Prepared, budget_
                 f"({meta['tokenizer']} tokenizer, vocabulary {meta['vocab_used']}) in {prepared.dir}",
         "best_file": "model_{step:06d}.pt" if d.world_size == 1 else f"model_{{step:06d}}_rank0..{d.world_size - 1}.pt",
         "auto": (auto or {}).get("reason"),
-        "eval": f"{eval_sample_text(coverage)}, every {cfg.eval_every_minutes:g} min (or {EVAL_STRETCH:g}x a slower eval)"
+        "eval": f"{eval_sample_text(coverage)}, every {cfg.eval_every_minutes:g} min "
+                f"(or {EVAL_STRETCH:g}x a slower eval)"
                 + (f" or {cfg.eval_every_epochs:g} passes" if cfg.eval_every_epochs else "")
                 + (f"; stop at the val minimum: {cfg.plateau_evals} evals without a gain of {cfg.plateau_margin:.1%} "
                    f"at the peak LR start the warmdown, {cfg.plateau_evals} evals in a warmdown without a new low of "
