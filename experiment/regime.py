@@ -39,8 +39,9 @@ RECIPE = {"attn_dropout": 0.2, "average": "ema", "max_epochs": 0.0}
 # with it; a d6 share of 8.8 passes (3,600 s) 1.3907 without, 1.3968 with. On 100,000 characters (shares
 # of 45-52 passes) it served 0.011 higher without: there it stops at its val minimum, as one model does
 # (docs/performance.md, "A taught generation without attention dropout"). The gain shrinks with the
-# passes (0.022 at 6, 0.006 at 8.8): a line through them crosses zero near 10, and past 8.8 nothing is
-# measured below 45.
+# passes (0.022 at 6, 0.006 at 8.8): a line through them crosses zero at 9.8 (8.1 with the relaunch's
+# estimate of that share, 7.6: estimates of one share move with the machine's speed), and past 8.8
+# nothing is measured below 45.
 TAUGHT_PASSES = 10
 OFF = {"attn_dropout": 0.0, "average": "none"}  # MAX_EPOCHS keeps the data's cap (launch.fill_pass_cap)
 SETTINGS = tuple(RECIPE)
