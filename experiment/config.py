@@ -53,6 +53,12 @@ PLATEAU_MARGIN = 0.002
 # a noisy code run (d4, 150,000 characters) annealing to its best while the overfitting Shakespeare
 # runs still stopped within 4-5 evals of their minimum.
 WARMDOWN_WINDOW = 2
+# The clock's evals take at most this share of the run's time. On 2 CPU cores a d8's eval (65,536
+# tokens through the raw weights and the weight average, and a sample) took 12 s against 16 s for 10
+# steps: one every 30 s spent 29% of an hour's budget evaluating. The evals and saves by steps and the
+# evals by passes (EVAL_EVERY_STEPS, SAVE_EVERY_STEPS, EVAL_EVERY_EPOCHS) keep their cadence.
+EVAL_SHARE = 0.1
+EVAL_STRETCH = (1 - EVAL_SHARE) / EVAL_SHARE  # an eval's seconds to the next clock-driven one: 9
 # GENERATIONS=auto trains at most this many: a bound on the run's files (each finished generation keeps
 # its best weights and best.pt: the plan's disk line), and a chain's gains shrink by the fourth.
 AUTO_MAX_GENERATIONS = 8
@@ -134,8 +140,9 @@ class TrainConfig:
                                  "file: its tail; docs/data.md)", 0.05)
     model_tag: str | None = opt("run directory name (default d<depth>, or auto)")
     resume: str = opt("auto: latest complete checkpoint; never; or a step number", "auto")
-    save_every_minutes: float | None = opt("checkpoint cadence (default 60 with CUDA, 1 without); at least 9x the latest "
-                                           "eval's seconds, since a save brings an eval (stopping.EVAL_SHARE)")
+    save_every_minutes: float | None = opt("checkpoint cadence (default 60 with CUDA, 1 without); at least "
+                                           f"{EVAL_STRETCH:g}x the latest eval's seconds, since a save brings an eval "
+                                           "(EVAL_SHARE in experiment/config.py)")
     save_every_steps: int = opt("also checkpoint every N steps (0: off)", 0)
     keep_last: int = opt("complete checkpoints kept (at least 1), plus the best", 3)
     keep_best_optimizer: int = opt("1: a best checkpoint older than the last keep_last keeps its optimizer "
@@ -145,8 +152,9 @@ class TrainConfig:
                           "0: training waits for every save", 1)
     save_write_mbps: float = opt("cap checkpoint writes at this many MB/s per rank (0: no cap); stands in for a "
                                  "slow volume in tests and benchmarks", 0.0)
-    eval_every_minutes: float | None = opt("eval cadence (default 30 with CUDA, 0.5 without); at least 9x the latest eval's "
-                                           "seconds, so that these evals take at most a tenth of the time (stopping.EVAL_SHARE)")
+    eval_every_minutes: float | None = opt("eval cadence (default 30 with CUDA, 0.5 without); at least "
+                                           f"{EVAL_STRETCH:g}x the latest eval's seconds, so that these evals take at "
+                                           f"most {EVAL_SHARE:.0%} of the time (EVAL_SHARE in experiment/config.py)")
     eval_every_steps: int = opt("also eval every N steps (0: off)", 0)
     eval_every_epochs: float = opt("also eval every this many passes over the training data (0: off), so that "
                                    "evals see the val minimum on small data too", EVAL_EVERY_EPOCHS)

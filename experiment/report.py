@@ -299,8 +299,7 @@ def run_facts(cfg: TrainConfig, d: Dist, model: GPT, prepared: Prepared, budget_
 
     import torch
 
-    from experiment.config import WARMDOWN_WINDOW
-    from experiment.stopping import EVAL_STRETCH
+    from experiment.config import EVAL_STRETCH, WARMDOWN_WINDOW
     c, meta = model.config, prepared.meta
     device = torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "cpu"
     return {

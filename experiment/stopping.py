@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from experiment.config import EVAL_STRETCH
 from experiment.saving import save_seconds
 from experiment.schedule import schedule_progress, warmup_phase
 from experiment.trainer import Loop, Trainer
@@ -20,13 +21,6 @@ def final_reserve(t: Trainer) -> float:
     ends where they begin, and the budget holds them."""
     return t.st.eval_seconds + save_seconds(t) * (1 + t.export_share) + t.st.step_seconds
 
-
-# The clock's evals take at most this share of the run's time. On 2 CPU cores a d8's eval (65,536
-# tokens through the raw weights and the weight average, and a sample) took 12 s against 16 s for 10
-# steps: one every 30 s spent 29% of an hour's budget evaluating. The evals and saves by steps and the
-# evals by passes (EVAL_EVERY_STEPS, SAVE_EVERY_STEPS, EVAL_EVERY_EPOCHS) keep their cadence.
-EVAL_SHARE = 0.1
-EVAL_STRETCH = (1 - EVAL_SHARE) / EVAL_SHARE  # an eval's seconds to the next clock-driven one: 9
 
 
 def eval_stretch(t: Trainer, loop: Loop) -> float:

@@ -11,7 +11,7 @@ from experiment import checkpoint as ckpt
 from experiment.checkpoint import RunState
 from experiment.dataloader import Prepared
 from experiment.report import RunReport, loss_svg
-from experiment.stopping import EVAL_SHARE
+from experiment.config import EVAL_SHARE
 
 SVG = "{http://www.w3.org/2000/svg}"
 
