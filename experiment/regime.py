@@ -41,8 +41,9 @@ RECIPE = {"attn_dropout": 0.2, "average": "ema", "max_epochs": 0.0}
 # (docs/performance.md, "A taught generation without attention dropout"). The gain shrinks with the
 # passes (0.022 at 6, 0.006 at 8.8): a line through them crosses zero at 9.8 (8.1 with the relaunch's
 # estimate of that share, 7.6: estimates of one share move with the machine's speed). On 100,000
-# characters at 240 s, second generations of 19.3 and 24.3 passes served 0.014 and 0.001 higher
-# without; third ones of 5.6 and 8.7 passes 0.098 and 0.050 lower. Between 9 and 19 nothing is measured.
+# characters at 200-240 s, second generations of 11.4-24.3 passes served 0.001-0.018 higher without
+# (seven pairs, three seeds); third ones of 5.6 and 8.7 passes 0.098 and 0.050 lower. Between 9 and 11
+# nothing is measured.
 TAUGHT_PASSES = 10
 OFF = {"attn_dropout": 0.0, "average": "none"}  # MAX_EPOCHS keeps the data's cap (launch.fill_pass_cap)
 SETTINGS = tuple(RECIPE)
