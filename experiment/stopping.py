@@ -22,7 +22,6 @@ def final_reserve(t: Trainer) -> float:
     return t.st.eval_seconds + save_seconds(t) * (1 + t.export_share) + t.st.step_seconds
 
 
-
 def eval_stretch(t: Trainer, loop: Loop) -> float:
     """The least seconds from the latest eval (its end, or its step's save) to the next clock-driven eval
     or save: the latest eval's seconds times (1 - EVAL_SHARE) / EVAL_SHARE. Before this process's first
