@@ -9,9 +9,9 @@ from conftest import TINY, run_train
 
 from experiment import checkpoint as ckpt
 from experiment.checkpoint import RunState
+from experiment.config import EVAL_SHARE
 from experiment.dataloader import Prepared
 from experiment.report import RunReport, loss_svg
-from experiment.config import EVAL_SHARE
 
 SVG = "{http://www.w3.org/2000/svg}"
 
